@@ -1,0 +1,420 @@
+"""Typed, frozen, validated configuration.
+
+Every run is described by one `Config`: five frozen dataclasses (`ModelConfig`, `ParallelConfig`, `TrainConfig`,
+`DataConfig`, `CheckpointConfig`). They are built from an ml_collections file (`configs/*.py` with `get_config()`),
+a YAML recipe (`recipes/*.yaml`, optionally naming a `base:` file), and `a.b=v` overrides, always through
+`config_from_dict`, so every source gets the same checks.
+
+All validation lives here. Checks that need only the config run on construction (`__post_init__`); checks that need
+the device count (mesh product, batch divisibility once `data=-1` is filled) run in `resolve_for_devices`. Both
+raise `ConfigError` naming the field, the value, the rule and a fix, before anything is traced or compiled.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import importlib.util
+import json
+import math
+import pathlib
+import typing
+from typing import Any
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A configuration that cannot run. `str(err)` is one line: field, value, rule and fix."""
+
+    def __init__(self, field: str, value: Any, rule: str, fix: str):
+        self.field, self.value, self.rule, self.fix = field, value, rule, fix
+        super().__init__(f"{field} = {value!r}: {rule}. Fix: {fix}")
+
+
+def _f(default: Any, help: str) -> Any:
+    """A dataclass field with a one-line help string (the README's config reference is generated from these)."""
+    return dataclasses.field(default=default, metadata={"help": help})
+
+
+FAMILIES = ("llama", "gpt2")
+DTYPES = ("float32", "bfloat16", "float16")
+REMAT_POLICIES = ("none", "full", "dots")
+SOURCES = ("default", "synthetic", "text", "tokens")
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    """The transformer's shape and numerics. Sizes of 0 are derived (see each field)."""
+
+    family: str = _f("llama", "'llama' (RMSNorm, RoPE, SwiGLU, GQA) or 'gpt2' (LayerNorm, learned positions, GELU, biases)")
+    vocab_size: int = _f(256, "vocabulary size; must cover the tokenizer (256 for the byte tokenizer)")
+    d_model: int = _f(128, "residual stream width h")
+    n_layers: int = _f(4, "number of transformer blocks L")
+    n_heads: int = _f(4, "query heads a")
+    n_kv_heads: int = _f(0, "key/value heads (GQA); 0 means n_heads (plain multi-head attention)")
+    head_dim: int = _f(0, "width of one head; 0 means d_model // n_heads")
+    d_ff: int = _f(0, "MLP hidden width; 0 means 4*d_model (gpt2) or 8/3*d_model rounded up to 32 (llama)")
+    max_seq_len: int = _f(256, "longest sequence the model accepts (size of the gpt2 position table)")
+    rope_theta: float = _f(10000.0, "RoPE base frequency (llama family)")
+    norm_eps: float = _f(1e-5, "epsilon of RMSNorm / LayerNorm")
+    tie_embeddings: bool = _f(False, "share the token embedding with the LM head")
+    init_std: float = _f(0.02, "std of the normal init; output projections get init_std/sqrt(2*n_layers)")
+    dtype: str = _f("float32", "compute dtype of matmuls ('bfloat16' on GPUs); softmax and loss always run in float32")
+    param_dtype: str = _f("float32", "dtype of the master parameters and optimizer state")
+
+    def __post_init__(self):
+        _check_fields(self, "model")
+        _check_choice("model.family", self.family, FAMILIES)
+        _check_choice("model.dtype", self.dtype, DTYPES)
+        _check_choice("model.param_dtype", self.param_dtype, DTYPES)
+        for name in ("vocab_size", "d_model", "n_layers", "n_heads", "max_seq_len"):
+            _check_positive(f"model.{name}", getattr(self, name))
+        for name in ("n_kv_heads", "head_dim", "d_ff"):
+            _check_positive(f"model.{name}", getattr(self, name), allow_zero="derived")
+        for name in ("rope_theta", "norm_eps", "init_std"):
+            _check_positive(f"model.{name}", getattr(self, name))
+        # Resolve the derived sizes so the frozen config (and config.json) holds concrete numbers.
+        if self.n_kv_heads == 0:
+            object.__setattr__(self, "n_kv_heads", self.n_heads)
+        if self.head_dim == 0:
+            if self.d_model % self.n_heads:
+                raise ConfigError("model.d_model", self.d_model, f"must be divisible by model.n_heads = {self.n_heads} "
+                                  "when model.head_dim is derived", "set model.head_dim explicitly or change n_heads")
+            object.__setattr__(self, "head_dim", self.d_model // self.n_heads)
+        if self.d_ff == 0:
+            d_ff = 4 * self.d_model if self.family == "gpt2" else 32 * math.ceil(8 * self.d_model / 3 / 32)
+            object.__setattr__(self, "d_ff", d_ff)
+        if self.n_heads % self.n_kv_heads:
+            raise ConfigError("model.n_kv_heads", self.n_kv_heads,
+                              f"must divide model.n_heads = {self.n_heads} (each kv head serves a group of query heads)",
+                              f"use one of {_divisors(self.n_heads)}")
+
+
+@dataclasses.dataclass(frozen=True)
+class ParallelConfig:
+    """Degrees of parallelism on the mesh axes (data, pipe, tensor) and how the step is cut up."""
+
+    data: int = _f(-1, "data-parallel degree (batch sharded over 'data'); -1 fills the devices left over")
+    pipe: int = _f(1, "pipeline stages on 'pipe'")
+    tensor: int = _f(1, "tensor-parallel degree on 'tensor' (innermost mesh axis, fastest links)")
+    sequence_parallel: bool = _f(False, "shard norms/residuals on the sequence dim inside tensor-parallel regions")
+    repeats: int = _f(1, "circular pipeline passes through the stages (1 is GPipe)")
+    microbatches: int = _f(1, "pipeline microbatches per step")
+    zero: int = _f(0, "ZeRO stage over 'data': 0 off, 1 optimizer state sharded, 3 parameters too")
+    remat: str = _f("none", "activation checkpointing per layer: 'none', 'full', or 'dots' (save matmul outputs)")
+
+    def __post_init__(self):
+        _check_fields(self, "parallel")
+        if self.data != -1:
+            _check_positive("parallel.data", self.data, fix="use a positive degree, or -1 to fill the remaining devices")
+        for name in ("pipe", "tensor", "repeats", "microbatches"):
+            _check_positive(f"parallel.{name}", getattr(self, name))
+        _check_choice("parallel.zero", self.zero, (0, 1, 3))
+        _check_choice("parallel.remat", self.remat, REMAT_POLICIES)
+        # Not built yet. Refuse rather than silently ignore; each message says what to use today.
+        if self.pipe != 1:
+            raise ConfigError("parallel.pipe", self.pipe, "pipeline parallelism is not available yet",
+                              "set parallel.pipe=1 and use data/tensor parallelism")
+        if self.repeats != 1 or self.microbatches != 1:
+            name = "repeats" if self.repeats != 1 else "microbatches"
+            raise ConfigError(f"parallel.{name}", getattr(self, name), "only meaningful with pipeline parallelism, "
+                              "which is not available yet", f"set parallel.{name}=1 (use train.grad_accum to split a step)")
+        if self.sequence_parallel:
+            raise ConfigError("parallel.sequence_parallel", True, "sequence parallelism is not available yet",
+                              "set parallel.sequence_parallel=false")
+        if self.zero != 0:
+            raise ConfigError("parallel.zero", self.zero, "ZeRO sharding is not available yet", "set parallel.zero=0")
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+    """The optimisation: batch arithmetic, AdamW with warmup + cosine decay, logging and evaluation cadence."""
+
+    batch_size: int = _f(32, "global batch in sequences per optimizer step")
+    seq_len: int = _f(128, "tokens per training sequence")
+    steps: int = _f(500, "optimizer steps")
+    lr: float = _f(3e-3, "peak learning rate")
+    warmup_steps: int = _f(50, "linear warmup steps from 0 to lr")
+    min_lr_ratio: float = _f(0.1, "cosine decay ends at lr*min_lr_ratio")
+    weight_decay: float = _f(0.1, "AdamW decoupled weight decay (not applied to norms, biases)")
+    b1: float = _f(0.9, "AdamW beta1")
+    b2: float = _f(0.95, "AdamW beta2")
+    grad_clip: float = _f(1.0, "clip gradients to this global norm; 0 disables")
+    grad_accum: int = _f(1, "gradient accumulation: split each step's batch into this many sequential chunks")
+    seed: int = _f(0, "seed for parameter init, data order and sampling")
+    log_every: int = _f(10, "log metrics every this many steps")
+    eval_every: int = _f(100, "evaluate held-out loss every this many steps (0: only at the end)")
+    eval_batches: int = _f(4, "held-out batches per evaluation")
+
+    def __post_init__(self):
+        _check_fields(self, "train")
+        for name in ("batch_size", "seq_len", "steps", "lr", "grad_accum", "log_every", "eval_batches"):
+            _check_positive(f"train.{name}", getattr(self, name))
+        for name in ("warmup_steps", "weight_decay", "grad_clip", "eval_every", "seed"):
+            _check_positive(f"train.{name}", getattr(self, name), allow_zero="allowed")
+        for name in ("min_lr_ratio", "b1", "b2"):
+            value = getattr(self, name)
+            if not 0.0 <= value <= 1.0:
+                raise ConfigError(f"train.{name}", value, "must lie in [0, 1]", "pick a value between 0 and 1")
+
+
+@dataclasses.dataclass(frozen=True)
+class DataConfig:
+    """Where tokens come from."""
+
+    source: str = _f("default", "'default' (this Python's stdlib sources), 'synthetic', 'text' (files/dir/JSONL), 'tokens' (memmap)")
+    path: str = _f("", "file or directory for source 'text' or 'tokens'")
+    tokenizer: str = _f("bytes", "'bytes' (vocab 256) or a path to a Hugging Face tokenizer.json")
+
+    def __post_init__(self):
+        _check_fields(self, "data")
+        _check_choice("data.source", self.source, SOURCES)
+        if self.source in ("text", "tokens") and not self.path:
+            raise ConfigError("data.path", self.path, f"data.source = {self.source!r} needs a path",
+                              "set data.path to a file or directory")
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckpointConfig:
+    """Orbax checkpoints under WORKDIR/checkpoints."""
+
+    every: int = _f(0, "save every this many steps (0: only at the end of training)")
+    keep: int = _f(3, "keep the newest this many checkpoints")
+
+    def __post_init__(self):
+        _check_fields(self, "checkpoint")
+        _check_positive("checkpoint.every", self.every, allow_zero="allowed")
+        _check_positive("checkpoint.keep", self.keep)
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    """One run. Cross-section rules (heads vs tensor, layers vs stages, seq_len vs max_seq_len, …) are checked here."""
+
+    model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
+    parallel: ParallelConfig = dataclasses.field(default_factory=ParallelConfig)
+    train: TrainConfig = dataclasses.field(default_factory=TrainConfig)
+    data: DataConfig = dataclasses.field(default_factory=DataConfig)
+    checkpoint: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)
+
+    def __post_init__(self):
+        m, p, t = self.model, self.parallel, self.train
+        _check_divides("model.n_heads", m.n_heads, "parallel.tensor", p.tensor, "each tensor shard holds whole query heads")
+        _check_divides("model.n_kv_heads", m.n_kv_heads, "parallel.tensor", p.tensor, "each tensor shard holds whole kv heads")
+        _check_divides("model.d_ff", m.d_ff, "parallel.tensor", p.tensor, "the MLP hidden dim is split over tensor")
+        _check_divides("model.vocab_size", m.vocab_size, "parallel.tensor", p.tensor,
+                       "the embedding and LM head are split over tensor by vocab rows")
+        stages = p.pipe * p.repeats
+        if m.n_layers % stages:
+            raise ConfigError("model.n_layers", m.n_layers,
+                              f"must be divisible by parallel.pipe * parallel.repeats = {p.pipe}*{p.repeats} = {stages}",
+                              f"use n_layers a multiple of {stages}, or pipe*repeats among {_divisors(m.n_layers)}")
+        if t.seq_len > m.max_seq_len:
+            raise ConfigError("train.seq_len", t.seq_len, f"must be <= model.max_seq_len = {m.max_seq_len}",
+                              f"lower train.seq_len or raise model.max_seq_len to >= {t.seq_len}")
+        if self.data.tokenizer == "bytes" and m.vocab_size < 256:
+            raise ConfigError("model.vocab_size", m.vocab_size, "the byte tokenizer needs 256 ids",
+                              "set model.vocab_size >= 256")
+
+    def _check_batch(self, data: int):
+        p, t = self.parallel, self.train
+        per_step = data * p.microbatches * t.grad_accum
+        if t.batch_size % per_step:
+            raise ConfigError("train.batch_size", t.batch_size,
+                              f"must be divisible by data*microbatches*grad_accum = {data}*{p.microbatches}*"
+                              f"{t.grad_accum} = {per_step} (every chunk splits evenly over the data shards)",
+                              f"use batch_size {_nearest_multiples(t.batch_size, per_step)}")
+
+    @property
+    def mesh_shape(self) -> tuple[int, int, int]:
+        """(data, pipe, tensor); only meaningful after `resolve_for_devices` has filled data=-1."""
+        return (self.parallel.data, self.parallel.pipe, self.parallel.tensor)
+
+    def resolve_for_devices(self, n_devices: int) -> "Config":
+        """Fill `parallel.data = -1` from the device count and check the mesh product matches it."""
+        p = self.parallel
+        fixed = p.pipe * p.tensor
+        if p.data == -1:
+            if n_devices % fixed:
+                raise ConfigError("parallel.tensor", p.tensor,
+                                  f"pipe*tensor = {fixed} must divide the {n_devices} available devices",
+                                  f"use pipe*tensor among {_divisors(n_devices)}")
+            resolved = dataclasses.replace(self, parallel=dataclasses.replace(p, data=n_devices // fixed))
+            resolved._check_batch(resolved.parallel.data)
+            return resolved
+        if p.data * fixed != n_devices:
+            raise ConfigError("parallel.data", p.data,
+                              f"mesh data*pipe*tensor = {p.data}*{p.pipe}*{p.tensor} = {p.data * fixed} "
+                              f"must equal the {n_devices} available devices",
+                              f"set parallel.data={n_devices // fixed if n_devices % fixed == 0 else -1} "
+                              "(or -1 to fill)")
+        self._check_batch(p.data)
+        return self
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2, sort_keys=True)
+
+
+SECTIONS: dict[str, type] = {"model": ModelConfig, "parallel": ParallelConfig, "train": TrainConfig, "data": DataConfig,
+            "checkpoint": CheckpointConfig}
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Building a Config from files, dicts and overrides.
+
+
+def config_from_dict(d: dict) -> Config:
+    """Nested dict → validated `Config`. Unknown keys get a did-you-mean; types are checked strictly."""
+    if not isinstance(d, dict):
+        raise ConfigError("config", type(d).__name__, "must be a mapping of sections", "write sections like model: {...}")
+    _reject_unknown(d, SECTIONS, prefix="")
+    sections = {}
+    for name, cls in SECTIONS.items():
+        raw = d.get(name, {}) or {}
+        if not isinstance(raw, dict):
+            raise ConfigError(name, raw, "must be a mapping of fields", f"write {name}: {{field: value}}")
+        names = {f.name: f for f in dataclasses.fields(cls)}
+        _reject_unknown(raw, names, prefix=f"{name}.")
+        sections[name] = cls(**raw)
+    return Config(**sections)
+
+
+def load_config(path: str | None = None, overrides: typing.Sequence[str] = ()) -> Config:
+    """Load a `.py` (ml_collections `get_config()`) or `.yaml` config, apply `a.b=v` overrides, validate.
+
+    A YAML recipe may name `base: path/to/config.py` (relative to the YAML file, or the working directory); its own
+    keys then override the base's.
+    """
+    d = _load_file(path) if path else {}
+    for item in overrides:
+        key, sep, raw = item.partition("=")
+        if not sep:
+            raise ConfigError(item, None, "an override must look like section.field=value", f"write {item}=VALUE")
+        _apply_override(d, key.strip().removeprefix("config."), raw.strip())
+    return config_from_dict(d)
+
+
+def _load_file(path: str) -> dict:
+    p = pathlib.Path(path)
+    if not p.exists():
+        raise ConfigError("--config", path, "file not found", "pass a path to configs/*.py or recipes/*.yaml")
+    if p.suffix == ".py":
+        spec = importlib.util.spec_from_file_location(f"jaxpar_config_{p.stem}", p)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        if not hasattr(module, "get_config"):
+            raise ConfigError("--config", path, "a .py config must define get_config()", "add get_config()")
+        cfg = module.get_config()
+        return cfg.to_dict() if hasattr(cfg, "to_dict") else dict(cfg)
+    if p.suffix in (".yaml", ".yml"):
+        try:
+            d = yaml.safe_load(p.read_text()) or {}
+        except yaml.YAMLError as e:
+            raise ConfigError("--config", path, f"is not valid YAML ({e})", "fix the YAML syntax") from None
+        if not isinstance(d, dict):
+            raise ConfigError("--config", path, "must hold a mapping of sections", "write sections like model: {...}")
+        base = d.pop("base", None)
+        if base is None:
+            return d
+        base_path = p.parent / base if (p.parent / base).exists() else pathlib.Path(base)
+        return _deep_merge(_load_file(str(base_path)), d)
+    raise ConfigError("--config", path, "unknown config file type", "use a .py (ml_collections) or .yaml file")
+
+
+def _deep_merge(base: dict, top: dict) -> dict:
+    out = dict(base)
+    for k, v in top.items():
+        out[k] = _deep_merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
+def _apply_override(d: dict, key: str, raw: str) -> None:
+    """Set d[section][field] from the string `raw`, parsed as the field's declared type."""
+    section, _, name = key.partition(".")
+    _reject_unknown({section: raw}, SECTIONS, prefix="")
+    cls = SECTIONS[section]
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    _reject_unknown({name: raw}, fields, prefix=f"{section}.")
+    kind = typing.get_type_hints(cls)[name]
+    d.setdefault(section, {})[name] = _parse_scalar(key, raw, kind)
+
+
+def _parse_scalar(key: str, raw: str, kind: type) -> Any:
+    try:
+        if kind is bool:
+            lowered = raw.lower()
+            if lowered in ("true", "1", "yes", "on"):
+                return True
+            if lowered in ("false", "0", "no", "off"):
+                return False
+            raise ValueError
+        if kind is int:
+            return int(raw)
+        if kind is float:
+            return float(raw)
+    except ValueError:
+        raise ConfigError(key, raw, f"must be {kind.__name__}", f"pass a {kind.__name__} value") from None
+    return raw
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Small checks shared by the sections.
+
+
+def _reject_unknown(d: dict, known: dict, prefix: str) -> None:
+    for key in d:
+        if key not in known:
+            close = difflib.get_close_matches(str(key), list(known), n=1)
+            hint = f"did you mean '{prefix}{close[0]}'?" if close else f"known keys: {', '.join(prefix + k for k in known)}"
+            raise ConfigError(f"{prefix}{key}", d[key], "unknown key", hint)
+
+
+def _check_fields(obj: Any, section: str) -> None:
+    """Strict type check against the annotations: int fields reject bools and floats; float fields accept ints."""
+    hints = typing.get_type_hints(type(obj))
+    for f in dataclasses.fields(obj):
+        value, kind, name = getattr(obj, f.name), hints[f.name], f"{section}.{f.name}"
+        ok = (isinstance(value, bool) if kind is bool else
+              isinstance(value, int) and not isinstance(value, bool) if kind is int else
+              isinstance(value, (int, float)) and not isinstance(value, bool) if kind is float else
+              isinstance(value, kind))
+        if not ok:
+            raise ConfigError(name, value, f"must be {kind.__name__}, got {type(value).__name__}",
+                              f"give {name} a {kind.__name__} value (default {f.default!r})")
+        if kind is float:
+            object.__setattr__(obj, f.name, float(value))
+
+
+def _check_positive(name: str, value: float, allow_zero: str | None = None, fix: str | None = None) -> None:
+    if value > 0 or (allow_zero and value == 0):
+        return
+    rule = "must be >= 0" if allow_zero else "must be > 0"
+    if allow_zero == "derived":
+        rule += " (0 means derived)"
+    raise ConfigError(name, value, rule, fix or f"set {name} to a {'non-negative' if allow_zero else 'positive'} value")
+
+
+def _check_choice(name: str, value: Any, choices: tuple) -> None:
+    if value not in choices:
+        close = difflib.get_close_matches(str(value), [str(c) for c in choices], n=1)
+        hint = f"did you mean {close[0]!r}? " if close else ""
+        raise ConfigError(name, value, f"must be one of {', '.join(map(repr, choices))}", f"{hint}pick one of those")
+
+
+def _check_divides(name: str, value: int, by_name: str, by: int, why: str) -> None:
+    if value % by:
+        raise ConfigError(name, value, f"must be divisible by {by_name} = {by} ({why})",
+                          f"use {by_name} among {_divisors(value)}, or {name} a multiple of {by}")
+
+
+def _divisors(n: int) -> list[int]:
+    return [k for k in range(1, n + 1) if n % k == 0]
+
+
+def _nearest_multiples(n: int, k: int) -> str:
+    lo, hi = (n // k) * k, (n // k + 1) * k
+    return f"{lo} or {hi}" if lo > 0 else f"{hi}"
