@@ -85,6 +85,9 @@ class ModelConfig:
         if self.d_ff == 0:
             d_ff = 4 * self.d_model if self.family == "gpt2" else 32 * math.ceil(8 * self.d_model / 3 / 32)
             object.__setattr__(self, "d_ff", d_ff)
+        if self.family == "llama" and self.head_dim % 2:
+            raise ConfigError("model.head_dim", self.head_dim, "must be even for RoPE (dims rotate in pairs)",
+                              f"use head_dim {self.head_dim - 1} or {self.head_dim + 1}")
         if self.n_heads % self.n_kv_heads:
             raise ConfigError("model.n_kv_heads", self.n_kv_heads,
                               f"must divide model.n_heads = {self.n_heads} (each kv head serves a group of query heads)",

@@ -1,0 +1,227 @@
+"""Decoder-only transformer in Flax NNX: the Llama family and the GPT-2 family in one file.
+
+Dimension letters used in shapes and einsums (gemma style):
+    B batch, T query positions, S key positions, D d_model, H query heads, K kv heads, G = H/K query heads per kv
+    head, E head_dim, F d_ff, V vocab, L layers.
+
+Design:
+- Parameters carry *logical* axes as metadata (`logical_axes=("embed", "mlp")`); `jaxpar.sharding` maps them to the
+  mesh. The model imports nothing about meshes or devices.
+- The L layers are one `Blocks` module whose parameters are stacked on a leading `layers` axis; the forward is a
+  `jax.lax.scan` over that axis, so compile time does not grow with depth and the pipeline can view the stack as
+  `[repeats, stages, layers_per_stage, …]` without touching the model.
+- The math reads head counts from weight *shapes* (`wq.shape[-2]`), never from the config, so the same code runs on
+  full weights on one device and on a tensor-parallel shard (H/t local heads) inside `shard_map`.
+- Numerics: master parameters in `param_dtype`; matmuls in `dtype`; the residual stream, norms, softmax and logits in
+  float32.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxpar.config import ModelConfig
+from jaxpar.sharding import constrain
+
+Array = jax.Array
+
+REMAT_POLICIES = {
+    "full": None,  # save nothing inside a layer: recompute the whole block in the backward pass
+    "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,  # keep matmul outputs, recompute the rest
+}
+
+
+def _param(rngs: nnx.Rngs | None, shape: tuple[int, ...], axes: tuple[str | None, ...], dtype, *, std: float = 0.0,
+           fill: float = 0.0) -> nnx.Param:
+    """A parameter with logical axes: normal(0, std) when std > 0, else the constant `fill`."""
+    if std > 0:
+        value = std * jax.random.normal(rngs.params(), shape, jnp.float32)
+    else:
+        value = jnp.full(shape, fill, jnp.float32)
+    return nnx.Param(value.astype(dtype), logical_axes=axes)
+
+
+class Blocks(nnx.Module):
+    """All L transformer blocks, parameters stacked on a leading `layers` axis.
+
+    Per-layer parameter shapes (drop the leading L):
+        attn_norm [L, D]; wq [L, D, H, E]; wk, wv [L, D, K, E]; wo [L, H, E, D]; mlp_norm [L, D]
+        llama: w_gate, w_up [L, D, F]; w_down [L, F, D]
+        gpt2:  w_up [L, D, F]; w_down [L, F, D]; biases attn_norm_b, mlp_norm_b, bo, b_down [L, D];
+               bq [L, H, E]; bk, bv [L, K, E]; b_up [L, F]
+    """
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        L, D, H, K, E, F = cfg.n_layers, cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.d_ff
+        pd, std = jnp.dtype(cfg.param_dtype), cfg.init_std
+        out_std = std / math.sqrt(2 * L)  # GPT-2 / Megatron: scale the projections that write into the residual
+        gpt2 = cfg.family == "gpt2"
+        self.attn_norm = _param(None, (L, D), ("layers", "norm"), pd, fill=1.0)
+        self.wq = _param(rngs, (L, D, H, E), ("layers", "embed", "heads", "head_dim"), pd, std=std)
+        self.wk = _param(rngs, (L, D, K, E), ("layers", "embed", "kv_heads", "head_dim"), pd, std=std)
+        self.wv = _param(rngs, (L, D, K, E), ("layers", "embed", "kv_heads", "head_dim"), pd, std=std)
+        self.wo = _param(rngs, (L, H, E, D), ("layers", "heads", "head_dim", "embed"), pd, std=out_std)
+        self.mlp_norm = _param(None, (L, D), ("layers", "norm"), pd, fill=1.0)
+        if not gpt2:
+            self.w_gate = _param(rngs, (L, D, F), ("layers", "embed", "mlp"), pd, std=std)
+        self.w_up = _param(rngs, (L, D, F), ("layers", "embed", "mlp"), pd, std=std)
+        self.w_down = _param(rngs, (L, F, D), ("layers", "mlp", "embed"), pd, std=out_std)
+        if gpt2:
+            self.attn_norm_b = _param(None, (L, D), ("layers", "norm"), pd)
+            self.mlp_norm_b = _param(None, (L, D), ("layers", "norm"), pd)
+            self.bq = _param(None, (L, H, E), ("layers", "heads", "head_dim"), pd)
+            self.bk = _param(None, (L, K, E), ("layers", "kv_heads", "head_dim"), pd)
+            self.bv = _param(None, (L, K, E), ("layers", "kv_heads", "head_dim"), pd)
+            self.bo = _param(None, (L, D), ("layers", "embed"), pd)
+            self.b_up = _param(None, (L, F), ("layers", "mlp"), pd)
+            self.b_down = _param(None, (L, D), ("layers", "embed"), pd)
+        self.cfg = cfg
+
+    def __call__(self, x: Array, positions: Array, mask: Array, *, remat: str = "none") -> Array:
+        """x [B, T, D] float32 → [B, T, D]; positions [B, T]; mask [B, 1, 1, T, S] bool (True = may attend)."""
+        stacked = {name: v[...] for name, v in vars(self).items() if isinstance(v, nnx.Param)}
+        cfg = self.cfg
+
+        def body(x, layer):
+            return block(layer, x, positions, mask, cfg), None
+
+        if remat != "none":
+            body = jax.checkpoint(body, policy=REMAT_POLICIES[remat], prevent_cse=False)
+        x, _ = jax.lax.scan(body, x, stacked)
+        return x
+
+
+class Transformer(nnx.Module):
+    """Token ids [B, T] → logits [B, T, V] (float32)."""
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        V, D, pd = cfg.vocab_size, cfg.d_model, jnp.dtype(cfg.param_dtype)
+        self.embed = _param(rngs, (V, D), ("vocab", "embed"), pd, std=cfg.init_std)
+        if cfg.family == "gpt2":
+            self.pos_embed = _param(rngs, (cfg.max_seq_len, D), (None, "embed"), pd, std=cfg.init_std / 2)
+        self.blocks = Blocks(cfg, rngs=rngs)
+        self.final_norm = _param(None, (D,), ("norm",), pd, fill=1.0)
+        if cfg.family == "gpt2":
+            self.final_norm_b = _param(None, (D,), ("norm",), pd)
+        if not cfg.tie_embeddings:
+            self.lm_head = _param(rngs, (D, V), ("embed", "vocab"), pd, std=cfg.init_std)
+        self.cfg = cfg
+
+    def __call__(self, tokens: Array, *, positions: Array | None = None, segment_ids: Array | None = None,
+                 remat: str = "none") -> Array:
+        """tokens int [B, T]; positions [B, T] (default 0..T-1); segment_ids [B, T]: attend only within a segment."""
+        cfg = self.cfg
+        B, T = tokens.shape
+        if positions is None:
+            positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
+        mask = attention_mask(T, segment_ids)
+
+        x = jnp.take(self.embed[...], tokens, axis=0).astype(jnp.float32)  # [B, T, D]
+        if cfg.family == "gpt2":
+            x = x + jnp.take(self.pos_embed[...], positions, axis=0).astype(jnp.float32)
+        x = constrain(x, ("batch", "seq", "embed"))
+        x = self.blocks(x, positions, mask, remat=remat)
+        x = norm(x, self.final_norm[...], getattr(self, "final_norm_b", None), cfg)
+        head = self.embed[...].T if cfg.tie_embeddings else self.lm_head[...]  # [D, V]
+        logits = jnp.einsum("btd,dv->btv", x.astype(cfg.dtype), head.astype(cfg.dtype),
+                            preferred_element_type=jnp.float32)
+        return constrain(logits, ("batch", "seq", "vocab"))
+
+
+# -----------------------------------------------------------------------------------------------------------------
+# The math of one layer, as plain functions of (per-layer parameter dict, activations).
+
+
+def block(p: dict[str, Array], x: Array, positions: Array, mask: Array, cfg: ModelConfig) -> Array:
+    """One pre-norm transformer block. p holds one layer's parameters (no leading L); x [B, T, D] float32."""
+    x = x + attention(p, norm(x, p["attn_norm"], p.get("attn_norm_b"), cfg), positions, mask, cfg)
+    x = constrain(x, ("batch", "seq", "embed"))
+    x = x + mlp(p, norm(x, p["mlp_norm"], p.get("mlp_norm_b"), cfg), cfg)
+    return constrain(x, ("batch", "seq", "embed"))
+
+
+def norm(x: Array, scale: Array, bias: Array | None, cfg: ModelConfig) -> Array:
+    """RMSNorm (llama) or LayerNorm (gpt2) in float32 → compute dtype. x [B, T, D]."""
+    x = x.astype(jnp.float32)
+    if cfg.family == "gpt2":
+        x = x - x.mean(-1, keepdims=True)
+    y = x * jax.lax.rsqrt((x * x).mean(-1, keepdims=True) + cfg.norm_eps) * scale.astype(jnp.float32)
+    if bias is not None:
+        y = y + bias.astype(jnp.float32)
+    return y.astype(cfg.dtype)
+
+
+def attention(p: dict[str, Array], h: Array, positions: Array, mask: Array, cfg: ModelConfig) -> Array:
+    """Causal self-attention with GQA. h [B, T, D] (compute dtype) → [B, T, D] float32.
+
+    Query head n belongs to kv group n // G (Hugging Face's `repeat_kv` order), so a contiguous slice of query heads
+    and the matching slice of kv heads form a self-contained tensor-parallel shard.
+    """
+    dt = cfg.dtype
+    q = jnp.einsum("btd,dhe->bthe", h, p["wq"].astype(dt))  # [B, T, H, E]
+    k = jnp.einsum("bsd,dke->bske", h, p["wk"].astype(dt))  # [B, S, K, E]
+    v = jnp.einsum("bsd,dke->bske", h, p["wv"].astype(dt))  # [B, S, K, E]
+    if cfg.family == "gpt2":
+        q, k, v = q + p["bq"].astype(dt), k + p["bk"].astype(dt), v + p["bv"].astype(dt)
+    else:
+        q, k = rope(q, positions, cfg.rope_theta), rope(k, positions, cfg.rope_theta)
+    q = constrain(q, ("batch", "seq", "heads", "head_dim"))
+    k = constrain(k, ("batch", "seq", "kv_heads", "head_dim"))
+    B, T, H, E = q.shape
+    K = k.shape[2]
+    q = q.reshape(B, T, K, H // K, E)  # [B, T, K, G, E]
+    scores = jnp.einsum("btkge,bske->bkgts", q, k, preferred_element_type=jnp.float32) / math.sqrt(E)
+    scores = jnp.where(mask, scores, jnp.finfo(jnp.float32).min)  # mask [B, 1, 1, T, S]
+    probs = jax.nn.softmax(scores, axis=-1).astype(dt)
+    o = jnp.einsum("bkgts,bske->btkge", probs, v).reshape(B, T, H, E)  # [B, T, H, E]
+    out = jnp.einsum("bthe,hed->btd", o, p["wo"].astype(dt), preferred_element_type=jnp.float32)
+    if "bo" in p:
+        out = out + p["bo"].astype(jnp.float32)
+    return out
+
+
+def mlp(p: dict[str, Array], h: Array, cfg: ModelConfig) -> Array:
+    """SwiGLU (llama) or GELU (gpt2) MLP. h [B, T, D] → [B, T, D] float32."""
+    dt = cfg.dtype
+    up = jnp.einsum("btd,df->btf", h, p["w_up"].astype(dt))  # [B, T, F]
+    if cfg.family == "gpt2":
+        act = jax.nn.gelu(up + p["b_up"].astype(dt), approximate=True)  # GPT-2's tanh GELU ("gelu_new")
+    else:
+        act = jax.nn.silu(jnp.einsum("btd,df->btf", h, p["w_gate"].astype(dt))) * up
+    act = constrain(act, ("batch", "seq", "mlp"))
+    out = jnp.einsum("btf,fd->btd", act, p["w_down"].astype(dt), preferred_element_type=jnp.float32)
+    if "b_down" in p:
+        out = out + p["b_down"].astype(jnp.float32)
+    return out
+
+
+def rope(x: Array, positions: Array, theta: float) -> Array:
+    """Rotary embedding, Hugging Face's rotate-half convention. x [B, T, N, E]; positions [B, T].
+
+    Pairs (i, i + E/2) rotate by angle pos · theta^(-2i/E):  [x1, x2] → [x1·cos − x2·sin, x2·cos + x1·sin].
+    """
+    E = x.shape[-1]
+    inv_freq = theta ** (-jnp.arange(0, E, 2, dtype=jnp.float32) / E)  # [E/2]
+    angles = positions.astype(jnp.float32)[..., None] * inv_freq  # [B, T, E/2]
+    cos, sin = jnp.cos(angles)[:, :, None, :], jnp.sin(angles)[:, :, None, :]  # [B, T, 1, E/2]
+    x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
+    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
+
+
+def attention_mask(T: int, segment_ids: Array | None) -> Array:
+    """Causal mask, intersected with same-segment when segment_ids [B, T] is given. → bool [B|1, 1, 1, T, S]."""
+    causal = jnp.tril(jnp.ones((T, T), dtype=bool))  # [T, S]
+    if segment_ids is None:
+        return causal[None, None, None]
+    same = segment_ids[:, :, None] == segment_ids[:, None, :]  # [B, T, S]
+    return (causal & same)[:, None, None]
+
+
+def count_params(cfg: ModelConfig) -> int:
+    """Number of parameters, from the abstract model (no allocation)."""
+    abstract = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))
+    return sum(x.size for x in jax.tree.leaves(nnx.state(abstract, nnx.Param)))

@@ -1,0 +1,91 @@
+"""Logical axes → mesh axes: the one rules table, and the helpers that apply it.
+
+The model names every parameter and main activation with *logical* axes (`("embed", "mlp")`); nothing in it knows
+the mesh. This table is the only place that says how a logical axis is laid out on `data`, `pipe`, `tensor`:
+
+| logical  | mesh     | why                                                                      |
+|----------|----------|--------------------------------------------------------------------------|
+| batch    | data     | data parallelism: each data shard sees its slice of the global batch     |
+| heads    | tensor   | Megatron: attention is split by heads (column-parallel QKV, row-parallel out) |
+| kv_heads | tensor   | the kv heads of a query-head group live on the same shard                |
+| mlp      | tensor   | column-parallel up/gate, row-parallel down                               |
+| vocab    | tensor   | vocab-parallel embedding and LM head                                     |
+| layers   | pipe     | stacked layers: stage s holds its contiguous slice of the stack          |
+| (others) | —        | replicated: embed, head_dim, seq, norm                                   |
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import jax
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+LogicalAxes = tuple[str | None, ...]
+
+RULES: tuple[tuple[str, str | None], ...] = (
+    ("batch", "data"),
+    ("heads", "tensor"),
+    ("kv_heads", "tensor"),
+    ("mlp", "tensor"),
+    ("vocab", "tensor"),
+    ("layers", "pipe"),
+    ("embed", None),
+    ("head_dim", None),
+    ("seq", None),
+    ("norm", None),
+)
+
+
+def logical_to_spec(axes: Sequence[str | None], rules: Sequence[tuple[str, str | None]] = RULES) -> P:
+    """PartitionSpec for an array whose dims carry `axes`. A mesh axis is used at most once (first dim wins)."""
+    table = dict(rules)
+    used: set[str] = set()
+    out = []
+    for name in axes:
+        if name is not None and name not in table:
+            raise KeyError(f"logical axis {name!r} has no rule; add it to jaxpar.sharding.RULES")
+        mesh_axis = table.get(name) if name is not None else None
+        if mesh_axis in used:
+            mesh_axis = None
+        if mesh_axis is not None:
+            used.add(mesh_axis)
+        out.append(mesh_axis)
+    return P(*out)
+
+
+def _is_variable(x: Any) -> bool:
+    return isinstance(x, nnx.Variable)
+
+
+def logical_axes(state: nnx.State) -> nnx.State:
+    """The `logical_axes` metadata of every variable (a State of tuples; `()`-free: missing metadata → replicated)."""
+    return jax.tree.map(lambda v: v.replace(_axes_of(v)), state, is_leaf=_is_variable)
+
+
+def _axes_of(v: nnx.Variable) -> LogicalAxes:
+    axes = v.get_metadata().get("logical_axes")
+    return tuple(axes) if axes is not None else (None,) * len(v.shape)
+
+
+def param_specs(state: nnx.State, rules=RULES) -> nnx.State:
+    """A State of PartitionSpecs mirroring `state` (abstract or concrete)."""
+    return jax.tree.map(lambda v: v.replace(logical_to_spec(_axes_of(v), rules)), state, is_leaf=_is_variable)
+
+
+def param_shardings(state: nnx.State, mesh: Mesh, rules=RULES) -> nnx.State:
+    """A State of NamedShardings mirroring `state`: what `jit(out_shardings=…)` needs to create it born sharded."""
+    return jax.tree.map(lambda v: v.replace(NamedSharding(mesh, logical_to_spec(_axes_of(v), rules))), state,
+                        is_leaf=_is_variable)
+
+
+def constrain(x: jax.Array, axes: Sequence[str | None]) -> jax.Array:
+    """Pin an activation's layout by logical names; a no-op when no mesh is set (the plain single-device path).
+
+    The trainer sets the mesh with `jax.set_mesh`; the model calls this with names only.
+    """
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty:
+        return x
+    return jax.lax.with_sharding_constraint(x, logical_to_spec(axes))
