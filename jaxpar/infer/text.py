@@ -1,0 +1,63 @@
+"""Text in, text out: load a trained workdir onto a mesh and sample from it (the `jaxpar generate` command)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import pathlib
+
+import jax
+import numpy as np
+from flax import nnx
+
+from jaxpar import data as data_lib
+from jaxpar.config import Config, config_from_dict
+from jaxpar.infer.sampling import generate
+from jaxpar.mesh import make_mesh
+from jaxpar.sharding import param_shardings
+from jaxpar.train import checkpoint
+from jaxpar.train.state import abstract_model
+
+
+@dataclasses.dataclass
+class LoadedModel:
+    config: Config
+    model: nnx.Module  # params placed on `mesh`
+    mesh: jax.sharding.Mesh
+    tokenizer: data_lib.Tokenizer
+    step: int
+
+
+def load_workdir(workdir: str | pathlib.Path, *, devices: list | None = None, step: int | None = None) -> LoadedModel:
+    """The trained model of a `jaxpar train` workdir, tensor-sharded as it was trained (data=1, pipe=1: one copy)."""
+    workdir = pathlib.Path(workdir)
+    config = config_from_dict(json.loads((workdir / "config.json").read_text()))
+    devices = list(jax.devices() if devices is None else devices)
+    tensor = config.parallel.tensor if len(devices) >= config.parallel.tensor else 1
+    parallel = dataclasses.replace(config.parallel, data=1, pipe=1, tensor=tensor)
+    mesh = make_mesh(parallel, devices[:tensor])
+    graphdef, abstract = abstract_model(config.model)
+    params, step = checkpoint.restore_params(workdir, abstract, param_shardings(abstract, mesh), step=step)
+    tokenizer = data_lib.make_tokenizer(config.data.tokenizer)
+    return LoadedModel(config, nnx.merge(graphdef, params), mesh, tokenizer, step)
+
+
+def generate_text(loaded: LoadedModel, prompts: list[str], *, max_new_tokens: int, seed: int = 0,
+                  temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0) -> list[str]:
+    """Sample a continuation of each prompt (prompts are encoded to the same length; left-truncated if longer)."""
+    encoded = [loaded.tokenizer.encode(p) for p in prompts]
+    length = min(len(e) for e in encoded)
+    if length == 0:
+        raise ValueError("prompt is empty: give at least one character")
+    prompt = np.array([e[len(e) - length:] for e in encoded], np.int32)  # [B, P]
+    graphdef, params = nnx.split(loaded.model)
+
+    @jax.jit
+    def logits_fn(tokens):  # [B, max_len] -> [B, max_len, V]
+        return nnx.merge(graphdef, params)(tokens)
+
+    with jax.set_mesh(loaded.mesh):
+        new = generate(logits_fn, prompt, max_new_tokens=max_new_tokens, max_len=loaded.config.model.max_seq_len,
+                       rng=jax.random.key(seed), temperature=temperature, top_k=top_k, top_p=top_p,
+                       eos_id=loaded.tokenizer.eos_id)
+    return [loaded.tokenizer.decode(row.tolist()) for row in new]

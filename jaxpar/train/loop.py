@@ -1,0 +1,105 @@
+"""`fit(config, workdir)`: the training loop as a library function (the CLI, notebooks and tests all call it)."""
+
+from __future__ import annotations
+
+import dataclasses
+import pathlib
+import time
+
+import jax
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh
+
+from jaxpar import data as data_lib
+from jaxpar.config import Config, ConfigError
+from jaxpar.mesh import make_mesh
+from jaxpar.train import checkpoint
+from jaxpar.train.metrics import MetricsWriter
+from jaxpar.train.state import TrainState, create_state, lr_schedule, make_optimizer
+from jaxpar.train.step import batch_sharding, compile_steps, make_eval_step, make_train_step
+
+
+@dataclasses.dataclass
+class FitResult:
+    """What a run produced: the final state, the resolved config and mesh, and every logged metrics record."""
+
+    config: Config
+    mesh: Mesh
+    graphdef: nnx.GraphDef
+    state: TrainState
+    history: list[dict]
+
+
+def fit(config: Config, workdir: str | pathlib.Path, *, devices: list | None = None, progress: bool = True) -> FitResult:
+    """Train `config` on `devices` (default: all), writing metrics, TensorBoard events, config.json and orbax
+    checkpoints under `workdir`. If `workdir` already holds a checkpoint, training continues from it (parameters,
+    optimizer state, step and data order)."""
+    devices = list(jax.devices() if devices is None else devices)
+    config = config.resolve_for_devices(len(devices))
+    workdir = pathlib.Path(workdir)
+    train, model_cfg = config.train, config.model
+
+    tokenizer = data_lib.make_tokenizer(config.data.tokenizer)
+    if tokenizer.vocab_size > model_cfg.vocab_size:
+        raise ConfigError("model.vocab_size", model_cfg.vocab_size,
+                          f"smaller than the tokenizer's vocabulary ({tokenizer.vocab_size})",
+                          f"set model.vocab_size >= {tokenizer.vocab_size} (a multiple of parallel.tensor)")
+    train_tokens = data_lib.load_tokens(config.data, tokenizer, "train", seq_len=train.seq_len, seed=train.seed)
+    eval_tokens = data_lib.load_tokens(config.data, tokenizer, "eval", seq_len=train.seq_len, seed=train.seed)
+    loader_args = dict(batch_size=train.batch_size, seq_len=train.seq_len, process_index=jax.process_index(),
+                       process_count=jax.process_count())
+    loader = data_lib.make_loader(train_tokens, seed=train.seed, **loader_args)
+
+    mesh = make_mesh(config.parallel, devices)
+    tx = make_optimizer(train)
+    graphdef, state, shardings = create_state(model_cfg, tx, train.seed, mesh)
+    train_step, eval_step = compile_steps(
+        make_train_step(graphdef, tx, grad_accum=train.grad_accum, remat=config.parallel.remat,
+                        schedule=lr_schedule(train)),
+        make_eval_step(graphdef), mesh, shardings)
+    to_device = lambda rows: jax.make_array_from_process_local_data(batch_sharding(mesh), rows)  # noqa: E731
+
+    def evaluate(params) -> float:
+        eval_loader = data_lib.make_loader(eval_tokens, seed=0, shuffle=False, **loader_args)
+        losses = [eval_step(params, to_device(next(eval_loader))) for _ in range(train.eval_batches)]
+        return float(np.mean(jax.device_get(losses)))
+
+    mngr = checkpoint.manager(workdir, keep=config.checkpoint.keep)
+    if mngr.latest_step() is not None:
+        state, data_state = checkpoint.restore_train(mngr, state, shardings)
+        loader.set_state(data_state)
+    workdir.mkdir(parents=True, exist_ok=True)
+    if jax.process_index() == 0:
+        (workdir / "config.json").write_text(config.to_json())
+
+    start = int(jax.device_get(state.step))
+    writer = MetricsWriter(workdir, train.steps, start, progress=progress)
+    history: list[dict] = []
+    tokens_per_step = train.batch_size * train.seq_len
+    last_time, last_step = time.perf_counter(), start
+    try:
+        for step in range(start + 1, train.steps + 1):
+            state, metrics = train_step(state, to_device(next(loader)))
+            writer.advance()
+            record = None
+            if step % train.log_every == 0 or step == train.steps or step == start + 1:
+                metrics = jax.device_get(metrics)  # blocks: the time below covers the steps' real work
+                now = time.perf_counter()
+                dt = (now - last_time) / (step - last_step)
+                record = {**metrics, "step_time_s": dt, "tokens_per_sec": tokens_per_step / dt}
+                last_time, last_step = now, step
+            if (train.eval_every and step % train.eval_every == 0) or step == train.steps:
+                record = {**(record or {}), "eval_loss": evaluate(state.params)}
+                last_time = time.perf_counter()  # keep evaluation out of the next interval's step time
+            if record is not None:
+                writer.write(step, record)
+                history.append({"step": step, **{k: float(v) for k, v in record.items()}})
+            if config.checkpoint.every and step % config.checkpoint.every == 0 and step != train.steps:
+                checkpoint.save(mngr, state, loader.get_state(), wait=False)
+        if int(jax.device_get(state.step)) > start or mngr.latest_step() is None:
+            checkpoint.save(mngr, state, loader.get_state())
+    finally:
+        mngr.wait_until_finished()
+        writer.close()
+    return FitResult(config=config, mesh=mesh, graphdef=graphdef, state=state, history=history)

@@ -1,0 +1,51 @@
+"""Where metrics go: WORKDIR/metrics.jsonl (one JSON object per logged step), TensorBoard event files, and a progress
+bar. Only process 0 writes (the others would write the same numbers)."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+
+import jax
+from tqdm.auto import tqdm
+
+
+class MetricsWriter:
+    def __init__(self, workdir: str | pathlib.Path, total_steps: int, initial_step: int = 0, progress: bool = True):
+        self.active = jax.process_index() == 0
+        self.workdir = pathlib.Path(workdir)
+        self._jsonl = self._tb = self._bar = None
+        if not self.active:
+            return
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        self._jsonl = open(self.workdir / "metrics.jsonl", "a")
+        from tensorboardX import SummaryWriter  # imported lazily: it is slow to import
+
+        self._tb = SummaryWriter(str(self.workdir / "tensorboard"))
+        if progress:
+            self._bar = tqdm(total=total_steps, initial=initial_step, unit="step", dynamic_ncols=True)
+
+    def write(self, step: int, metrics: dict[str, float]) -> None:
+        """Log one step's scalar metrics everywhere."""
+        if not self.active:
+            return
+        record = {"step": step, **{k: float(v) for k, v in metrics.items()}}
+        self._jsonl.write(json.dumps(record) + "\n")
+        self._jsonl.flush()
+        for k, v in metrics.items():
+            self._tb.add_scalar(k, float(v), step)
+        if self._bar is not None:
+            shown = {k: f"{record[k]:.4g}" for k in ("loss", "eval_loss", "tokens_per_sec", "step_time_s") if k in record}
+            self._bar.set_postfix(shown, refresh=False)
+
+    def advance(self, n: int = 1) -> None:
+        if self._bar is not None:
+            self._bar.update(n)
+
+    def close(self) -> None:
+        if not self.active:
+            return
+        if self._bar is not None:
+            self._bar.close()
+        self._tb.close()
+        self._jsonl.close()

@@ -1,0 +1,89 @@
+"""Training state, born sharded.
+
+`create_state` never materialises an unsharded copy: the model is first built abstractly (`nnx.eval_shape`), its
+logical axes become `NamedSharding`s through the rules table, and the real initialisation runs under
+`jit(out_shardings=…)`, so every device only ever allocates its own shard. Because JAX's threefry RNG is
+partitionable, the values are the same whatever the layout — the sharded and single-device runs start identical.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from jaxpar.config import ModelConfig, TrainConfig
+from jaxpar.model import Transformer
+from jaxpar.sharding import param_shardings
+
+
+@flax.struct.dataclass
+class TrainState:
+    """step: int32 []; params: nnx.State of fp32 master weights; opt_state: optax state mirroring params."""
+
+    step: jax.Array
+    params: nnx.State
+    opt_state: Any
+
+
+def lr_schedule(train: TrainConfig) -> optax.Schedule:
+    """Linear warmup 0 → lr over warmup_steps, then cosine decay to lr·min_lr_ratio at `steps`."""
+    return optax.warmup_cosine_decay_schedule(
+        init_value=0.0, peak_value=train.lr, warmup_steps=train.warmup_steps,
+        decay_steps=max(train.steps, train.warmup_steps + 1), end_value=train.lr * train.min_lr_ratio)
+
+
+def _decays(path: tuple, _) -> bool:
+    """Weight decay on matrices and embeddings only: not on norm scales or biases (GPT-2/Megatron practice)."""
+    name = str(getattr(path[-1], "key", path[-1])) if path else ""
+    if name == "value" and len(path) > 1:  # nnx.Variable nodes add a trailing 'value' key on some versions
+        name = str(getattr(path[-2], "key", path[-2]))
+    return not ("norm" in name or name.startswith("b"))
+
+
+def make_optimizer(train: TrainConfig) -> optax.GradientTransformation:
+    """Global-norm clipping, then AdamW with the warmup + cosine schedule."""
+    adamw = optax.adamw(lr_schedule(train), b1=train.b1, b2=train.b2, weight_decay=train.weight_decay,
+                        mask=lambda params: jax.tree_util.tree_map_with_path(_decays, params))
+    if train.grad_clip > 0:
+        return optax.chain(optax.clip_by_global_norm(train.grad_clip), adamw)
+    return adamw
+
+
+def abstract_model(cfg: ModelConfig) -> tuple[nnx.GraphDef, nnx.State]:
+    """(graphdef, abstract params) — shapes, dtypes and logical axes, no memory."""
+    model = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))
+    return nnx.split(model, nnx.Param)[:2]
+
+
+def state_shardings(abstract_state: TrainState, mesh: Mesh) -> TrainState:
+    """NamedShardings for a (abstract) TrainState: parameters by the rules table; optimizer moments mirror their
+    parameter (their nnx.Variable nodes carry the same logical axes); scalars (step, Adam count) replicated."""
+    replicated = NamedSharding(mesh, P())
+
+    def opt_leaf(x):
+        return param_shardings(x, mesh) if isinstance(x, nnx.State) else replicated
+
+    opt = jax.tree.map(opt_leaf, abstract_state.opt_state, is_leaf=lambda x: isinstance(x, nnx.State))
+    return TrainState(step=replicated, params=param_shardings(abstract_state.params, mesh), opt_state=opt)
+
+
+def create_state(model_cfg: ModelConfig, tx: optax.GradientTransformation, seed: int,
+                 mesh: Mesh | None = None) -> tuple[nnx.GraphDef, TrainState, TrainState | None]:
+    """Initialise (graphdef, state, shardings). With a mesh, the state is created already sharded; without, on the
+    default device (the plain single-device path)."""
+
+    def init() -> TrainState:
+        params = nnx.state(Transformer(model_cfg, rngs=nnx.Rngs(params=seed)), nnx.Param)
+        return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params))
+
+    graphdef, _ = abstract_model(model_cfg)
+    if mesh is None:
+        return graphdef, jax.jit(init)(), None
+    shardings = state_shardings(jax.eval_shape(init), mesh)
+    return graphdef, jax.jit(init, out_shardings=shardings)(), shardings

@@ -1,0 +1,161 @@
+"""The model alone, on one device: shapes, an independent NumPy forward, masks, GQA and remat."""
+
+import numpy as np
+import pytest
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxpar.config import ModelConfig
+from jaxpar.model import Transformer, count_params
+
+# Prime sizes where a mix-up of two dims would still type-check with round numbers.
+PRIME = dict(vocab_size=263, d_model=22, n_layers=3, n_heads=6, n_kv_heads=2, head_dim=6, d_ff=13, max_seq_len=11)
+
+
+def make(family="llama", **kw) -> Transformer:
+    return Transformer(ModelConfig(family=family, **{**PRIME, **kw}), rngs=nnx.Rngs(0))
+
+
+def tokens(B=2, T=11, V=263, seed=0):
+    return jnp.asarray(np.random.default_rng(seed).integers(0, V, (B, T)), jnp.int32)
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+@pytest.mark.parametrize("tie", [False, True])
+def test_shapes_with_prime_dims(family, tie):
+    model = make(family, tie_embeddings=tie)
+    logits = model(tokens())
+    assert logits.shape == (2, 11, 263) and logits.dtype == jnp.float32
+    b = model.blocks
+    assert b.wq.shape == (3, 22, 6, 6) and b.wk.shape == (3, 22, 2, 6) and b.wo.shape == (3, 6, 6, 22)
+    assert b.w_up.shape == (3, 22, 13) and b.w_down.shape == (3, 13, 22)
+    assert hasattr(model, "lm_head") != tie
+    n = sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
+    assert n == count_params(model.cfg)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# An independent forward pass in NumPy float64, written from the papers' equations, layer by layer.
+
+
+def numpy_forward(model: Transformer, toks: np.ndarray) -> np.ndarray:
+    cfg = model.cfg
+    p = jax.tree.map(lambda x: np.asarray(x, np.float64), nnx.to_pure_dict(nnx.state(model, nnx.Param)))
+    B, T = toks.shape
+    x = p["embed"][toks]  # [B, T, D]
+    if cfg.family == "gpt2":
+        x = x + p["pos_embed"][np.arange(T)]
+
+    def rms(x, g, b=None):
+        if cfg.family == "gpt2":
+            mu = x.mean(-1, keepdims=True)
+            var = ((x - mu) ** 2).mean(-1, keepdims=True)
+            return (x - mu) / np.sqrt(var + cfg.norm_eps) * g + b
+        return x / np.sqrt((x**2).mean(-1, keepdims=True) + cfg.norm_eps) * g
+
+    def rope(v):  # v [B, T, N, E]; rotate pairs (i, i+E/2)
+        E = v.shape[-1]
+        ang = np.arange(T)[:, None] * cfg.rope_theta ** (-np.arange(0, E, 2) / E)  # [T, E/2]
+        c, s = np.cos(ang)[None, :, None], np.sin(ang)[None, :, None]
+        a, b = v[..., : E // 2], v[..., E // 2:]
+        return np.concatenate([a * c - b * s, b * c + a * s], -1)
+
+    L, H, K = cfg.n_layers, cfg.n_heads, cfg.n_kv_heads
+    for l in range(L):
+        lp = {k: v[l] for k, v in p["blocks"].items()}
+        h = rms(x, lp["attn_norm"], lp.get("attn_norm_b"))
+        q = np.einsum("btd,dhe->bthe", h, lp["wq"])
+        k = np.einsum("btd,dhe->bthe", h, lp["wk"])
+        v = np.einsum("btd,dhe->bthe", h, lp["wv"])
+        if cfg.family == "gpt2":
+            q, k, v = q + lp["bq"], k + lp["bk"], v + lp["bv"]
+        else:
+            q, k = rope(q), rope(k)
+        out = np.zeros_like(q)
+        for head in range(H):
+            kv = head // (H // K)  # query head -> its kv group
+            s = q[:, :, head] @ k[:, :, kv].transpose(0, 2, 1) / np.sqrt(q.shape[-1])  # [B, T, S]
+            s = np.where(np.tril(np.ones((T, T), bool)), s, -np.inf)
+            w = np.exp(s - s.max(-1, keepdims=True))
+            out[:, :, head] = (w / w.sum(-1, keepdims=True)) @ v[:, :, kv]
+        x = x + np.einsum("bthe,hed->btd", out, lp["wo"]) + lp.get("bo", 0)
+        h = rms(x, lp["mlp_norm"], lp.get("mlp_norm_b"))
+        if cfg.family == "gpt2":
+            u = h @ lp["w_up"] + lp["b_up"]
+            act = 0.5 * u * (1 + np.tanh(np.sqrt(2 / np.pi) * (u + 0.044715 * u**3)))
+            x = x + act @ lp["w_down"] + lp["b_down"]
+        else:
+            g = h @ lp["w_gate"]
+            x = x + (g / (1 + np.exp(-g)) * (h @ lp["w_up"])) @ lp["w_down"]
+    x = rms(x, p["final_norm"], p.get("final_norm_b"))
+    head = p["embed"].T if cfg.tie_embeddings else p["lm_head"]
+    return x @ head
+
+
+@pytest.mark.parametrize("family,tie", [("llama", False), ("llama", True), ("gpt2", True), ("gpt2", False)])
+def test_forward_matches_numpy_reference(family, tie):
+    model = make(family, tie_embeddings=tie, init_std=0.2)  # larger init: every term matters in the comparison
+    toks = tokens()
+    got = np.asarray(model(toks))
+    want = numpy_forward(model, np.asarray(toks))
+    np.testing.assert_allclose(got, want, rtol=2e-4, atol=2e-4)
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_causal_mask_future_tokens_do_not_change_past_logits(family):
+    model = make(family)
+    a = tokens(seed=1)
+    b = a.at[:, 6:].set((a[:, 6:] + 17) % 263)  # change positions 6..10 only
+    la, lb = model(a), model(b)
+    np.testing.assert_array_equal(np.asarray(la[:, :6]), np.asarray(lb[:, :6]))
+    assert not np.allclose(la[:, 6:], lb[:, 6:])
+
+
+def test_segment_mask_isolates_packed_documents():
+    model = make("llama")
+    toks = tokens(B=1, seed=2)
+    seg = jnp.array([[0] * 5 + [1] * 6])
+    pos = jnp.array([list(range(5)) + list(range(6))])
+    packed = model(toks, positions=pos, segment_ids=seg)
+    alone = model(toks[:, 5:])  # the second document on its own
+    np.testing.assert_allclose(np.asarray(packed[:, 5:]), np.asarray(alone), rtol=1e-5, atol=1e-6)
+
+
+def test_gqa_equals_multi_head_with_repeated_kv_weights():
+    """GQA with K kv heads is MHA whose head n uses kv head n // G: repeat each kv weight G times and compare."""
+    gqa = make("llama")
+    mha = make("llama", n_kv_heads=6)
+    G = 6 // 2
+    for name in ("wk", "wv"):
+        getattr(mha.blocks, name)[...] = jnp.repeat(getattr(gqa.blocks, name)[...], G, axis=2)
+    for name in ("embed", "lm_head", "final_norm"):
+        getattr(mha, name)[...] = getattr(gqa, name)[...]
+    for name in ("wq", "wo", "w_gate", "w_up", "w_down", "attn_norm", "mlp_norm"):
+        getattr(mha.blocks, name)[...] = getattr(gqa.blocks, name)[...]
+    toks = tokens(seed=3)
+    np.testing.assert_allclose(np.asarray(gqa(toks)), np.asarray(mha(toks)), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("policy", ["full", "dots"])
+def test_remat_matches_no_remat_in_value_and_grads(policy):
+    model = make("llama")
+    graphdef, params = nnx.split(model, nnx.Param)
+    toks = tokens(seed=4)
+
+    def loss(p, remat):
+        return nnx.merge(graphdef, p)(toks, remat=remat).mean()
+
+    l0, g0 = jax.value_and_grad(loss)(params, "none")
+    l1, g1 = jax.value_and_grad(loss)(params, policy)
+    np.testing.assert_allclose(l0, l1, rtol=1e-6)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7), g0, g1)
+
+
+def test_bf16_compute_keeps_float32_params_and_logits():
+    model = make("llama", dtype="bfloat16")
+    logits = model(tokens())
+    assert logits.dtype == jnp.float32 and model.blocks.wq.dtype == jnp.float32
+    ref = make("llama")(tokens())
+    np.testing.assert_allclose(np.asarray(logits), np.asarray(ref), atol=5e-2)
