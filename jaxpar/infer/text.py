@@ -50,6 +50,14 @@ def generate_text(loaded: LoadedModel, prompts: list[str], *, max_new_tokens: in
     if length == 0:
         raise ValueError("prompt is empty: give at least one character")
     prompt = np.array([e[len(e) - length:] for e in encoded], np.int32)  # [B, P]
+    new = generate_tokens(loaded, prompt, max_new_tokens=max_new_tokens, seed=seed, temperature=temperature,
+                          top_k=top_k, top_p=top_p)
+    return [loaded.tokenizer.decode(row.tolist()) for row in new]
+
+
+def generate_tokens(loaded: LoadedModel, prompt: np.ndarray, *, max_new_tokens: int, seed: int = 0,
+                    temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0) -> np.ndarray:
+    """prompt int32 [B, P] → new tokens int32 [B, n], n = max_new_tokens unless every row stopped at eos."""
     graphdef, params = nnx.split(loaded.model)
 
     @jax.jit
@@ -60,4 +68,4 @@ def generate_text(loaded: LoadedModel, prompts: list[str], *, max_new_tokens: in
         new = generate(logits_fn, prompt, max_new_tokens=max_new_tokens, max_len=loaded.config.model.max_seq_len,
                        rng=jax.random.key(seed), temperature=temperature, top_k=top_k, top_p=top_p,
                        eos_id=loaded.tokenizer.eos_id)
-    return [loaded.tokenizer.decode(row.tolist()) for row in new]
+    return new

@@ -1,0 +1,121 @@
+"""Batches of next-token windows from a token stream, deterministic and resumable, sliced per process.
+
+The stream (length N) is cut into W = (N - 1) // T windows of T + 1 tokens (T = seq_len); window i covers
+tokens[i*T : i*T + T + 1], so neighbours share one token and each token after the first (up to the last whole
+window) is a target exactly once per epoch:
+
+    tokens   t0 t1 ... tT tT+1 ... t2T ...
+    window 0 [t0 ............ tT]
+    window 1                 [tT ......... t2T]
+    inputs = window[:-1], targets = window[1:]
+
+The grain pipeline, all on random-access `MapDataset`s so that element k of every stage is a pure function of k:
+
+    source(W windows) -> shuffle(seed) -> repeat(num_epochs) -> batch(B, drop_remainder) -> rows [p*B/P, (p+1)*B/P)
+
+`shuffle` folds the epoch into its seed (epoch e uses seed + e), so each epoch has a new order. Batching after
+`repeat` lets a batch run across an epoch boundary instead of dropping a partial batch every epoch. Because the
+global batch k depends only on (tokens, B, T, seed, shuffle) and never on the process count P, every process
+computes the same global batches and keeps only its own rows; the iterator state is one integer (the next global
+batch index), the same on every process, and a run can resume with a different P.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import grain
+import numpy as np
+
+
+class _Windows:
+    """Random-access view of the stream as W windows of T + 1 tokens; element i is a no-copy slice."""
+
+    def __init__(self, tokens: np.ndarray, seq_len: int):
+        self.tokens, self.seq_len = tokens, seq_len
+
+    def __len__(self) -> int:
+        return (len(self.tokens) - 1) // self.seq_len
+
+    def __getitem__(self, i: int) -> np.ndarray:
+        start = i * self.seq_len
+        return self.tokens[start : start + self.seq_len + 1]
+
+
+def _take_rows(windows, lo: int, hi: int) -> np.ndarray:
+    """Stack only this process's rows of a global batch -> int32 [hi - lo, T + 1] (one copy, from any int dtype)."""
+    return np.array(windows[lo:hi], dtype=np.int32)
+
+
+class Loader:
+    """Grain-based iterator over global batches; each process gets its contiguous slice of rows.
+
+    `next(loader)` -> int32 [batch_size // process_count, seq_len + 1]. Infinite when num_epochs is None,
+    otherwise StopIteration after floor(num_epochs * W / batch_size) batches.
+    `get_state()` is a JSON-serializable dict; `set_state` on a loader built from the same stream, batch size,
+    seq_len, seed and shuffle resumes at exactly the next batch (any process_index/process_count).
+    """
+
+    def __init__(self, tokens: np.ndarray, *, batch_size: int, seq_len: int, seed: int, shuffle: bool = True,
+                 process_index: int = 0, process_count: int = 1, num_epochs: int | None = None):
+        if tokens.ndim != 1 or not np.issubdtype(tokens.dtype, np.integer):
+            raise ValueError(f"tokens must be a 1-D integer array, got {tokens.dtype} {tokens.shape}")
+        if batch_size <= 0 or seq_len <= 0:
+            raise ValueError(f"batch_size and seq_len must be positive, got {batch_size} and {seq_len}")
+        if batch_size % process_count:
+            raise ValueError(f"batch_size {batch_size} must be divisible by process_count {process_count} "
+                             "(every process takes an equal slice of rows)")
+        if not 0 <= process_index < process_count:
+            raise ValueError(f"process_index {process_index} must lie in [0, {process_count})")
+        if not 0 <= seed < 2**32:
+            raise ValueError(f"seed must lie in [0, 2**32), got {seed}")
+        windows = _Windows(tokens, seq_len)
+        self.n_windows = len(windows)
+        if self.n_windows == 0:
+            raise ValueError(f"{len(tokens)} tokens do not fill one window of seq_len + 1 = {seq_len + 1}")
+        if num_epochs is not None and num_epochs * self.n_windows < batch_size:
+            raise ValueError(f"{num_epochs} epoch(s) of {self.n_windows} windows do not fill one batch of "
+                             f"{batch_size}; use num_epochs=None or a smaller batch")
+        self.batch_size, self.seq_len, self.local_batch_size = batch_size, seq_len, batch_size // process_count
+        # Everything a saved state depends on; set_state refuses a state taken from a different stream or order.
+        self._fingerprint = dict(batch_size=batch_size, seq_len=seq_len, seed=seed, shuffle=shuffle,
+                                 n_windows=self.n_windows, num_epochs=num_epochs)
+
+        ds = grain.MapDataset.source(windows)
+        if shuffle:
+            ds = ds.shuffle(seed=seed)
+        ds = ds.repeat(num_epochs)
+        lo = process_index * self.local_batch_size
+        take = functools.partial(_take_rows, lo=lo, hi=lo + self.local_batch_size)
+        ds = ds.batch(batch_size, drop_remainder=True, batch_fn=take)
+        # No reader threads: a batch is a few slices of an in-memory (or page-cached) array, which costs
+        # microseconds; threads would only contend for the GIL with the training loop.
+        self._iter = ds.to_iter_dataset(grain.ReadOptions(num_threads=0, prefetch_buffer_size=0)).__iter__()
+
+    def __iter__(self) -> "Loader":
+        return self
+
+    def __next__(self) -> np.ndarray:
+        return next(self._iter)  # int32 [B/P, T + 1]
+
+    def get_state(self) -> dict:
+        """{"grain": {"next_index": k}, ...fingerprint}: k is the index of the next global batch."""
+        return {"grain": dict(self._iter.get_state()), **self._fingerprint}
+
+    def set_state(self, state: dict) -> None:
+        """Resume at the batch `state` was taken before. Raises ValueError if the loader differs from the saved one."""
+        diff = {k: (state.get(k), v) for k, v in self._fingerprint.items() if state.get(k) != v}
+        if diff:
+            raise ValueError("loader state was saved from a different loader; (saved, now) per key: "
+                             + ", ".join(f"{k}={a!r}/{b!r}" for k, (a, b) in diff.items()))
+        self._iter.set_state(dict(state["grain"]))
+
+
+def make_loader(tokens: np.ndarray, *, batch_size: int, seq_len: int, seed: int, shuffle: bool = True,
+                process_index: int = 0, process_count: int = 1, num_epochs: int | None = None) -> Loader:
+    """A `Loader` over `tokens` (see `Loader` for the contract); shuffle=False yields windows in stream order."""
+    return Loader(tokens, batch_size=batch_size, seq_len=seq_len, seed=seed, shuffle=shuffle,
+                  process_index=process_index, process_count=process_count, num_epochs=num_epochs)
+
+
+__all__ = ["Loader", "make_loader"]
