@@ -79,15 +79,16 @@ class ModelConfig:
             object.__setattr__(self, "n_kv_heads", self.n_heads)
         if self.head_dim == 0:
             if self.d_model % self.n_heads:
-                raise ConfigError("model.d_model", self.d_model, f"must be divisible by model.n_heads = {self.n_heads} "
-                                  "when model.head_dim is derived", "set model.head_dim explicitly or change n_heads")
+                raise ConfigError("model.n_heads", self.n_heads, f"must divide model.d_model = {self.d_model} "
+                                  "when model.head_dim is derived (0)",
+                                  f"use n_heads among {_divisors(self.d_model)} or set model.head_dim explicitly")
             object.__setattr__(self, "head_dim", self.d_model // self.n_heads)
         if self.d_ff == 0:
             d_ff = 4 * self.d_model if self.family == "gpt2" else 32 * math.ceil(8 * self.d_model / 3 / 32)
             object.__setattr__(self, "d_ff", d_ff)
         if self.family == "llama" and self.head_dim % 2:
             raise ConfigError("model.head_dim", self.head_dim, "must be even for RoPE (dims rotate in pairs)",
-                              f"use head_dim {self.head_dim - 1} or {self.head_dim + 1}")
+                              f"use head_dim {self.head_dim + 1}" + (f" or {self.head_dim - 1}" if self.head_dim > 1 else ""))
         if self.n_heads % self.n_kv_heads:
             raise ConfigError("model.n_kv_heads", self.n_kv_heads,
                               f"must divide model.n_heads = {self.n_heads} (each kv head serves a group of query heads)",
@@ -250,8 +251,8 @@ class Config:
             raise ConfigError("parallel.data", p.data,
                               f"mesh data*pipe*tensor = {p.data}*{p.pipe}*{p.tensor} = {p.data * fixed} "
                               f"must equal the {n_devices} available devices",
-                              f"set parallel.data={n_devices // fixed if n_devices % fixed == 0 else -1} "
-                              "(or -1 to fill)")
+                              f"set parallel.data={n_devices // fixed} (or -1 to fill)" if n_devices % fixed == 0
+                              else f"choose pipe*tensor among {_divisors(n_devices)}, then parallel.data=-1")
         self._check_batch(p.data)
         return self
 
@@ -301,31 +302,49 @@ def load_config(path: str | None = None, overrides: typing.Sequence[str] = ()) -
     return config_from_dict(d)
 
 
-def _load_file(path: str) -> dict:
+class _YamlLoader(yaml.SafeLoader):
+    """SafeLoader that also reads `1e-3` as a float (YAML 1.2 does; PyYAML's 1.1 rules want `1.0e-3`)."""
+
+
+_YamlLoader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    __import__("re").compile(r"^[-+]?(?:[0-9][0-9_]*)?(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"), list("-+0123456789."))
+
+
+def _load_file(path: str, seen: frozenset = frozenset()) -> dict:
     p = pathlib.Path(path)
     if not p.exists():
         raise ConfigError("--config", path, "file not found", "pass a path to configs/*.py or recipes/*.yaml")
+    if p.resolve() in seen:
+        raise ConfigError("base", path, "recipes name each other as base in a cycle", "break the cycle of base: keys")
     if p.suffix == ".py":
-        spec = importlib.util.spec_from_file_location(f"jaxpar_config_{p.stem}", p)
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-        if not hasattr(module, "get_config"):
-            raise ConfigError("--config", path, "a .py config must define get_config()", "add get_config()")
-        cfg = module.get_config()
-        return cfg.to_dict() if hasattr(cfg, "to_dict") else dict(cfg)
-    if p.suffix in (".yaml", ".yml"):
         try:
-            d = yaml.safe_load(p.read_text()) or {}
+            spec = importlib.util.spec_from_file_location(f"jaxpar_config_{p.stem}", p)
+            module = importlib.util.module_from_spec(spec)
+            spec.loader.exec_module(module)
+            cfg = module.get_config()
+        except Exception as e:  # a broken config file is a config error, reported in one line
+            raise ConfigError("--config", path, f"failed to load: {type(e).__name__}: {e}",
+                              "fix the file (it must define get_config() returning a ConfigDict)") from None
+        d = cfg.to_dict() if hasattr(cfg, "to_dict") else dict(cfg)
+    elif p.suffix in (".yaml", ".yml"):
+        try:
+            d = yaml.load(p.read_text(), Loader=_YamlLoader) or {}
         except yaml.YAMLError as e:
-            raise ConfigError("--config", path, f"is not valid YAML ({e})", "fix the YAML syntax") from None
+            mark = getattr(e, "problem_mark", None)
+            where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark else ""
+            raise ConfigError("--config", path, f"is not valid YAML ({where}{getattr(e, 'problem', None) or e})",
+                              "fix the YAML syntax") from None
         if not isinstance(d, dict):
             raise ConfigError("--config", path, "must hold a mapping of sections", "write sections like model: {...}")
-        base = d.pop("base", None)
-        if base is None:
-            return d
-        base_path = p.parent / base if (p.parent / base).exists() else pathlib.Path(base)
-        return _deep_merge(_load_file(str(base_path)), d)
-    raise ConfigError("--config", path, "unknown config file type", "use a .py (ml_collections) or .yaml file")
+    else:
+        raise ConfigError("--config", path, "unknown config file type", "use a .py (ml_collections) or .yaml file")
+    d = {k: ({} if v is None and k in SECTIONS else v) for k, v in d.items()}  # an empty section is just empty
+    base = d.pop("base", None)
+    if base is None:
+        return d
+    base_path = p.parent / base if (p.parent / base).exists() else pathlib.Path(base)
+    return _deep_merge(_load_file(str(base_path), seen | {p.resolve()}), d)
 
 
 def _deep_merge(base: dict, top: dict) -> dict:
@@ -338,12 +357,16 @@ def _deep_merge(base: dict, top: dict) -> dict:
 def _apply_override(d: dict, key: str, raw: str) -> None:
     """Set d[section][field] from the string `raw`, parsed as the field's declared type."""
     section, _, name = key.partition(".")
+    if not section or not name:
+        raise ConfigError(key or "(empty)", raw, "an override must name section.field", "write e.g. model.d_model=64")
     _reject_unknown({section: raw}, SECTIONS, prefix="")
     cls = SECTIONS[section]
     fields = {f.name: f for f in dataclasses.fields(cls)}
     _reject_unknown({name: raw}, fields, prefix=f"{section}.")
     kind = typing.get_type_hints(cls)[name]
-    d.setdefault(section, {})[name] = _parse_scalar(key, raw, kind)
+    if not isinstance(d.get(section), dict):
+        d[section] = {}
+    d[section][name] = _parse_scalar(key, raw, kind)
 
 
 def _parse_scalar(key: str, raw: str, kind: type) -> Any:
@@ -389,6 +412,8 @@ def _check_fields(obj: Any, section: str) -> None:
             raise ConfigError(name, value, f"must be {kind.__name__}, got {type(value).__name__}",
                               f"give {name} a {kind.__name__} value (default {f.default!r})")
         if kind is float:
+            if not math.isfinite(value):
+                raise ConfigError(name, value, "must be finite", f"give {name} a finite number")
             object.__setattr__(obj, f.name, float(value))
 
 
