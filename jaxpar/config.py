@@ -446,3 +446,16 @@ def _divisors(n: int) -> list[int]:
 def _nearest_multiples(n: int, k: int) -> str:
     lo, hi = (n // k) * k, (n // k + 1) * k
     return f"{lo} or {hi}" if lo > 0 else f"{hi}"
+
+
+def reference_markdown() -> str:
+    """The config reference as Markdown tables, generated from the dataclasses (the README embeds it verbatim)."""
+    lines = []
+    for section, cls in SECTIONS.items():
+        lines += [f"#### `{section}` — {cls.__doc__.strip().splitlines()[0]}", "",
+                  "| field | type | default | meaning |", "|---|---|---|---|"]
+        hints = typing.get_type_hints(cls)
+        for f in dataclasses.fields(cls):
+            lines.append(f"| `{section}.{f.name}` | {hints[f.name].__name__} | `{f.default!r}` | {f.metadata['help']} |")
+        lines.append("")
+    return "\n".join(lines).rstrip() + "\n"

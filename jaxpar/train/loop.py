@@ -12,7 +12,7 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from jaxpar import data as data_lib
-from jaxpar.config import Config, ConfigError
+from jaxpar.config import Config
 from jaxpar.mesh import make_mesh
 from jaxpar.train import checkpoint
 from jaxpar.train.metrics import MetricsWriter
@@ -41,10 +41,7 @@ def fit(config: Config, workdir: str | pathlib.Path, *, devices: list | None = N
     train, model_cfg = config.train, config.model
 
     tokenizer = data_lib.make_tokenizer(config.data.tokenizer)
-    if tokenizer.vocab_size > model_cfg.vocab_size:
-        raise ConfigError("model.vocab_size", model_cfg.vocab_size,
-                          f"smaller than the tokenizer's vocabulary ({tokenizer.vocab_size})",
-                          f"set model.vocab_size >= {tokenizer.vocab_size} (a multiple of parallel.tensor)")
+    data_lib.check_vocab(tokenizer, model_cfg.vocab_size)
     train_tokens = data_lib.load_tokens(config.data, tokenizer, "train", seq_len=train.seq_len, seed=train.seed)
     eval_tokens = data_lib.load_tokens(config.data, tokenizer, "eval", seq_len=train.seq_len, seed=train.seed)
     loader_args = dict(batch_size=train.batch_size, seq_len=train.seq_len, process_index=jax.process_index(),

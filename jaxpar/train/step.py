@@ -59,12 +59,17 @@ def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, *,
             loss, grads = loss_sum / grad_accum, jax.tree.map(lambda g: g / grad_accum, grad_sum)
         updates, opt_state = tx.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
-        metrics = {"loss": loss, "grad_norm": optax.global_norm(grads)}
+        metrics = {"loss": loss, "grad_norm": global_norm(grads)}
         if schedule is not None:
             metrics["lr"] = schedule(state.step)
         return TrainState(step=state.step + 1, params=params, opt_state=opt_state), metrics
 
     return step
+
+
+def global_norm(tree) -> jax.Array:
+    """sqrt of the sum of squares of every leaf, in float32 (what clip_by_global_norm compares against)."""
+    return jnp.sqrt(sum(jnp.sum(jnp.square(x.astype(jnp.float32))) for x in jax.tree.leaves(tree)))
 
 
 def make_eval_step(graphdef: nnx.GraphDef) -> Callable[[nnx.State, jax.Array], jax.Array]:
