@@ -10,9 +10,7 @@ import pytest
 from jaxpar.config import load_config
 from jaxpar.infer.text import generate_text, generate_tokens, load_workdir
 from jaxpar.mesh import make_mesh
-from jaxpar.train import fit
-from jaxpar.train.state import create_state, lr_schedule, make_optimizer
-from jaxpar.train.step import batch_sharding, compile_steps, make_eval_step, make_train_step
+from jaxpar.train import build_trainer, fit
 
 # Heads, kv heads, d_ff and vocab divide 8 (every layout below shards them); the rest are odd or prime.
 SMALL = ["model.vocab_size=264", "model.d_model=30", "model.n_heads=8", "model.n_kv_heads=8", "model.head_dim=6",
@@ -27,16 +25,10 @@ def run_steps(config, layout, batches):
         parallel = dataclasses.replace(config.parallel, data=layout[0], tensor=layout[1])
         config = dataclasses.replace(config, parallel=parallel)
         mesh = make_mesh(parallel)
-    tx = make_optimizer(config.train)
-    graphdef, state, shardings = create_state(config.model, tx, config.train.seed, mesh)
-    step, _ = compile_steps(make_train_step(graphdef, tx, grad_accum=config.train.grad_accum,
-                                            schedule=lr_schedule(config.train)), make_eval_step(graphdef),
-                            mesh, shardings)
-    losses = []
+    trainer = build_trainer(config, mesh)
+    state, losses = trainer.state, []
     for batch in batches:
-        if mesh is not None:
-            batch = jax.device_put(batch, batch_sharding(mesh))
-        state, metrics = step(state, batch)
+        state, metrics = trainer.train_step(state, trainer.put(batch))
         losses.append(float(metrics["loss"]))
     return np.array(losses), state
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import pathlib
 import time
+from typing import Callable
 
 import jax
 import numpy as np
@@ -18,6 +19,35 @@ from jaxpar.train import checkpoint
 from jaxpar.train.metrics import MetricsWriter
 from jaxpar.train.state import TrainState, create_state, lr_schedule, make_optimizer
 from jaxpar.train.step import batch_sharding, compile_steps, make_eval_step, make_train_step
+
+
+@dataclasses.dataclass
+class Trainer:
+    """Everything a step needs, assembled for one mesh (or none: the single-device reference)."""
+
+    graphdef: nnx.GraphDef
+    state: TrainState
+    shardings: TrainState | None
+    train_step: Callable  # (state, batch int [B, T+1]) -> (state, metrics)
+    eval_step: Callable  # (params, batch) -> loss
+    mesh: Mesh | None
+
+    def put(self, rows: np.ndarray) -> jax.Array:
+        """This process's batch rows → a global array laid out for the step (rows over 'data')."""
+        if self.mesh is None:
+            return jax.device_put(rows)
+        return jax.make_array_from_process_local_data(batch_sharding(self.mesh), rows)
+
+
+def build_trainer(config: Config, mesh: Mesh | None) -> Trainer:
+    """Optimizer, born-sharded state and the compiled steps for `config` on `mesh`."""
+    tx = make_optimizer(config.train)
+    graphdef, state, shardings = create_state(config.model, tx, config.train.seed, mesh)
+    train_step, eval_step = compile_steps(
+        make_train_step(graphdef, tx, grad_accum=config.train.grad_accum, remat=config.parallel.remat,
+                        schedule=lr_schedule(config.train)),
+        make_eval_step(graphdef), mesh, shardings)
+    return Trainer(graphdef, state, shardings, train_step, eval_step, mesh)
 
 
 @dataclasses.dataclass
@@ -49,17 +79,12 @@ def fit(config: Config, workdir: str | pathlib.Path, *, devices: list | None = N
     loader = data_lib.make_loader(train_tokens, seed=train.seed, **loader_args)
 
     mesh = make_mesh(config.parallel, devices)
-    tx = make_optimizer(train)
-    graphdef, state, shardings = create_state(model_cfg, tx, train.seed, mesh)
-    train_step, eval_step = compile_steps(
-        make_train_step(graphdef, tx, grad_accum=train.grad_accum, remat=config.parallel.remat,
-                        schedule=lr_schedule(train)),
-        make_eval_step(graphdef), mesh, shardings)
-    to_device = lambda rows: jax.make_array_from_process_local_data(batch_sharding(mesh), rows)  # noqa: E731
+    trainer = build_trainer(config, mesh)
+    state, shardings, train_step, to_device = trainer.state, trainer.shardings, trainer.train_step, trainer.put
 
     def evaluate(params) -> float:
         eval_loader = data_lib.make_loader(eval_tokens, seed=0, shuffle=False, **loader_args)
-        losses = [eval_step(params, to_device(next(eval_loader))) for _ in range(train.eval_batches)]
+        losses = [trainer.eval_step(params, to_device(next(eval_loader))) for _ in range(train.eval_batches)]
         return float(np.mean(jax.device_get(losses)))
 
     mngr = checkpoint.manager(workdir, keep=config.checkpoint.keep)
@@ -99,4 +124,4 @@ def fit(config: Config, workdir: str | pathlib.Path, *, devices: list | None = N
     finally:
         mngr.wait_until_finished()
         writer.close()
-    return FitResult(config=config, mesh=mesh, graphdef=graphdef, state=state, history=history)
+    return FitResult(config=config, mesh=mesh, graphdef=trainer.graphdef, state=state, history=history)
