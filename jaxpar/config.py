@@ -124,9 +124,6 @@ class ParallelConfig:
             name = "repeats" if self.repeats != 1 else "microbatches"
             raise ConfigError(f"parallel.{name}", getattr(self, name), "only meaningful with pipeline parallelism, "
                               "which is not available yet", f"set parallel.{name}=1 (use train.grad_accum to split a step)")
-        if self.sequence_parallel:
-            raise ConfigError("parallel.sequence_parallel", True, "sequence parallelism is not available yet",
-                              "set parallel.sequence_parallel=false")
         if self.zero != 0:
             raise ConfigError("parallel.zero", self.zero, "ZeRO sharding is not available yet", "set parallel.zero=0")
 
@@ -205,10 +202,18 @@ class Config:
     def __post_init__(self):
         m, p, t = self.model, self.parallel, self.train
         _check_divides("model.n_heads", m.n_heads, "parallel.tensor", p.tensor, "each tensor shard holds whole query heads")
-        _check_divides("model.n_kv_heads", m.n_kv_heads, "parallel.tensor", p.tensor, "each tensor shard holds whole kv heads")
+        if m.n_kv_heads % p.tensor and p.tensor % m.n_kv_heads:
+            raise ConfigError("model.n_kv_heads", m.n_kv_heads,
+                              f"must be a multiple or a divisor of parallel.tensor = {p.tensor} (kv heads are split "
+                              "over tensor, or replicated so each rank holds the one its query heads use)",
+                              f"use n_kv_heads among {_divisors(p.tensor)} or a multiple of {p.tensor}")
         _check_divides("model.d_ff", m.d_ff, "parallel.tensor", p.tensor, "the MLP hidden dim is split over tensor")
-        _check_divides("model.vocab_size", m.vocab_size, "parallel.tensor", p.tensor,
-                       "the embedding and LM head are split over tensor by vocab rows")
+        # model.vocab_size needs no check: the embedding is padded to a multiple of tensor (jaxpar.sharding).
+        if p.sequence_parallel and t.seq_len % p.tensor:
+            raise ConfigError("train.seq_len", t.seq_len,
+                              f"must be divisible by parallel.tensor = {p.tensor} with sequence_parallel on "
+                              "(each rank holds seq_len/tensor tokens between tensor-parallel regions)",
+                              f"use seq_len {_nearest_multiples(t.seq_len, p.tensor)}, or sequence_parallel=false")
         stages = p.pipe * p.repeats
         if m.n_layers % stages:
             raise ConfigError("model.n_layers", m.n_layers,

@@ -11,7 +11,9 @@ Design:
   `jax.lax.scan` over that axis, so compile time does not grow with depth and the pipeline can view the stack as
   `[repeats, stages, layers_per_stage, …]` without touching the model.
 - The math reads head counts from weight *shapes* (`wq.shape[-2]`), never from the config, so the same code runs on
-  full weights on one device and on a tensor-parallel shard (H/t local heads) inside `shard_map`.
+  full weights on one device and on a tensor-parallel shard (H/t local heads) inside `shard_map`. Where a
+  tensor-parallel region begins or ends the model calls a `TensorParallel` handed in from outside (`tp.column`,
+  `tp.row`, `tp.embed`, …); the default is the single-device one, whose methods are the plain computation.
 - Numerics: master parameters in `param_dtype`; matmuls in `dtype`; the residual stream, norms, softmax and logits in
   float32.
 """
@@ -25,6 +27,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxpar.config import ModelConfig
+from jaxpar.parallel.tensor import NEG_INF, SINGLE_DEVICE, TensorParallel
 from jaxpar.sharding import constrain
 
 Array = jax.Array
@@ -36,12 +39,14 @@ REMAT_POLICIES = {
 
 
 def _param(rngs: nnx.Rngs | None, shape: tuple[int, ...], axes: tuple[str | None, ...], dtype, *, std: float = 0.0,
-           fill: float = 0.0) -> nnx.Param:
-    """A parameter with logical axes: normal(0, std) when std > 0, else the constant `fill`."""
+           fill: float = 0.0, pad: tuple[tuple[int, int], ...] | None = None) -> nnx.Param:
+    """A parameter with logical axes: normal(0, std) when std > 0, else the constant `fill`; then zero `pad`."""
     if std > 0:
         value = std * jax.random.normal(rngs.params(), shape, jnp.float32)
     else:
         value = jnp.full(shape, fill, jnp.float32)
+    if pad is not None:
+        value = jnp.pad(value, pad)
     return nnx.Param(value.astype(dtype), logical_axes=axes)
 
 
@@ -81,13 +86,14 @@ class Blocks(nnx.Module):
             self.b_down = _param(None, (L, D), ("layers", "embed"), pd)
         self.cfg = cfg
 
-    def __call__(self, x: Array, positions: Array, mask: Array, *, remat: str = "none") -> Array:
-        """x [B, T, D] float32 → [B, T, D]; positions [B, T]; mask [B, 1, 1, T, S] bool (True = may attend)."""
+    def __call__(self, x: Array, positions: Array, mask: Array, *, remat: str = "none",
+                 tp: TensorParallel = SINGLE_DEVICE) -> Array:
+        """x [B, T, D] float32 (T/t under sequence parallelism) → same; positions [B, T]; mask [B, 1, 1, T, S] bool."""
         stacked = {name: v[...] for name, v in vars(self).items() if isinstance(v, nnx.Param)}
         cfg = self.cfg
 
         def body(x, layer):
-            return block(layer, x, positions, mask, cfg), None
+            return block(layer, x, positions, mask, cfg, tp), None
 
         if remat != "none":
             body = jax.checkpoint(body, policy=REMAT_POLICIES[remat], prevent_cse=False)
@@ -96,11 +102,18 @@ class Blocks(nnx.Module):
 
 
 class Transformer(nnx.Module):
-    """Token ids [B, T] → logits [B, T, V] (float32)."""
+    """Token ids [B, T] → logits [B, T, V] (float32).
 
-    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+    padded_vocab: rows of the embedding (and columns of the head), ≥ vocab_size. The extra rows are zeros and their
+    logits are masked to NEG_INF, so the model computes exactly what the unpadded one does; tensor parallelism pads
+    the vocab to a multiple of the tensor degree.
+    """
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, padded_vocab: int | None = None):
         V, D, pd = cfg.vocab_size, cfg.d_model, jnp.dtype(cfg.param_dtype)
-        self.embed = _param(rngs, (V, D), ("vocab", "embed"), pd, std=cfg.init_std)
+        self.padded_vocab = Vp = padded_vocab or V
+        # Random rows for the real vocab first, then zero rows: the real rows get the same values at any padding.
+        self.embed = _param(rngs, (V, D), ("vocab", "embed"), pd, std=cfg.init_std, pad=((0, Vp - V), (0, 0)))
         if cfg.family == "gpt2":
             self.pos_embed = _param(rngs, (cfg.max_seq_len, D), (None, "embed"), pd, std=cfg.init_std / 2)
         self.blocks = Blocks(cfg, rngs=rngs)
@@ -108,27 +121,34 @@ class Transformer(nnx.Module):
         if cfg.family == "gpt2":
             self.final_norm_b = _param(None, (D,), ("norm",), pd)
         if not cfg.tie_embeddings:
-            self.lm_head = _param(rngs, (D, V), ("embed", "vocab"), pd, std=cfg.init_std)
+            self.lm_head = _param(rngs, (D, V), ("embed", "vocab"), pd, std=cfg.init_std, pad=((0, 0), (0, Vp - V)))
         self.cfg = cfg
 
     def __call__(self, tokens: Array, *, positions: Array | None = None, segment_ids: Array | None = None,
-                 remat: str = "none") -> Array:
-        """tokens int [B, T]; positions [B, T] (default 0..T-1); segment_ids [B, T]: attend only within a segment."""
+                 remat: str = "none", tp: TensorParallel = SINGLE_DEVICE) -> Array:
+        """tokens int [B, T]; positions [B, T] (default 0..T-1); segment_ids [B, T]: attend only within a segment.
+
+        Returns float32 logits [B, T, V_local]: the whole (padded) vocab on one device, this rank's vocab shard under
+        tensor parallelism (the loss is then `tp.cross_entropy`).
+        """
         cfg = self.cfg
         B, T = tokens.shape
         if positions is None:
             positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
         mask = attention_mask(T, segment_ids)
 
-        x = jnp.take(self.embed[...], tokens, axis=0).astype(jnp.float32)  # [B, T, D]
+        x = tp.embed(self.embed[...], tokens)  # [B, T, D] float32 ([B, T/t, D] under sequence parallelism)
         if cfg.family == "gpt2":
-            x = x + jnp.take(self.pos_embed[...], positions, axis=0).astype(jnp.float32)
+            pos = jnp.take(tp.replicated(self.pos_embed[...]), tp.seq_shard(positions), axis=0)
+            x = x + pos.astype(jnp.float32)
         x = constrain(x, ("batch", "seq", "embed"))
-        x = self.blocks(x, positions, mask, remat=remat)
-        x = norm(x, self.final_norm[...], getattr(self, "final_norm_b", None), cfg)
-        head = self.embed[...].T if cfg.tie_embeddings else self.lm_head[...]  # [D, V]
-        logits = jnp.einsum("btd,dv->btv", x.astype(cfg.dtype), head.astype(cfg.dtype),
-                            preferred_element_type=jnp.float32)
+        x = self.blocks(x, positions, mask, remat=remat, tp=tp)
+        x = norm(x, tp.replicated(self.final_norm[...]), _maybe(tp.replicated, getattr(self, "final_norm_b", None)),
+                 cfg)
+        head = self.embed[...].T if cfg.tie_embeddings else self.lm_head[...]  # [D, V_local]
+        (logits,) = tp.column(x, (head.astype(cfg.dtype),), ("btd,dv->btv",))  # [B, T, V_local] float32
+        if self.padded_vocab != cfg.vocab_size:
+            logits = jnp.where(tp.vocab_ids(logits.shape[-1]) < cfg.vocab_size, logits, NEG_INF)
         return constrain(logits, ("batch", "seq", "vocab"))
 
 
@@ -136,11 +156,19 @@ class Transformer(nnx.Module):
 # The math of one layer, as plain functions of (per-layer parameter dict, activations).
 
 
-def block(p: dict[str, Array], x: Array, positions: Array, mask: Array, cfg: ModelConfig) -> Array:
-    """One pre-norm transformer block. p holds one layer's parameters (no leading L); x [B, T, D] float32."""
-    x = x + attention(p, norm(x, p["attn_norm"], p.get("attn_norm_b"), cfg), positions, mask, cfg)
+def _maybe(fn, x):
+    return None if x is None else fn(x)
+
+
+def block(p: dict[str, Array], x: Array, positions: Array, mask: Array, cfg: ModelConfig,
+          tp: TensorParallel = SINGLE_DEVICE) -> Array:
+    """One pre-norm transformer block. p holds one layer's parameters (no leading L); x [B, T, D] float32
+    ([B, T/t, D] under sequence parallelism: norms and residual adds run on sequence shards)."""
+    h = norm(x, tp.replicated(p["attn_norm"]), _maybe(tp.replicated, p.get("attn_norm_b")), cfg)
+    x = x + attention(p, h, positions, mask, cfg, tp)
     x = constrain(x, ("batch", "seq", "embed"))
-    x = x + mlp(p, norm(x, p["mlp_norm"], p.get("mlp_norm_b"), cfg), cfg)
+    h = norm(x, tp.replicated(p["mlp_norm"]), _maybe(tp.replicated, p.get("mlp_norm_b")), cfg)
+    x = x + mlp(p, h, cfg, tp)
     return constrain(x, ("batch", "seq", "embed"))
 
 
@@ -155,18 +183,22 @@ def norm(x: Array, scale: Array, bias: Array | None, cfg: ModelConfig) -> Array:
     return y.astype(cfg.dtype)
 
 
-def attention(p: dict[str, Array], h: Array, positions: Array, mask: Array, cfg: ModelConfig) -> Array:
+def attention(p: dict[str, Array], h: Array, positions: Array, mask: Array, cfg: ModelConfig,
+              tp: TensorParallel = SINGLE_DEVICE) -> Array:
     """Causal self-attention with GQA. h [B, T, D] (compute dtype) → [B, T, D] float32.
 
     Query head n belongs to kv group n // G (Hugging Face's `repeat_kv` order), so a contiguous slice of query heads
-    and the matching slice of kv heads form a self-contained tensor-parallel shard.
+    and the matching slice of kv heads form a self-contained tensor-parallel shard. QKV is column-parallel (local
+    heads), the output projection row-parallel.
     """
     dt = cfg.dtype
-    q = jnp.einsum("btd,dhe->bthe", h, p["wq"].astype(dt))  # [B, T, H, E]
-    k = jnp.einsum("bsd,dke->bske", h, p["wk"].astype(dt))  # [B, S, K, E]
-    v = jnp.einsum("bsd,dke->bske", h, p["wv"].astype(dt))  # [B, S, K, E]
+    wk, wv = tp.kv_weight(p["wk"]), tp.kv_weight(p["wv"])
+    q, k, v = (y.astype(dt) for y in tp.column(h, (p["wq"].astype(dt), wk.astype(dt), wv.astype(dt)),
+                                                ("btd,dhe->bthe", "bsd,dke->bske", "bsd,dke->bske")))
+    # q [B, T, H, E]; k, v [B, S, K, E] (local heads under tensor parallelism; S = T, the full sequence)
     if cfg.family == "gpt2":
-        q, k, v = q + p["bq"].astype(dt), k + p["bk"].astype(dt), v + p["bv"].astype(dt)
+        bk, bv = tp.kv_weight(p["bk"]), tp.kv_weight(p["bv"])
+        q, k, v = q + p["bq"].astype(dt), k + bk.astype(dt), v + bv.astype(dt)
     else:
         q, k = rope(q, positions, cfg.rope_theta), rope(k, positions, cfg.rope_theta)
     q = constrain(q, ("batch", "seq", "heads", "head_dim"))
@@ -178,24 +210,25 @@ def attention(p: dict[str, Array], h: Array, positions: Array, mask: Array, cfg:
     scores = jnp.where(mask, scores, jnp.finfo(jnp.float32).min)  # mask [B, 1, 1, T, S]
     probs = jax.nn.softmax(scores, axis=-1).astype(dt)
     o = jnp.einsum("bkgts,bske->btkge", probs, v).reshape(B, T, H, E)  # [B, T, H, E]
-    out = jnp.einsum("bthe,hed->btd", o, p["wo"].astype(dt), preferred_element_type=jnp.float32)
+    out = tp.row(o, p["wo"].astype(dt), "bthe,hed->btd")  # [B, T, D] float32 ([B, T/t, D] under SP)
     if "bo" in p:
-        out = out + p["bo"].astype(jnp.float32)
+        out = out + tp.replicated(p["bo"]).astype(jnp.float32)
     return out
 
 
-def mlp(p: dict[str, Array], h: Array, cfg: ModelConfig) -> Array:
-    """SwiGLU (llama) or GELU (gpt2) MLP. h [B, T, D] → [B, T, D] float32."""
+def mlp(p: dict[str, Array], h: Array, cfg: ModelConfig, tp: TensorParallel = SINGLE_DEVICE) -> Array:
+    """SwiGLU (llama) or GELU (gpt2) MLP: up/gate column-parallel, down row-parallel. h [B, T, D] → [B, T, D] f32."""
     dt = cfg.dtype
-    up = jnp.einsum("btd,df->btf", h, p["w_up"].astype(dt))  # [B, T, F]
     if cfg.family == "gpt2":
-        act = jax.nn.gelu(up + p["b_up"].astype(dt), approximate=True)  # GPT-2's tanh GELU ("gelu_new")
+        (up,) = tp.column(h, (p["w_up"].astype(dt),), ("btd,df->btf",))  # [B, T, F]
+        act = jax.nn.gelu((up + p["b_up"]).astype(dt), approximate=True)  # GPT-2's tanh GELU ("gelu_new")
     else:
-        act = jax.nn.silu(jnp.einsum("btd,df->btf", h, p["w_gate"].astype(dt))) * up
+        gate, up = tp.column(h, (p["w_gate"].astype(dt), p["w_up"].astype(dt)), ("btd,df->btf", "btd,df->btf"))
+        act = (jax.nn.silu(gate) * up).astype(dt)
     act = constrain(act, ("batch", "seq", "mlp"))
-    out = jnp.einsum("btf,fd->btd", act, p["w_down"].astype(dt), preferred_element_type=jnp.float32)
+    out = tp.row(act, p["w_down"].astype(dt), "btf,fd->btd")
     if "b_down" in p:
-        out = out + p["b_down"].astype(jnp.float32)
+        out = out + tp.replicated(p["b_down"]).astype(jnp.float32)
     return out
 
 
@@ -219,6 +252,23 @@ def attention_mask(T: int, segment_ids: Array | None) -> Array:
         return causal[None, None, None]
     same = segment_ids[:, :, None] == segment_ids[:, None, :]  # [B, T, S]
     return (causal & same)[:, None, None]
+
+
+def pad_vocab(params: nnx.State, padded_vocab: int) -> nnx.State:
+    """Resize the vocab dim of `embed` [V, D] (rows) and `lm_head` [D, V] (columns) to `padded_vocab`, adding zero
+    rows or dropping trailing ones. Converts between a model and its tensor-parallel (padded) twin."""
+
+    def resize(x, axis):
+        n = padded_vocab - x.shape[axis]
+        if n <= 0:
+            return jax.lax.slice_in_dim(x, 0, padded_vocab, axis=axis)
+        return jnp.pad(x, [(0, n if a == axis else 0) for a in range(x.ndim)])
+
+    out = jax.tree.map(lambda x: x, params)  # a copy: the caller's State is left alone
+    out["embed"] = params["embed"].replace(resize(params["embed"][...], 0))
+    if "lm_head" in params:
+        out["lm_head"] = params["lm_head"].replace(resize(params["lm_head"][...], 1))
+    return out
 
 
 def count_params(cfg: ModelConfig) -> int:

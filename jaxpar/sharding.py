@@ -12,15 +12,22 @@ the mesh. This table is the only place that says how a logical axis is laid out 
 | vocab    | tensor   | vocab-parallel embedding and LM head                                     |
 | layers   | pipe     | stacked layers: stage s holds its contiguous slice of the stack          |
 | (others) | —        | replicated: embed, head_dim, seq, norm                                   |
+
+One exception is derived from it, per model and mesh (`model_layout`): with fewer kv heads than tensor ranks (GQA,
+K < t) the kv heads cannot be split, so `kv_heads` is replicated and each rank uses the head of its query group.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import math
 from typing import Any, Sequence
 
 import jax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from jaxpar.parallel.tensor import SINGLE_DEVICE, TensorParallel
 
 LogicalAxes = tuple[str | None, ...]
 
@@ -81,11 +88,42 @@ def param_shardings(state: nnx.State, mesh: Mesh, rules=RULES) -> nnx.State:
 
 
 def constrain(x: jax.Array, axes: Sequence[str | None]) -> jax.Array:
-    """Pin an activation's layout by logical names; a no-op when no mesh is set (the plain single-device path).
+    """Pin an activation's layout by logical names for the compiler (GSPMD). A no-op when no mesh is set (the plain
+    single-device path) and inside `shard_map`, where arrays are already local shards.
 
     The trainer sets the mesh with `jax.set_mesh`; the model calls this with names only.
     """
     mesh = jax.sharding.get_abstract_mesh()
-    if mesh.empty:
+    if mesh.empty or getattr(mesh, "manual_axes", ()):
         return x
     return jax.lax.with_sharding_constraint(x, logical_to_spec(axes))
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelLayout:
+    """How one model sits on one mesh: the rules table (with the GQA exception applied), the vocab padded to a
+    multiple of the tensor degree (Megatron's make-vocab-size-divisible-by: pad rows are zero and their logits
+    masked, so the math is unchanged), and the tensor-parallel boundaries the model calls."""
+
+    rules: tuple[tuple[str, str | None], ...] = RULES
+    padded_vocab: int | None = None
+    tp: TensorParallel = SINGLE_DEVICE
+
+
+def model_layout(n_kv_heads: int, vocab_size: int, mesh: Mesh | None, sequence_parallel: bool = False,
+                 explicit: bool = True) -> ModelLayout:
+    """The layout of a model with `n_kv_heads` and `vocab_size` on `mesh` (None: one device, no mesh).
+
+    explicit: the step runs under `shard_map` with our collectives (TensorParallel bound to 'tensor'); False leaves
+    tensor parallelism to GSPMD (the comparison baseline of bench/tp.py).
+    """
+    if mesh is None:
+        return ModelLayout(padded_vocab=vocab_size)
+    t = mesh.shape["tensor"]
+    rules = RULES
+    kv_replicas = 1
+    if n_kv_heads % t:
+        rules = tuple((name, None if name == "kv_heads" else axis) for name, axis in RULES)
+        kv_replicas = t // n_kv_heads
+    tp = TensorParallel("tensor", sequence_parallel, kv_replicas) if explicit else SINGLE_DEVICE
+    return ModelLayout(rules, math.ceil(vocab_size / t) * t, tp)

@@ -14,7 +14,7 @@ from jaxpar import data as data_lib
 from jaxpar.config import Config, config_from_dict
 from jaxpar.infer.sampling import generate
 from jaxpar.mesh import make_mesh
-from jaxpar.sharding import param_shardings
+from jaxpar.sharding import model_layout, param_shardings
 from jaxpar.train import checkpoint
 from jaxpar.train.state import abstract_model
 
@@ -36,8 +36,11 @@ def load_workdir(workdir: str | pathlib.Path, *, devices: list | None = None, st
     tensor = config.parallel.tensor if len(devices) >= config.parallel.tensor else 1
     parallel = dataclasses.replace(config.parallel, data=1, pipe=1, tensor=tensor)
     mesh = make_mesh(parallel, devices[:tensor])
-    graphdef, abstract = abstract_model(config.model)
-    params, step = checkpoint.restore_params(workdir, abstract, param_shardings(abstract, mesh), step=step)
+    # Generation runs the plain model under jit on the sharded params (GSPMD inserts the collectives).
+    layout = model_layout(config.model.n_kv_heads, config.model.vocab_size, mesh, explicit=False)
+    graphdef, abstract = abstract_model(config.model, layout.padded_vocab)
+    params, step = checkpoint.restore_params(workdir, abstract, param_shardings(abstract, mesh, layout.rules),
+                                             step=step)
     tokenizer = data_lib.make_tokenizer(config.data.tokenizer)
     return LoadedModel(config, nnx.merge(graphdef, params), mesh, tokenizer, step)
 

@@ -17,6 +17,7 @@ from jaxpar.config import Config
 from jaxpar.mesh import make_mesh
 from jaxpar.train import checkpoint
 from jaxpar.train.metrics import MetricsWriter
+from jaxpar.sharding import ModelLayout, model_layout, param_specs
 from jaxpar.train.state import TrainState, create_state, lr_schedule, make_optimizer
 from jaxpar.train.step import batch_sharding, compile_steps, make_eval_step, make_train_step
 
@@ -31,6 +32,7 @@ class Trainer:
     train_step: Callable  # (state, batch int [B, T+1]) -> (state, metrics)
     eval_step: Callable  # (params, batch) -> loss
     mesh: Mesh | None
+    layout: ModelLayout
 
     def put(self, rows: np.ndarray) -> jax.Array:
         """This process's batch rows → a global array laid out for the step (rows over 'data')."""
@@ -39,15 +41,21 @@ class Trainer:
         return jax.make_array_from_process_local_data(batch_sharding(self.mesh), rows)
 
 
-def build_trainer(config: Config, mesh: Mesh | None) -> Trainer:
-    """Optimizer, born-sharded state and the compiled steps for `config` on `mesh`."""
+def build_trainer(config: Config, mesh: Mesh | None, *, explicit: bool = True) -> Trainer:
+    """Optimizer, born-sharded state and the compiled steps for `config` on `mesh` (None: one device, no mesh).
+
+    explicit=False leaves tensor parallelism to GSPMD instead of our shard_map collectives (for comparisons).
+    """
+    model, parallel = config.model, config.parallel
+    layout = model_layout(model.n_kv_heads, model.vocab_size, mesh, parallel.sequence_parallel, explicit)
     tx = make_optimizer(config.train)
-    graphdef, state, shardings = create_state(config.model, tx, config.train.seed, mesh)
+    graphdef, state, shardings = create_state(model, tx, config.train.seed, mesh, layout)
+    specs = param_specs(state.params, layout.rules) if mesh is not None else None
     train_step, eval_step = compile_steps(
-        make_train_step(graphdef, tx, grad_accum=config.train.grad_accum, remat=config.parallel.remat,
-                        schedule=lr_schedule(config.train)),
-        make_eval_step(graphdef), mesh, shardings)
-    return Trainer(graphdef, state, shardings, train_step, eval_step, mesh)
+        make_train_step(graphdef, tx, grad_accum=config.train.grad_accum, remat=parallel.remat,
+                        schedule=lr_schedule(config.train), tp=layout.tp, mesh=mesh, param_specs=specs),
+        make_eval_step(graphdef, tp=layout.tp, mesh=mesh, param_specs=specs), mesh, shardings)
+    return Trainer(graphdef, state, shardings, train_step, eval_step, mesh, layout)
 
 
 @dataclasses.dataclass
@@ -80,6 +88,9 @@ def fit(config: Config, workdir: str | pathlib.Path, *, devices: list | None = N
 
     mesh = make_mesh(config.parallel, devices)
     trainer = build_trainer(config, mesh)
+    if trainer.layout.padded_vocab != model_cfg.vocab_size and jax.process_index() == 0:
+        print(f"jaxpar: vocab {model_cfg.vocab_size} padded to {trainer.layout.padded_vocab} (a multiple of "
+              f"parallel.tensor={config.parallel.tensor}); the pad rows are zero and their logits masked")
     state, shardings, train_step, to_device = trainer.state, trainer.shardings, trainer.train_step, trainer.put
 
     def evaluate(params) -> float:

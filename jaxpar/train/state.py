@@ -19,7 +19,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxpar.config import ModelConfig, TrainConfig
 from jaxpar.model import Transformer
-from jaxpar.sharding import param_shardings
+from jaxpar.sharding import RULES, ModelLayout, param_shardings
 
 
 @flax.struct.dataclass
@@ -55,35 +55,36 @@ def make_optimizer(train: TrainConfig) -> optax.GradientTransformation:
     return adamw
 
 
-def abstract_model(cfg: ModelConfig) -> tuple[nnx.GraphDef, nnx.State]:
+def abstract_model(cfg: ModelConfig, padded_vocab: int | None = None) -> tuple[nnx.GraphDef, nnx.State]:
     """(graphdef, abstract params) — shapes, dtypes and logical axes, no memory."""
-    model = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))
+    model = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0), padded_vocab=padded_vocab))
     return nnx.split(model, nnx.Param)[:2]
 
 
-def state_shardings(abstract_state: TrainState, mesh: Mesh) -> TrainState:
+def state_shardings(abstract_state: TrainState, mesh: Mesh, rules=RULES) -> TrainState:
     """NamedShardings for a (abstract) TrainState: parameters by the rules table; optimizer moments mirror their
     parameter (their nnx.Variable nodes carry the same logical axes); scalars (step, Adam count) replicated."""
     replicated = NamedSharding(mesh, P())
 
     def opt_leaf(x):
-        return param_shardings(x, mesh) if isinstance(x, nnx.State) else replicated
+        return param_shardings(x, mesh, rules) if isinstance(x, nnx.State) else replicated
 
     opt = jax.tree.map(opt_leaf, abstract_state.opt_state, is_leaf=lambda x: isinstance(x, nnx.State))
-    return TrainState(step=replicated, params=param_shardings(abstract_state.params, mesh), opt_state=opt)
+    return TrainState(step=replicated, params=param_shardings(abstract_state.params, mesh, rules), opt_state=opt)
 
 
-def create_state(model_cfg: ModelConfig, tx: optax.GradientTransformation, seed: int,
-                 mesh: Mesh | None = None) -> tuple[nnx.GraphDef, TrainState, TrainState | None]:
+def create_state(model_cfg: ModelConfig, tx: optax.GradientTransformation, seed: int, mesh: Mesh | None = None,
+                 layout: ModelLayout = ModelLayout()) -> tuple[nnx.GraphDef, TrainState, TrainState | None]:
     """Initialise (graphdef, state, shardings). With a mesh, the state is created already sharded; without, on the
     default device (the plain single-device path)."""
 
     def init() -> TrainState:
-        params = nnx.state(Transformer(model_cfg, rngs=nnx.Rngs(params=seed)), nnx.Param)
+        model = Transformer(model_cfg, rngs=nnx.Rngs(params=seed), padded_vocab=layout.padded_vocab)
+        params = nnx.state(model, nnx.Param)
         return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params))
 
-    graphdef, _ = abstract_model(model_cfg)
+    graphdef, _ = abstract_model(model_cfg, layout.padded_vocab)
     if mesh is None:
         return graphdef, jax.jit(init)(), None
-    shardings = state_shardings(jax.eval_shape(init), mesh)
+    shardings = state_shardings(jax.eval_shape(init), mesh, layout.rules)
     return graphdef, jax.jit(init, out_shardings=shardings)(), shardings

@@ -1,8 +1,15 @@
 """The train and eval steps: next-token loss, gradient accumulation, clipping and AdamW.
 
-Layout comes from outside: the steps are plain functions; `compile_steps` jits them with the state and batch
-shardings of a mesh (GSPMD propagates the rest from the logical constraints inside the model), or with none at all for
-the single-device reference.
+On a mesh, the loss and its gradients run under one `jax.shard_map` over (data, pipe, tensor): the model sees local
+shards, and every collective is one we wrote —
+
+    tensor:  Megatron f/g (or SP all-gather/reduce-scatter) inside each layer, the vocab-parallel embedding and loss
+             (jaxpar.parallel.tensor / .sequence);
+    data:    one pmean of the loss and of the gradients after accumulation (below).
+
+The optimizer update runs outside the shard_map under plain `jit` on the sharded state: it is elementwise except for
+the global gradient norm, whose reduction the compiler inserts. Without a mesh the same code is the single-device
+reference; `explicit=False` keeps the mesh but leaves tensor parallelism to GSPMD (the baseline of bench/tp.py).
 """
 
 from __future__ import annotations
@@ -15,35 +22,40 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from jaxpar.parallel.tensor import SINGLE_DEVICE, TensorParallel
 from jaxpar.sharding import constrain, logical_to_spec
 from jaxpar.train.state import TrainState
 
 Metrics = dict[str, jax.Array]
+DATA = "data"
 
 
-def next_token_loss(graphdef: nnx.GraphDef, params: nnx.State, batch: jax.Array, remat: str = "none") -> jax.Array:
+def next_token_loss(graphdef: nnx.GraphDef, params: nnx.State, batch: jax.Array, remat: str = "none",
+                    tp: TensorParallel = SINGLE_DEVICE) -> jax.Array:
     """Mean cross-entropy (float32, nats/token) of predicting batch[:, 1:] from batch[:, :-1]. batch int [B, T+1]."""
     model = nnx.merge(graphdef, params)
-    logits = model(batch[:, :-1], remat=remat)  # [B, T, V] float32
-    return optax.softmax_cross_entropy_with_integer_labels(logits, batch[:, 1:]).mean()
+    logits = model(batch[:, :-1], remat=remat, tp=tp)  # [B, T, V_local] float32
+    return tp.cross_entropy(logits, batch[:, 1:]).mean()
 
 
-def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, *, grad_accum: int = 1,
-                    remat: str = "none", schedule: optax.Schedule | None = None
-                    ) -> Callable[[TrainState, jax.Array], tuple[TrainState, Metrics]]:
-    """(state, batch int [B, T+1]) → (state, metrics {loss, grad_norm, lr}).
+def loss_and_grads(graphdef: nnx.GraphDef, *, grad_accum: int = 1, remat: str = "none",
+                   tp: TensorParallel = SINGLE_DEVICE, data_axis: str | None = None
+                   ) -> Callable[[nnx.State, jax.Array], tuple[jax.Array, nnx.State]]:
+    """(params, batch int [B, T+1]) → (mean loss, gradients), on whatever rows it is given.
 
-    Gradient accumulation splits the batch into `grad_accum` equal chunks run one after another (a scan), so peak
+    Gradient accumulation splits the rows into `grad_accum` equal chunks run one after another (a scan), so peak
     activation memory is that of B/grad_accum sequences. Chunk a takes rows a, a+A, a+2A, … (a strided split) so each
-    data shard contributes B/(data·A) of its own rows to every chunk and no rows move between devices. The loss is a
-    mean over equal-sized chunks, so the mean of chunk means equals the full-batch mean and the result is the same
-    as without accumulation (up to summation order).
-    """
-    grad_fn = jax.value_and_grad(lambda p, b: next_token_loss(graphdef, p, b, remat))
+    data shard contributes B/(data·A) of its own rows to every chunk and no rows move between devices. Chunks are
+    equal-sized, so the mean of chunk means is the full-batch mean.
 
-    def step(state: TrainState, batch: jax.Array) -> tuple[TrainState, Metrics]:
+    data_axis: inside shard_map, the axis over which rows are split: loss and gradients are averaged over it once,
+    after accumulation (an all-reduce of the gradients, as in any data-parallel step).
+    """
+    grad_fn = jax.value_and_grad(lambda p, b: next_token_loss(graphdef, p, b, remat, tp))
+
+    def run(params: nnx.State, batch: jax.Array) -> tuple[jax.Array, nnx.State]:
         if grad_accum == 1:
-            loss, grads = grad_fn(state.params, batch)
+            loss, grads = grad_fn(params, batch)
         else:
             B, T1 = batch.shape
             chunks = batch.reshape(B // grad_accum, grad_accum, T1).swapaxes(0, 1)  # [A, B/A, T+1]
@@ -51,12 +63,42 @@ def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, *,
 
             def accumulate(carry, chunk):
                 loss_sum, grad_sum = carry
-                loss, grads = grad_fn(state.params, chunk)
+                loss, grads = grad_fn(params, chunk)
                 return (loss_sum + loss, jax.tree.map(jnp.add, grad_sum, grads)), None
 
-            zeros = jax.tree.map(jnp.zeros_like, state.params)
+            zeros = jax.tree.map(jnp.zeros_like, params)
             (loss_sum, grad_sum), _ = jax.lax.scan(accumulate, (jnp.zeros((), jnp.float32), zeros), chunks)
             loss, grads = loss_sum / grad_accum, jax.tree.map(lambda g: g / grad_accum, grad_sum)
+        if data_axis is not None:
+            loss, grads = jax.lax.pmean((loss, grads), data_axis)
+        return loss, grads
+
+    return run
+
+
+def global_norm(tree) -> jax.Array:
+    """sqrt of the sum of squares of every leaf, in float32 (what clip_by_global_norm compares against)."""
+    return jnp.sqrt(sum(jnp.sum(jnp.square(x.astype(jnp.float32))) for x in jax.tree.leaves(tree)))
+
+
+def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, *, grad_accum: int = 1,
+                    remat: str = "none", schedule: optax.Schedule | None = None, tp: TensorParallel = SINGLE_DEVICE,
+                    mesh: Mesh | None = None, param_specs: nnx.State | None = None
+                    ) -> Callable[[TrainState, jax.Array], tuple[TrainState, Metrics]]:
+    """(state, batch int [B, T+1]) → (state, metrics {loss, grad_norm, lr}).
+
+    With `tp.axis` set, loss and gradients run under shard_map over `mesh` (params laid out by `param_specs`, rows
+    over data); otherwise as one global computation (single device, or GSPMD on a mesh).
+    """
+    if tp.axis is None:
+        grads_of = loss_and_grads(graphdef, grad_accum=grad_accum, remat=remat)
+    else:
+        local = loss_and_grads(graphdef, grad_accum=grad_accum, remat=remat, tp=tp, data_axis=DATA)
+        grads_of = jax.shard_map(local, mesh=mesh, in_specs=(param_specs, batch_spec()), out_specs=(P(), param_specs),
+                                 check_vma=False)
+
+    def step(state: TrainState, batch: jax.Array) -> tuple[TrainState, Metrics]:
+        loss, grads = grads_of(state.params, batch)
         updates, opt_state = tx.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
         metrics = {"loss": loss, "grad_norm": global_norm(grads)}
@@ -67,19 +109,25 @@ def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, *,
     return step
 
 
-def global_norm(tree) -> jax.Array:
-    """sqrt of the sum of squares of every leaf, in float32 (what clip_by_global_norm compares against)."""
-    return jnp.sqrt(sum(jnp.sum(jnp.square(x.astype(jnp.float32))) for x in jax.tree.leaves(tree)))
-
-
-def make_eval_step(graphdef: nnx.GraphDef) -> Callable[[nnx.State, jax.Array], jax.Array]:
+def make_eval_step(graphdef: nnx.GraphDef, *, tp: TensorParallel = SINGLE_DEVICE, mesh: Mesh | None = None,
+                   param_specs: nnx.State | None = None) -> Callable[[nnx.State, jax.Array], jax.Array]:
     """(params, batch int [B, T+1]) → mean next-token loss."""
-    return lambda params, batch: next_token_loss(graphdef, params, batch)
+    if tp.axis is None:
+        return lambda params, batch: next_token_loss(graphdef, params, batch)
+
+    def local(params, batch):
+        return jax.lax.pmean(next_token_loss(graphdef, params, batch, tp=tp), DATA)
+
+    return jax.shard_map(local, mesh=mesh, in_specs=(param_specs, batch_spec()), out_specs=P(), check_vma=False)
+
+
+def batch_spec() -> P:
+    """Token batches [B, T+1]: rows over the data axis, sequence replicated."""
+    return logical_to_spec(("batch", None))
 
 
 def batch_sharding(mesh: Mesh) -> NamedSharding:
-    """Token batches [B, T+1]: rows over the data axis, sequence replicated."""
-    return NamedSharding(mesh, logical_to_spec(("batch", None)))
+    return NamedSharding(mesh, batch_spec())
 
 
 def compile_steps(train_step, eval_step, mesh: Mesh | None, shardings):
@@ -95,12 +143,12 @@ def compile_steps(train_step, eval_step, mesh: Mesh | None, shardings):
         def call(*args):
             with jax.set_mesh(mesh):
                 return fn(*args)
-        call.lower = lambda *args: _lower_with_mesh(fn, mesh, *args)
+
+        def lower(*args):
+            with jax.set_mesh(mesh):
+                return fn.lower(*args)
+
+        call.lower = lower
         return call
 
     return with_mesh(train), with_mesh(evaluate)
-
-
-def _lower_with_mesh(fn, mesh, *args):
-    with jax.set_mesh(mesh):
-        return fn.lower(*args)

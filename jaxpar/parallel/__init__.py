@@ -1,0 +1,1 @@
+"""One file per parallelism: `tensor` (Megatron TP) and `sequence` (Megatron SP)."""

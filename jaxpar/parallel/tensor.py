@@ -1,0 +1,201 @@
+"""Megatron tensor parallelism (Shoeybi et al. 2019) as explicit collectives over the mesh axis `tensor`.
+
+Every collective of a tensor-parallel layer is one of two operators from the paper, written here once:
+
+    f  (`copy_to_tensor`):     forward identity,   backward all-reduce   — where a replicated activation enters a
+                                                                            tensor-parallel region
+    g  (`reduce_from_tensor`): forward all-reduce, backward identity     — where partial sums leave it
+
+A transformer MLP is the canonical picture (t = tensor degree, A column-split, B row-split):
+
+    X ──f──► [X·A_1 | … | X·A_t] ──GeLU/SwiGLU──► [Y_1 | … | Y_t] ──► Σ_i Y_i·B_i ──g──► Z
+             column-parallel (no comm)              local              row-parallel
+
+Attention is the same with heads as the split: QKV column-parallel by heads, each rank attends with its local
+heads, the output projection row-parallel. The embedding is split by vocab rows (a lookup of local rows plus g) and
+the LM head by vocab columns; the cross-entropy then reduces three per-token scalars (max, sum of exps, target logit)
+across `tensor`, so full-vocab logits are never gathered.
+
+`TensorParallel` bundles these for the model: the model calls `tp.column`, `tp.row`, `tp.embed`, … and never names a
+mesh axis. With `axis=None` every method is the plain single-device computation, so the same model code is the
+reference. Sequence parallelism (`sequence=True`, Korthikanti et al. 2022) swaps f/g for the all-gather /
+reduce-scatter pair of `jaxpar.parallel.sequence`.
+
+All functions here run inside `jax.shard_map` (manual axes) on *local* shards; their gradients are written out with
+`custom_vjp` so no collective is left for autodiff to infer.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+
+from jaxpar.parallel import sequence as seq
+
+Array = jax.Array
+NEG_INF = -1e30  # finite "minus infinity": exp() underflows to 0 without inf - inf = nan anywhere
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The two operators of the paper.
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
+def copy_to_tensor(x: Array, axis: str) -> Array:
+    """f: identity forward; all-reduce of the gradient backward (each rank's branch contributed part of dL/dx)."""
+    return x
+
+
+def _copy_fwd(x, axis):
+    return x, None
+
+
+def _copy_bwd(axis, _, dy):
+    return (jax.lax.psum(dy, axis),)
+
+
+copy_to_tensor.defvjp(_copy_fwd, _copy_bwd)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
+def reduce_from_tensor(x: Array, axis: str) -> Array:
+    """g: all-reduce forward (sum the ranks' partial results); identity backward (the sum's gradient is replicated)."""
+    return jax.lax.psum(x, axis)
+
+
+def _reduce_fwd(x, axis):
+    return jax.lax.psum(x, axis), None
+
+
+def _reduce_bwd(axis, _, dy):
+    return (dy,)
+
+
+reduce_from_tensor.defvjp(_reduce_fwd, _reduce_bwd)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Vocab-parallel embedding and cross-entropy.
+
+
+def vocab_parallel_lookup(table: Array, tokens: Array, axis: str | None) -> Array:
+    """Partial embedding sums: rows of `table` [V/t, D] that this rank owns, zeros elsewhere. → [B, T, D].
+
+    Rank r owns ids [r·V/t, (r+1)·V/t); summing over ranks (g, or a reduce-scatter under SP) gives the lookup.
+    """
+    if axis is None:
+        return jnp.take(table, tokens, axis=0)
+    rows = table.shape[0]
+    local = tokens - jax.lax.axis_index(axis) * rows
+    mine = (local >= 0) & (local < rows)
+    return jnp.where(mine[..., None], jnp.take(table, jnp.clip(local, 0, rows - 1), axis=0), 0)
+
+
+def vocab_parallel_cross_entropy(logits: Array, targets: Array, axis: str | None) -> Array:
+    """Per-token cross-entropy [B, T] from this rank's logits [B, T, V/t] (float32); padded columns must already hold
+    NEG_INF. Only per-token scalars cross ranks:
+
+        m = max_r max_v z          (pmax; no gradient flows through it: it cancels in lse)
+        lse = m + log Σ_r Σ_v exp(z − m)        (g over the per-rank sums)
+        z_target = Σ_r [target ∈ rank r] · z[target − r·V/t]   (g)
+        loss = lse − z_target
+    """
+    logits = logits.astype(jnp.float32)
+    cols = logits.shape[-1]
+    start = 0 if axis is None else jax.lax.axis_index(axis) * cols
+    local = targets - start
+    mine = (local >= 0) & (local < cols)
+    picked = jnp.take_along_axis(logits, jnp.clip(local, 0, cols - 1)[..., None], axis=-1)[..., 0]
+    target_logit = jnp.where(mine, picked, 0.0)
+    m = jax.lax.stop_gradient(logits.max(-1))
+    if axis is not None:
+        m = jax.lax.pmax(m, axis)
+    sum_exp = jnp.exp(logits - m[..., None]).sum(-1)
+    if axis is not None:
+        sum_exp, target_logit = reduce_from_tensor(sum_exp, axis), reduce_from_tensor(target_logit, axis)
+    return m + jnp.log(sum_exp) - target_logit
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# What the model calls.
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorParallel:
+    """The boundaries of tensor-parallel regions, as the model sees them.
+
+    axis: the mesh axis of the tensor group, or None for the single-device reference.
+    sequence: sequence parallelism — outside the regions activations are sharded on the sequence dim (dim 1), and
+              the boundaries become all-gather (enter) / reduce-scatter (exit).
+    kv_replicas: GQA with fewer kv heads K than tensor ranks t: kv weights are replicated and rank r uses kv head
+              r // (t/K) (the head its local query heads attend with); kv_replicas = t/K, 1 otherwise.
+    """
+
+    axis: str | None = None
+    sequence: bool = False
+    kv_replicas: int = 1
+
+    def column(self, h: Array, weights: Sequence[Array], equations: Sequence[str]) -> list[Array]:
+        """Column-parallel matmuls sharing one input: h (sequence shard under SP, else replicated) → full-sequence
+        float32 outputs with the weights' local column split. One f (or one all-gather) for the whole group."""
+        if self.axis is not None and self.sequence:
+            return seq.gather_matmuls(h, tuple(weights), tuple(equations), self.axis)
+        if self.axis is not None:
+            h = copy_to_tensor(h, self.axis)
+        return [jnp.einsum(eq, h, w, preferred_element_type=jnp.float32) for eq, w in zip(equations, weights)]
+
+    def row(self, x: Array, w: Array, equation: str) -> Array:
+        """Row-parallel matmul: local partial product, then g (or reduce-scatter to sequence shards under SP)."""
+        return self.exit(jnp.einsum(equation, x, w, preferred_element_type=jnp.float32))
+
+    def exit(self, partial: Array) -> Array:
+        """Sum partial results over the tensor group: g, or a reduce-scatter onto sequence shards under SP."""
+        if self.axis is None:
+            return partial
+        if self.sequence:
+            return seq.reduce_scatter_seq(partial, self.axis)
+        return reduce_from_tensor(partial, self.axis)
+
+    def replicated(self, p: Array) -> Array:
+        """A tensor-replicated parameter applied to sequence shards (SP norms, output biases, positions): each rank
+        sees only part of the tokens, so its gradient is partial — f sums it. Identity without SP."""
+        if self.axis is not None and self.sequence:
+            return copy_to_tensor(p, self.axis)
+        return p
+
+    def kv_weight(self, w: Array) -> Array:
+        """The kv heads this rank attends with. w [..., K_local, E] → [..., K_local or 1, E].
+
+        Replicated kv heads (K < t): every rank slices its one head out of the full weight; the slices' gradients
+        land in different rows (or the same row on the t/K ranks sharing it), so f sums them into the full gradient.
+        """
+        if self.axis is None or self.kv_replicas == 1:
+            return w
+        head = jax.lax.axis_index(self.axis) // self.kv_replicas
+        return jax.lax.dynamic_slice_in_dim(copy_to_tensor(w, self.axis), head, 1, axis=-2)
+
+    def embed(self, table: Array, tokens: Array) -> Array:
+        """Vocab-parallel lookup. table [V/t, D], tokens [B, T] (full sequence) → [B, T or T/t under SP, D]."""
+        return self.exit(vocab_parallel_lookup(table, tokens, self.axis).astype(jnp.float32))
+
+    def seq_shard(self, x: Array) -> Array:
+        """This rank's part of a full-sequence array [B, T, …] (its sequence shard under SP; all of it otherwise)."""
+        if self.axis is not None and self.sequence:
+            return seq.local_seq(x, self.axis)
+        return x
+
+    def vocab_ids(self, local_vocab: int) -> Array:
+        """Global ids of this rank's vocab columns [V/t]."""
+        start = 0 if self.axis is None else jax.lax.axis_index(self.axis) * local_vocab
+        return start + jnp.arange(local_vocab)
+
+    def cross_entropy(self, logits: Array, targets: Array) -> Array:
+        """Per-token loss [B, T] from local-vocab logits [B, T, V/t]; targets [B, T]."""
+        return vocab_parallel_cross_entropy(logits, targets, self.axis)
+
+
+SINGLE_DEVICE = TensorParallel()
