@@ -10,8 +10,8 @@ What the text looks like (checked on the CPU backend of jax 0.10.2, 0.11.2 and 0
 - operands are printed by name only, `dot(%a, %b)`, so shapes come from a module-wide name -> shape table; older
   text that prints them inline, `dot(f32[8,32]{1,0} %a, ...)`, is read too.
 - replica groups: explicit lists `{{0,4},{1,5}}` (0.10), mesh axes `mesh['data'=2,'pipe'=1,'tensor'=4] {'tensor'}`
-  (0.11+), iota `[2,4]<=[4,2]T(1,0)` (other backends); `{}` is every device in one group. Device ids are flat
-  indices into `mesh.devices` (row-major over the mesh axes).
+  (0.11+), and the iota form `[2,4]<=[4,2]T(1,0)` that other XLA builds print (not seen on CPU); `{}` is every
+  device in one group. Device ids are flat indices into `mesh.devices` (row-major over the mesh axes).
 - while loops carry `backend_config={..."known_trip_count":{"n":"5"}}`; without it the body is counted once and a
   warning is recorded (`HloProgram.warnings`, `Collective.exact=False`, and `warnings.warn`).
 - collectives are synchronous on CPU; async pairs (`all-reduce-start` / `-done`) are counted once, at the start.
@@ -139,7 +139,9 @@ def _shape_text(leaves) -> str:
 
 
 def parse_hlo(compiled_or_text) -> HloProgram:
-    """Parses `compiled.as_text()` (or the text itself) and derives every computation's execution count."""
+    """Parses `compiled.as_text()` (or the text itself) and derives every computation's execution count.
+    Call sites are any `key=%comp` / `key={%a, %b}` attribute (body, condition, calls, to_apply,
+    branch_computations, ...); computations nothing reaches from ENTRY count 0."""
     comps: dict[str, list[_Instr]] = {}
     shapes: dict[str, str] = {}
     entry, current = None, None
