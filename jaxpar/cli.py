@@ -2,6 +2,7 @@
 
     jaxpar train    --config FILE [--workdir DIR] [--config.section.field=VALUE ...]
     jaxpar generate --workdir DIR --prompt TEXT [--max-new-tokens N] [--temperature T] [--top-k K] [--top-p P]
+    jaxpar analyze  --config FILE [--format json|table] [--config.section.field=VALUE ...]
 
 A configuration that cannot run is reported as one line on stderr (exit status 2), before anything compiles.
 """
@@ -55,6 +56,17 @@ def _generate(args, overrides: list[str]) -> int:
     return 0
 
 
+def _analyze(args, overrides: list[str]) -> int:
+    config = load_config(args.config, overrides)
+    import json
+
+    from jaxpar.analysis.report import analyze, format_table
+
+    report = analyze(config, activations=not args.no_activations)
+    print(format_table(report) if args.format == "table" else json.dumps(report, indent=2, default=float))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="jaxpar", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -75,6 +87,12 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--seed", type=int, default=0)
     gen.add_argument("--step", type=int, default=None, help="checkpoint step (default: latest)")
     gen.set_defaults(run=_generate)
+    ana = sub.add_parser("analyze", help="compile the train step and compare collectives, FLOPs and memory with "
+                                         "the analytic formulas")
+    ana.add_argument("--config", required=True)
+    ana.add_argument("--format", choices=("json", "table"), default="json")
+    ana.add_argument("--no-activations", action="store_true", help="skip the per-layer activation measurement")
+    ana.set_defaults(run=_analyze)
     return parser
 
 

@@ -137,7 +137,7 @@ class Transformer(nnx.Module):
             positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
         mask = attention_mask(T, segment_ids)
 
-        x = tp.embed(self.embed[...], tokens)  # [B, T, D] float32 ([B, T/t, D] under sequence parallelism)
+        x = tp.embed(self.embed[...].astype(cfg.dtype), tokens)  # [B, T, D] f32 ([B, T/t, D] under SP)
         if cfg.family == "gpt2":
             pos = jnp.take(tp.replicated(self.pos_embed[...]), tp.seq_shard(positions), axis=0)
             x = x + pos.astype(jnp.float32)

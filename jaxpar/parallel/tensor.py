@@ -149,8 +149,11 @@ class TensorParallel:
         return [jnp.einsum(eq, h, w, preferred_element_type=jnp.float32) for eq, w in zip(equations, weights)]
 
     def row(self, x: Array, w: Array, equation: str) -> Array:
-        """Row-parallel matmul: local partial product, then g (or reduce-scatter to sequence shards under SP)."""
-        return self.exit(jnp.einsum(equation, x, w, preferred_element_type=jnp.float32))
+        """Row-parallel matmul: local partial product, then g (or reduce-scatter to sequence shards under SP).
+        The partial sums cross the wire in the compute dtype (bf16 on GPUs, as Megatron does); the result is
+        float32 for the residual stream."""
+        partial = jnp.einsum(equation, x, w, preferred_element_type=jnp.float32).astype(x.dtype)
+        return self.exit(partial).astype(jnp.float32)
 
     def exit(self, partial: Array) -> Array:
         """Sum partial results over the tensor group: g, or a reduce-scatter onto sequence shards under SP."""
@@ -179,8 +182,9 @@ class TensorParallel:
         return jax.lax.dynamic_slice_in_dim(copy_to_tensor(w, self.axis), head, 1, axis=-2)
 
     def embed(self, table: Array, tokens: Array) -> Array:
-        """Vocab-parallel lookup. table [V/t, D], tokens [B, T] (full sequence) → [B, T or T/t under SP, D]."""
-        return self.exit(vocab_parallel_lookup(table, tokens, self.axis).astype(jnp.float32))
+        """Vocab-parallel lookup. table [V/t, D] (compute dtype), tokens [B, T] (full sequence) → float32
+        [B, T or T/t under SP, D]."""
+        return self.exit(vocab_parallel_lookup(table, tokens, self.axis)).astype(jnp.float32)
 
     def seq_shard(self, x: Array) -> Array:
         """This rank's part of a full-sequence array [B, T, …] (its sequence shard under SP; all of it otherwise)."""

@@ -41,15 +41,16 @@ class Trainer:
         return jax.make_array_from_process_local_data(batch_sharding(self.mesh), rows)
 
 
-def build_trainer(config: Config, mesh: Mesh | None, *, explicit: bool = True) -> Trainer:
+def build_trainer(config: Config, mesh: Mesh | None, *, explicit: bool = True, abstract: bool = False) -> Trainer:
     """Optimizer, born-sharded state and the compiled steps for `config` on `mesh` (None: one device, no mesh).
 
-    explicit=False leaves tensor parallelism to GSPMD instead of our shard_map collectives (for comparisons).
+    explicit=False leaves tensor parallelism to GSPMD instead of our shard_map collectives (for comparisons);
+    abstract=True makes `state` shapes only (to lower and analyse the step without allocating it).
     """
     model, parallel = config.model, config.parallel
     layout = model_layout(model.n_kv_heads, model.vocab_size, mesh, parallel.sequence_parallel, explicit)
     tx = make_optimizer(config.train)
-    graphdef, state, shardings = create_state(model, tx, config.train.seed, mesh, layout)
+    graphdef, state, shardings = create_state(model, tx, config.train.seed, mesh, layout, abstract=abstract)
     specs = param_specs(state.params, layout.rules) if mesh is not None else None
     train_step, eval_step = compile_steps(
         make_train_step(graphdef, tx, grad_accum=config.train.grad_accum, remat=parallel.remat,

@@ -74,9 +74,11 @@ def state_shardings(abstract_state: TrainState, mesh: Mesh, rules=RULES) -> Trai
 
 
 def create_state(model_cfg: ModelConfig, tx: optax.GradientTransformation, seed: int, mesh: Mesh | None = None,
-                 layout: ModelLayout = ModelLayout()) -> tuple[nnx.GraphDef, TrainState, TrainState | None]:
+                 layout: ModelLayout = ModelLayout(), *, abstract: bool = False
+                 ) -> tuple[nnx.GraphDef, TrainState, TrainState | None]:
     """Initialise (graphdef, state, shardings). With a mesh, the state is created already sharded; without, on the
-    default device (the plain single-device path)."""
+    default device (the plain single-device path). abstract=True returns ShapeDtypeStructs carrying the shardings
+    (for compiling and analysing a step without allocating it)."""
 
     def init() -> TrainState:
         model = Transformer(model_cfg, rngs=nnx.Rngs(params=seed), padded_vocab=layout.padded_vocab)
@@ -86,5 +88,9 @@ def create_state(model_cfg: ModelConfig, tx: optax.GradientTransformation, seed:
     graphdef, _ = abstract_model(model_cfg, layout.padded_vocab)
     if mesh is None:
         return graphdef, jax.jit(init)(), None
-    shardings = state_shardings(jax.eval_shape(init), mesh, layout.rules)
+    shapes = jax.eval_shape(init)
+    shardings = state_shardings(shapes, mesh, layout.rules)
+    if abstract:
+        return graphdef, jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), shapes,
+                                      shardings), shardings
     return graphdef, jax.jit(init, out_shardings=shardings)(), shardings

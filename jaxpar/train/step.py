@@ -76,6 +76,18 @@ def loss_and_grads(graphdef: nnx.GraphDef, *, grad_accum: int = 1, remat: str = 
     return run
 
 
+def sharded_loss_and_grads(graphdef: nnx.GraphDef, *, grad_accum: int = 1, remat: str = "none",
+                           tp: TensorParallel = SINGLE_DEVICE, mesh: Mesh | None = None,
+                           param_specs: nnx.State | None = None):
+    """`loss_and_grads` over the global batch: under shard_map when `tp.axis` is set (params laid out by
+    `param_specs`, rows over data), else as one global computation (single device, or GSPMD on a mesh)."""
+    if tp.axis is None:
+        return loss_and_grads(graphdef, grad_accum=grad_accum, remat=remat)
+    local = loss_and_grads(graphdef, grad_accum=grad_accum, remat=remat, tp=tp, data_axis=DATA)
+    return jax.shard_map(local, mesh=mesh, in_specs=(param_specs, batch_spec()), out_specs=(P(), param_specs),
+                         check_vma=False)
+
+
 def global_norm(tree) -> jax.Array:
     """sqrt of the sum of squares of every leaf, in float32 (what clip_by_global_norm compares against)."""
     return jnp.sqrt(sum(jnp.sum(jnp.square(x.astype(jnp.float32))) for x in jax.tree.leaves(tree)))
@@ -85,17 +97,10 @@ def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, *,
                     remat: str = "none", schedule: optax.Schedule | None = None, tp: TensorParallel = SINGLE_DEVICE,
                     mesh: Mesh | None = None, param_specs: nnx.State | None = None
                     ) -> Callable[[TrainState, jax.Array], tuple[TrainState, Metrics]]:
-    """(state, batch int [B, T+1]) → (state, metrics {loss, grad_norm, lr}).
-
-    With `tp.axis` set, loss and gradients run under shard_map over `mesh` (params laid out by `param_specs`, rows
-    over data); otherwise as one global computation (single device, or GSPMD on a mesh).
-    """
-    if tp.axis is None:
-        grads_of = loss_and_grads(graphdef, grad_accum=grad_accum, remat=remat)
-    else:
-        local = loss_and_grads(graphdef, grad_accum=grad_accum, remat=remat, tp=tp, data_axis=DATA)
-        grads_of = jax.shard_map(local, mesh=mesh, in_specs=(param_specs, batch_spec()), out_specs=(P(), param_specs),
-                                 check_vma=False)
+    """(state, batch int [B, T+1]) → (state, metrics {loss, grad_norm, lr}); gradients from
+    `sharded_loss_and_grads`, then clipping and AdamW on the sharded state."""
+    grads_of = sharded_loss_and_grads(graphdef, grad_accum=grad_accum, remat=remat, tp=tp, mesh=mesh,
+                                      param_specs=param_specs)
 
     def step(state: TrainState, batch: jax.Array) -> tuple[TrainState, Metrics]:
         loss, grads = grads_of(state.params, batch)

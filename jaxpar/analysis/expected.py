@@ -1,0 +1,100 @@
+"""Analytic expectations for one train step, per device, to set beside what the compiled program does.
+
+Notation: b rows per data shard (per device), s seq_len, h d_model, a query heads, E head_dim, K kv heads, F d_ff,
+V padded vocab, L layers, t tensor degree, β bytes per activation element (the compute dtype), A grad_accum chunks.
+Ring algorithms: an all-reduce of N bytes sends 2(t−1)/t·N per device; an all-gather or reduce-scatter (t−1)/t·N.
+
+Tensor-axis traffic (Megatron; Korthikanti et al. 2022 for SP), N = b·s·h·β:
+    per layer, TP:     fwd g(attn out) + g(mlp out), bwd f(attn in) + f(mlp in)        = 4 all-reduces  = 8(t−1)/t·N
+    per layer, TP+SP:  fwd 2 AG + 2 RS, bwd 2 RS + 2 AG, + 2 re-gathers of the column-parallel inputs (§4.2.2)
+                                                                                       = 10 halves      = 10(t−1)/t·N
+    embedding:         TP: g fwd (1 all-reduce);   SP: RS fwd + AG bwd
+    LM head:           TP: f bwd (1 all-reduce);   SP: AG fwd + RS bwd (XLA reuses the forward gather in the backward
+                       here: same value, no loop boundary between them)
+    loss:              3 per-token scalars (max, Σexp, target logit) as all-reduces of b·s·4 bytes — never b·s·V
+    small terms:       GQA with K < t: the f on replicated kv weights all-reduces their gradients (2·h·K·E·4 per layer);
+                       SP: the f on tensor-replicated params used on sequence shards (norm scales, output biases,
+                       gpt2 positions) all-reduces their gradients.
+Data-axis traffic: one all-reduce of the local gradient shard.
+
+FLOPs (matmuls only, per device; training = 3 × forward: forward, input gradient, weight gradient):
+    forward per token, per layer: 2h·E·(a_loc + 2·K_loc) + 4·s·E·a_loc + 2·a_loc·E·h + 2·h·F/t·(3 llama | 2 gpt2)
+    with a_loc = a/t and K_loc = max(K/t, 1) (replicated kv heads are computed on every rank);
+    the full causal score matrix is computed (masking does not halve the work here, so it is not halved); plus the
+    LM head 2·h·V/t per token. Model FLOPs per token (the 6N + 12·L·h·s rule of DESIGN.md) are reported beside it.
+
+Activation memory per layer (Korthikanti et al. 2022, 16-bit, GELU MLP of 4h, with dropout):
+    no parallelism s·b·h·(34 + 5·a·s/h);  TP: s·b·h·(10 + 24/t + 5·a·s/(h·t));  TP+SP: s·b·h·(34/t + 5·a·s/(h·t)).
+Our block differs (SwiGLU, GQA, no dropout, float32 in tests), so the absolute numbers are a reference; what must
+hold is the scaling: with SP everything per layer divides by t.
+"""
+
+from __future__ import annotations
+
+from jaxpar.config import Config
+
+
+def _dims(config: Config, padded_vocab: int) -> dict:
+    m, p, t = config.model, config.parallel, config.train
+    return dict(b=t.batch_size // p.data, s=t.seq_len, h=m.d_model, a=m.n_heads, E=m.head_dim, K=m.n_kv_heads,
+                F=m.d_ff, V=padded_vocab, L=m.n_layers, t=p.tensor, sp=p.sequence_parallel,
+                beta=4 if m.dtype == "float32" else 2, llama=m.family == "llama", gpt2=m.family == "gpt2")
+
+
+def tensor_bytes(config: Config, padded_vocab: int) -> dict[str, float]:
+    """Expected bytes each device sends on the tensor axis in one train step, by source."""
+    d = _dims(config, padded_vocab)
+    t = d["t"]
+    if t == 1:
+        return {"layers": 0.0, "embedding": 0.0, "head": 0.0, "loss": 0.0, "param_grads": 0.0, "total": 0.0}
+    half = (t - 1) / t * d["b"] * d["s"] * d["h"] * d["beta"]  # one all-gather or reduce-scatter of b·s·h
+    out = {
+        "layers": d["L"] * (10 if d["sp"] else 8) * half,
+        "embedding": 2 * half,
+        "head": 2 * half,
+        "loss": 3 * 2 * (t - 1) / t * d["b"] * d["s"] * 4,
+    }
+    grads = 0.0  # all-reduced parameter gradients (float32), per step
+    if d["K"] < t:
+        grads += d["L"] * 2 * d["h"] * d["K"] * d["E"] * 4
+    if d["sp"]:
+        per_layer = 2 * d["h"] + (4 * d["h"] if d["gpt2"] else 0)  # norm scales (+ norm biases, bo, b_down)
+        grads += d["L"] * per_layer * 4 + d["h"] * 4 * (2 if d["gpt2"] else 1)
+        if d["gpt2"]:
+            grads += config.model.max_seq_len * d["h"] * 4  # position table
+    out["param_grads"] = 2 * (t - 1) / t * grads
+    out["total"] = sum(out.values())
+    return out
+
+
+def layer_forward_flops_per_token(config: Config) -> float:
+    """Matmul FLOPs of one layer's forward pass per token, per device."""
+    d = _dims(config, config.model.vocab_size)
+    a_loc, k_loc = d["a"] / d["t"], max(d["K"] / d["t"], 1)
+    mlp = (3 if d["llama"] else 2) * 2 * d["h"] * d["F"] / d["t"]
+    return 2 * d["h"] * d["E"] * (a_loc + 2 * k_loc) + 4 * d["s"] * d["E"] * a_loc + 2 * a_loc * d["E"] * d["h"] + mlp
+
+
+def step_flops(config: Config, padded_vocab: int) -> dict[str, float]:
+    """Expected matmul FLOPs per device per train step (no recomputation), and model FLOPs (6N + 12·L·h·s)."""
+    d = _dims(config, padded_vocab)
+    tokens = d["b"] * d["s"]  # per device (each tensor rank processes the same tokens)
+    forward = tokens * (d["L"] * layer_forward_flops_per_token(config) + 2 * d["h"] * d["V"] / d["t"])
+    m = config.model
+    attn = m.d_model * m.head_dim * (m.n_heads * 2 + 2 * m.n_kv_heads)
+    mlp = (3 if m.family == "llama" else 2) * m.d_model * m.d_ff
+    n_matmul = m.n_layers * (attn + mlp) + m.d_model * m.vocab_size
+    model = tokens * (6 * n_matmul + 12 * m.n_layers * m.n_heads * m.head_dim * d["s"]) / d["t"]
+    return {"executed": 3 * forward, "model_flops_per_device": model}
+
+
+def activation_bytes_per_layer(config: Config) -> dict[str, float]:
+    """Korthikanti et al.'s activation memory per layer per device (16-bit), for reference."""
+    d = _dims(config, config.model.vocab_size)
+    sbh, ratio, t = d["s"] * d["b"] * d["h"], d["a"] * d["s"] / d["h"], d["t"]
+    return {"none": sbh * (34 + 5 * ratio), "tp": sbh * (10 + 24 / t + 5 * ratio / t),
+            "tp_sp": sbh * (34 / t + 5 * ratio / t)}
+
+
+def ratio(measured: float, expected: float) -> float | None:
+    return None if not expected else measured / expected

@@ -1,0 +1,153 @@
+"""`analyze(config)`: compile the train step for a layout and set what it does beside the analytic expectations.
+
+Sections of the report (the JSON of `jaxpar analyze`, and what notebooks and tests read):
+- `collectives`: every collective of the compiled step, summed by kind and mesh axes (executions and bytes sent per
+  device, loop trip counts applied), the tensor-axis total, and the largest single tensor-axis transfer;
+- `flops`: matmul FLOPs from the HLO (trip counts applied) and XLA's own `cost_analysis` (which counts a loop body
+  once, shown so the difference is visible);
+- `memory`: the step's `memory_analysis` (arguments = params + optimizer state + batch, temp = everything else), and
+  the activation memory per layer — see `activation_bytes_per_layer`;
+- `expected`: the formulas of `jaxpar.analysis.expected`;
+- `ratio`: measured / expected for tensor bytes, FLOPs and activation memory.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxpar.analysis import expected
+from jaxpar.analysis.hlo import collective_summary, collectives, cost, dot_flops, memory
+from jaxpar.config import Config
+from jaxpar.mesh import make_mesh
+from jaxpar.model import Transformer
+from jaxpar.sharding import model_layout, param_shardings, param_specs
+from jaxpar.train.loop import build_trainer
+from jaxpar.train.step import batch_sharding, sharded_loss_and_grads
+
+
+def _abstract_batch(config: Config, mesh) -> jax.ShapeDtypeStruct:
+    t = config.train
+    return jax.ShapeDtypeStruct((t.batch_size, t.seq_len + 1), jnp.int32, sharding=batch_sharding(mesh))
+
+
+def compile_grads(config: Config, mesh) -> jax.stages.Compiled:
+    """The compiled loss-and-gradients function alone (no optimizer) for `config` on `mesh`, from abstract params."""
+    m, p = config.model, config.parallel
+    layout = model_layout(m.n_kv_heads, m.vocab_size, mesh, p.sequence_parallel)
+    graphdef, params = nnx.split(nnx.eval_shape(lambda: Transformer(m, rngs=nnx.Rngs(0),
+                                                                    padded_vocab=layout.padded_vocab)), nnx.Param)
+    shardings = param_shardings(params, mesh, layout.rules)
+    params = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), params, shardings)
+    fn = sharded_loss_and_grads(graphdef, grad_accum=config.train.grad_accum, remat=p.remat, tp=layout.tp, mesh=mesh,
+                                param_specs=param_specs(params, layout.rules))
+    with jax.set_mesh(mesh):
+        return jax.jit(fn).lower(params, _abstract_batch(config, mesh)).compile()
+
+
+def activation_bytes_per_layer(config: Config, mesh) -> dict[str, float]:
+    """Activation memory per layer per device, measured.
+
+    How activations are separated from everything else: compile loss-and-gradients alone, where parameters are
+    arguments and gradients outputs, so XLA's temp bytes hold activations saved for the backward pass plus
+    workspace; then compile it again with twice the layers. The difference per added layer is one layer's
+    activations — the embedding, LM head, loss and workspace buffers cancel out. Optimizer state never appears.
+    """
+    L = config.model.n_layers
+    temps = [memory(compile_grads(dataclasses.replace(config, model=dataclasses.replace(config.model, n_layers=n)),
+                                  mesh))["temp_bytes"] for n in (L, 2 * L)]
+    return {"per_layer": (temps[1] - temps[0]) / L, "temp_bytes_at_L": temps[0], "temp_bytes_at_2L": temps[1]}
+
+
+def analyze(config: Config, devices: list | None = None, *, activations: bool = True) -> dict:
+    """The report for `config` on `devices` (default: all). `activations=False` skips the two extra compilations."""
+    devices = list(jax.devices() if devices is None else devices)
+    config = config.resolve_for_devices(len(devices))
+    mesh = make_mesh(config.parallel, devices)
+    trainer = build_trainer(config, mesh, abstract=True)
+    compiled = trainer.train_step.lower(trainer.state, _abstract_batch(config, mesh)).compile()
+
+    cols = collectives(compiled, mesh)
+    # Scalar-only reductions on the tensor axis are the optimizer's global gradient norm (partial sums of squares of
+    # tensor-sharded gradients, inserted by the compiler outside the shard_map): reported apart from Megatron's.
+    scalar = [c for c in cols if c.axes == ("tensor",) and _all_scalars(c.shape)]
+    tensor_cols = [c for c in cols if c.axes == ("tensor",) and c not in scalar]
+    tensor_sent = sum(c.sent_bytes * c.count for c in tensor_cols)
+    padded = trainer.layout.padded_vocab
+    want_bytes = expected.tensor_bytes(config, padded)
+    want_flops = expected.step_flops(config, padded)
+    measured_flops = dot_flops(compiled)
+    report = {
+        "config": {"mesh": dict(mesh.shape), "sequence_parallel": config.parallel.sequence_parallel,
+                   "batch_per_data_shard": config.train.batch_size // config.parallel.data,
+                   "seq_len": config.train.seq_len, "d_model": config.model.d_model,
+                   "n_layers": config.model.n_layers, "padded_vocab": padded, "dtype": config.model.dtype},
+        "collectives": {
+            "by_kind_and_axes": collective_summary(cols),
+            "tensor_sent_bytes": tensor_sent,
+            "tensor_scalar_sent_bytes": sum(c.sent_bytes * c.count for c in scalar),
+            "largest_tensor_array_elements": max((_largest_leaf(c.shape) for c in tensor_cols), default=0),
+            "exact": all(c.exact for c in cols),
+        },
+        "flops": {"dot_flops": measured_flops, "xla_cost_flops": cost(compiled)["flops"]},
+        "memory": {"step": memory(compiled)},
+        "expected": {"tensor_sent_bytes": want_bytes, "flops": want_flops,
+                     "activation_bytes_per_layer_korthikanti": expected.activation_bytes_per_layer(config)},
+        "ratio": {"tensor_sent_bytes": expected.ratio(tensor_sent, want_bytes["total"]),
+                  "flops": expected.ratio(measured_flops, want_flops["executed"])},
+    }
+    if activations:
+        act = activation_bytes_per_layer(config, mesh)
+        report["memory"]["activations"] = act
+        korthikanti = report["expected"]["activation_bytes_per_layer_korthikanti"]
+        key = "none" if config.parallel.tensor == 1 else "tp_sp" if config.parallel.sequence_parallel else "tp"
+        report["ratio"]["activation_bytes_per_layer_vs_korthikanti"] = expected.ratio(act["per_layer"],
+                                                                                      korthikanti[key])
+    return report
+
+
+def _largest_leaf(shape: str) -> int:
+    """Elements of the largest array in a (possibly tuple, XLA-combined) collective shape."""
+    return max((math.prod(int(d) for d in dims.split(",") if d) for dims in re.findall(r"\[([^\]]*)\]", shape)),
+               default=0)
+
+
+def _all_scalars(shape: str) -> bool:
+    """True for `f32[]` or a tuple of rank-0 arrays."""
+    return all(dims == "" for dims in re.findall(r"\[([^\]]*)\]", shape))
+
+
+def format_table(report: dict) -> str:
+    """The report as a few human-readable lines."""
+    c, e, r = report["config"], report["expected"], report["ratio"]
+    rows = [f"mesh {c['mesh']}  SP={c['sequence_parallel']}  b/shard={c['batch_per_data_shard']}  s={c['seq_len']}  "
+            f"h={c['d_model']}  L={c['n_layers']}  V={c['padded_vocab']}  {c['dtype']}", "",
+            f"{'collective':<28}{'count':>8}{'sent MB/dev':>14}"]
+    for key, v in report["collectives"]["by_kind_and_axes"].items():
+        rows.append(f"{key:<28}{v['count']:>8}{v['sent_bytes'] / 1e6:>14.3f}")
+    rows += ["",
+             f"{'':<28}{'measured':>14}{'expected':>14}{'ratio':>8}",
+             _row("tensor-axis MB sent/dev", report["collectives"]["tensor_sent_bytes"] / 1e6,
+                  e["tensor_sent_bytes"]["total"] / 1e6, r["tensor_sent_bytes"]),
+             _row("matmul GFLOP/dev", report["flops"]["dot_flops"] / 1e9, e["flops"]["executed"] / 1e9, r["flops"])]
+    if "activations" in report["memory"]:
+        act = report["memory"]["activations"]["per_layer"] / 1e6
+        rows.append(_row("activations MB/layer/dev", act, None, None)
+                    + f"   (Korthikanti 16-bit: {e['activation_bytes_per_layer_korthikanti']['none'] / 1e6:.2f} "
+                      f"none, {e['activation_bytes_per_layer_korthikanti']['tp'] / 1e6:.2f} tp, "
+                      f"{e['activation_bytes_per_layer_korthikanti']['tp_sp'] / 1e6:.2f} tp+sp)")
+    step = report["memory"]["step"]
+    rows.append(f"step memory/dev: arguments {step['argument_bytes'] / 1e6:.2f} MB, temp {step['temp_bytes'] / 1e6:.2f}"
+                f" MB, peak {step['peak_bytes'] / 1e6:.2f} MB;  XLA cost_analysis flops (loop bodies once): "
+                f"{report['flops']['xla_cost_flops'] / 1e9:.3f} G")
+    return "\n".join(rows)
+
+
+def _row(name, measured, want, ratio) -> str:
+    fmt = lambda x: f"{x:>14.3f}" if x is not None else f"{'—':>14}"  # noqa: E731
+    return f"{name:<28}{fmt(measured)}{fmt(want)}{(f'{ratio:>8.3f}' if ratio is not None else f'{chr(8212):>8}')}"
