@@ -116,14 +116,22 @@ class ParallelConfig:
             _check_positive(f"parallel.{name}", getattr(self, name))
         _check_choice("parallel.zero", self.zero, (0, 1, 3))
         _check_choice("parallel.remat", self.remat, REMAT_POLICIES)
-        # Not built yet. Refuse rather than silently ignore; each message says what to use today.
-        if self.pipe != 1:
-            raise ConfigError("parallel.pipe", self.pipe, "pipeline parallelism is not available yet",
-                              "set parallel.pipe=1 and use data/tensor parallelism")
-        if self.repeats != 1 or self.microbatches != 1:
+        if self.pipe == 1 and (self.repeats != 1 or self.microbatches != 1):
             name = "repeats" if self.repeats != 1 else "microbatches"
-            raise ConfigError(f"parallel.{name}", getattr(self, name), "only meaningful with pipeline parallelism, "
-                              "which is not available yet", f"set parallel.{name}=1 (use train.grad_accum to split a step)")
+            raise ConfigError(f"parallel.{name}", getattr(self, name), "only meaningful with pipeline parallelism "
+                              "(parallel.pipe > 1)", f"set parallel.{name}=1, or parallel.pipe > 1 "
+                              "(use train.grad_accum to split a step without a pipeline)")
+        if self.pipe > 1 and self.microbatches < self.pipe:
+            raise ConfigError("parallel.microbatches", self.microbatches,
+                              f"must be >= parallel.pipe = {self.pipe} (a microbatch leaving the last stage must not "
+                              "reach the first before that stage has started every other microbatch of the pass)",
+                              f"use microbatches {self.pipe} or another multiple of {self.pipe}")
+        if self.pipe > 1 and self.microbatches % self.pipe:
+            raise ConfigError("parallel.microbatches", self.microbatches,
+                              f"must be a multiple of parallel.pipe = {self.pipe} (each stage embeds, and finally "
+                              "holds, microbatches/pipe of them)",
+                              f"use microbatches {_nearest_multiples(self.microbatches, self.pipe)}")
+        # Not built yet. Refuse rather than silently ignore.
         if self.zero != 0:
             raise ConfigError("parallel.zero", self.zero, "ZeRO sharding is not available yet", "set parallel.zero=0")
 

@@ -86,19 +86,27 @@ class Blocks(nnx.Module):
             self.b_down = _param(None, (L, D), ("layers", "embed"), pd)
         self.cfg = cfg
 
+    def stacked(self) -> dict[str, Array]:
+        """The stacked parameters by name, each [L, …] (the local share of the stack inside shard_map)."""
+        return {name: v[...] for name, v in vars(self).items() if isinstance(v, nnx.Param)}
+
     def __call__(self, x: Array, positions: Array, mask: Array, *, remat: str = "none",
                  tp: TensorParallel = SINGLE_DEVICE) -> Array:
         """x [B, T, D] float32 (T/t under sequence parallelism) → same; positions [B, T]; mask [B, 1, 1, T, S] bool."""
-        stacked = {name: v[...] for name, v in vars(self).items() if isinstance(v, nnx.Param)}
-        cfg = self.cfg
+        return run_layers(self.stacked(), x, positions, mask, self.cfg, remat=remat, tp=tp)
 
-        def body(x, layer):
-            return block(layer, x, positions, mask, cfg, tp), None
 
-        if remat != "none":
-            body = jax.checkpoint(body, policy=REMAT_POLICIES[remat], prevent_cse=False)
-        x, _ = jax.lax.scan(body, x, stacked)
-        return x
+def run_layers(stacked: dict[str, Array], x: Array, positions: Array, mask: Array, cfg: ModelConfig, *,
+               remat: str = "none", tp: TensorParallel = SINGLE_DEVICE) -> Array:
+    """Apply the layers of `stacked` ([n, …] each) in order with a scan; `remat` checkpoints each layer."""
+
+    def body(x, layer):
+        return block(layer, x, positions, mask, cfg, tp), None
+
+    if remat != "none":
+        body = jax.checkpoint(body, policy=REMAT_POLICIES[remat], prevent_cse=False)
+    x, _ = jax.lax.scan(body, x, stacked)
+    return x
 
 
 class Transformer(nnx.Module):
@@ -131,18 +139,25 @@ class Transformer(nnx.Module):
         Returns float32 logits [B, T, V_local]: the whole (padded) vocab on one device, this rank's vocab shard under
         tensor parallelism (the loss is then `tp.cross_entropy`).
         """
-        cfg = self.cfg
         B, T = tokens.shape
         if positions is None:
-            positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
-        mask = attention_mask(T, segment_ids)
+            positions = default_positions(B, T)
+        x = self.embed_tokens(tokens, positions, tp)
+        x = self.blocks(x, positions, attention_mask(T, segment_ids), remat=remat, tp=tp)
+        return self.logits(x, tp)
 
-        x = tp.embed(self.embed[...].astype(cfg.dtype), tokens)  # [B, T, D] f32 ([B, T/t, D] under SP)
+    def embed_tokens(self, tokens: Array, positions: Array, tp: TensorParallel = SINGLE_DEVICE) -> Array:
+        """tokens [B, T] → residual stream [B, T, D] float32 ([B, T/t, D] under sequence parallelism)."""
+        cfg = self.cfg
+        x = tp.embed(self.embed[...].astype(cfg.dtype), tokens)
         if cfg.family == "gpt2":
             pos = jnp.take(tp.replicated(self.pos_embed[...]), tp.seq_shard(positions), axis=0)
             x = x + pos.astype(jnp.float32)
-        x = constrain(x, ("batch", "seq", "embed"))
-        x = self.blocks(x, positions, mask, remat=remat, tp=tp)
+        return constrain(x, ("batch", "seq", "embed"))
+
+    def logits(self, x: Array, tp: TensorParallel = SINGLE_DEVICE) -> Array:
+        """Final norm and LM head: [B, T(/t), D] → float32 logits [B, T, V_local], padded vocab masked."""
+        cfg = self.cfg
         x = norm(x, tp.replicated(self.final_norm[...]), _maybe(tp.replicated, getattr(self, "final_norm_b", None)),
                  cfg)
         head = self.embed[...].T if cfg.tie_embeddings else self.lm_head[...]  # [D, V_local]
@@ -245,6 +260,10 @@ def rope(x: Array, positions: Array, theta: float) -> Array:
     return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
 
 
+def default_positions(B: int, T: int) -> Array:
+    return jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
+
+
 def attention_mask(T: int, segment_ids: Array | None) -> Array:
     """Causal mask, intersected with same-segment when segment_ids [B, T] is given. → bool [B|1, 1, 1, T, S]."""
     causal = jnp.tril(jnp.ones((T, T), dtype=bool))  # [T, S]
@@ -268,6 +287,13 @@ def pad_vocab(params: nnx.State, padded_vocab: int) -> nnx.State:
     out["embed"] = params["embed"].replace(resize(params["embed"][...], 0))
     if "lm_head" in params:
         out["lm_head"] = params["lm_head"].replace(resize(params["lm_head"][...], 1))
+    return out
+
+
+def permute_layers(params: nnx.State, order) -> nnx.State:
+    """Reorder the stacked layer axis: position n of the result holds `params`' layer order[n]."""
+    out = jax.tree.map(lambda x: x, params)
+    out["blocks"] = jax.tree.map(lambda x: x[jnp.asarray(order)], params["blocks"])
     return out
 
 

@@ -5,12 +5,12 @@ the mesh. This table is the only place that says how a logical axis is laid out 
 
 | logical  | mesh     | why                                                                      |
 |----------|----------|--------------------------------------------------------------------------|
-| batch    | data     | data parallelism: each data shard sees its slice of the global batch     |
+| batch    | data,pipe| data parallelism; the pipeline's embedding/head/loss also split rows over `pipe` |
 | heads    | tensor   | Megatron: attention is split by heads (column-parallel QKV, row-parallel out) |
 | kv_heads | tensor   | the kv heads of a query-head group live on the same shard                |
 | mlp      | tensor   | column-parallel up/gate, row-parallel down                               |
 | vocab    | tensor   | vocab-parallel embedding and LM head                                     |
-| layers   | pipe     | stacked layers: stage s holds its contiguous slice of the stack          |
+| layers   | pipe     | stacked layers: stage s holds its contiguous slice of the stack (kept in pipeline order) |
 | (others) | —        | replicated: embed, head_dim, seq, norm                                   |
 
 One exception is derived from it, per model and mesh (`model_layout`): with fewer kv heads than tensor ranks (GQA,
@@ -24,15 +24,20 @@ import math
 from typing import Any, Sequence
 
 import jax
+import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from jaxpar.config import ModelConfig, ParallelConfig
+from jaxpar.parallel.pipeline import pipeline_order
 from jaxpar.parallel.tensor import SINGLE_DEVICE, TensorParallel
 
 LogicalAxes = tuple[str | None, ...]
 
-RULES: tuple[tuple[str, str | None], ...] = (
-    ("batch", "data"),
+MeshAxes = str | tuple[str, ...] | None
+
+RULES: tuple[tuple[str, MeshAxes], ...] = (
+    ("batch", ("data", "pipe")),
     ("heads", "tensor"),
     ("kv_heads", "tensor"),
     ("mlp", "tensor"),
@@ -45,7 +50,7 @@ RULES: tuple[tuple[str, str | None], ...] = (
 )
 
 
-def logical_to_spec(axes: Sequence[str | None], rules: Sequence[tuple[str, str | None]] = RULES) -> P:
+def logical_to_spec(axes: Sequence[str | None], rules: Sequence[tuple[str, MeshAxes]] = RULES) -> P:
     """PartitionSpec for an array whose dims carry `axes`. A mesh axis is used at most once (first dim wins)."""
     table = dict(rules)
     used: set[str] = set()
@@ -53,12 +58,12 @@ def logical_to_spec(axes: Sequence[str | None], rules: Sequence[tuple[str, str |
     for name in axes:
         if name is not None and name not in table:
             raise KeyError(f"logical axis {name!r} has no rule; add it to jaxpar.sharding.RULES")
-        mesh_axis = table.get(name) if name is not None else None
-        if mesh_axis in used:
-            mesh_axis = None
-        if mesh_axis is not None:
-            used.add(mesh_axis)
-        out.append(mesh_axis)
+        mesh_axes = table.get(name) if name is not None else None
+        group = (mesh_axes,) if isinstance(mesh_axes, str) else tuple(mesh_axes or ())
+        if any(a in used for a in group):
+            group = ()
+        used.update(group)
+        out.append(None if not group else group[0] if len(group) == 1 else group)
     return P(*out)
 
 
@@ -105,25 +110,49 @@ class ModelLayout:
     multiple of the tensor degree (Megatron's make-vocab-size-divisible-by: pad rows are zero and their logits
     masked, so the math is unchanged), and the tensor-parallel boundaries the model calls."""
 
-    rules: tuple[tuple[str, str | None], ...] = RULES
+    rules: tuple[tuple[str, MeshAxes], ...] = RULES
     padded_vocab: int | None = None
     tp: TensorParallel = SINGLE_DEVICE
+    pipeline: Pipeline | None = None
+
+    @property
+    def layer_order(self) -> np.ndarray | None:
+        """order[n] = the model layer at position n of the stacked axis in memory (None: model order)."""
+        return None if self.pipeline is None else self.pipeline.layer_order
 
 
-def model_layout(n_kv_heads: int, vocab_size: int, mesh: Mesh | None, sequence_parallel: bool = False,
+@dataclasses.dataclass(frozen=True)
+class Pipeline:
+    """The circular pipeline's counts (jaxpar.parallel.pipeline)."""
+
+    stages: int
+    repeats: int
+    microbatches: int
+    layers: int
+
+    @property
+    def layer_order(self) -> np.ndarray:
+        return pipeline_order(self.layers, self.stages, self.repeats)
+
+
+def model_layout(model: ModelConfig, parallel: ParallelConfig | None, mesh: Mesh | None,
                  explicit: bool = True) -> ModelLayout:
-    """The layout of a model with `n_kv_heads` and `vocab_size` on `mesh` (None: one device, no mesh).
+    """The layout of `model` with `parallel` settings on `mesh` (None: one device, no mesh).
 
     explicit: the step runs under `shard_map` with our collectives (TensorParallel bound to 'tensor'); False leaves
-    tensor parallelism to GSPMD (the comparison baseline of bench/tp.py).
+    tensor parallelism to GSPMD (the comparison baseline of bench/tp.py; no pipeline there).
     """
     if mesh is None:
-        return ModelLayout(padded_vocab=vocab_size)
+        return ModelLayout(padded_vocab=model.vocab_size)
     t = mesh.shape["tensor"]
     rules = RULES
     kv_replicas = 1
-    if n_kv_heads % t:
+    if model.n_kv_heads % t:
         rules = tuple((name, None if name == "kv_heads" else axis) for name, axis in RULES)
-        kv_replicas = t // n_kv_heads
-    tp = TensorParallel("tensor", sequence_parallel, kv_replicas) if explicit else SINGLE_DEVICE
-    return ModelLayout(rules, math.ceil(vocab_size / t) * t, tp)
+        kv_replicas = t // model.n_kv_heads
+    sequence = parallel is not None and parallel.sequence_parallel
+    tp = TensorParallel("tensor", sequence, kv_replicas) if explicit else SINGLE_DEVICE
+    pipeline = None
+    if parallel is not None and mesh.shape["pipe"] > 1:
+        pipeline = Pipeline(mesh.shape["pipe"], parallel.repeats, parallel.microbatches, model.n_layers)
+    return ModelLayout(rules, math.ceil(model.vocab_size / t) * t, tp, pipeline)

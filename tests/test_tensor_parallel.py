@@ -11,7 +11,7 @@ import pytest
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from jaxpar.config import ConfigError, load_config
+from jaxpar.config import ConfigError, ParallelConfig, load_config
 from jaxpar.mesh import make_mesh
 from jaxpar.model import Transformer, pad_vocab
 from jaxpar.parallel.tensor import copy_to_tensor, reduce_from_tensor, vocab_parallel_cross_entropy
@@ -41,7 +41,7 @@ def reference(cfg, batch):
 def parallel(cfg, params, batch, data, tensor, sequence):
     """The same parameters, vocab-padded and sharded, through the shard_map'd loss and gradients."""
     mesh = make_mesh(layout(data, tensor), jax.devices()[: data * tensor])
-    lay = model_layout(cfg.n_kv_heads, cfg.vocab_size, mesh, sequence)
+    lay = model_layout(cfg, ParallelConfig(data=data, tensor=tensor, sequence_parallel=sequence), mesh)
     padded = pad_vocab(params, lay.padded_vocab)
     graphdef = nnx.graphdef(Transformer(cfg, rngs=nnx.Rngs(0), padded_vocab=lay.padded_vocab))
     padded = jax.device_put(padded, param_shardings(padded, mesh, lay.rules))
@@ -128,4 +128,4 @@ def test_config_errors_for_tensor_parallel():
         load_config(None, ["parallel.tensor=8", "model.n_heads=4"])
     # An indivisible vocab is not an error: it is padded (and said so in the log).
     cfg = load_config(None, ["parallel.tensor=2", "model.vocab_size=257"])
-    assert model_layout(cfg.model.n_kv_heads, 257, make_mesh(layout(4, 2))).padded_vocab == 258
+    assert model_layout(cfg.model, cfg.parallel, make_mesh(layout(4, 2))).padded_vocab == 258

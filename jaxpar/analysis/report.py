@@ -39,13 +39,13 @@ def _abstract_batch(config: Config, mesh) -> jax.ShapeDtypeStruct:
 def compile_grads(config: Config, mesh) -> jax.stages.Compiled:
     """The compiled loss-and-gradients function alone (no optimizer) for `config` on `mesh`, from abstract params."""
     m, p = config.model, config.parallel
-    layout = model_layout(m.n_kv_heads, m.vocab_size, mesh, p.sequence_parallel)
+    layout = model_layout(m, p, mesh)
     graphdef, params = nnx.split(nnx.eval_shape(lambda: Transformer(m, rngs=nnx.Rngs(0),
                                                                     padded_vocab=layout.padded_vocab)), nnx.Param)
     shardings = param_shardings(params, mesh, layout.rules)
     params = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), params, shardings)
     fn = sharded_loss_and_grads(graphdef, grad_accum=config.train.grad_accum, remat=p.remat, tp=layout.tp, mesh=mesh,
-                                param_specs=param_specs(params, layout.rules))
+                                param_specs=param_specs(params, layout.rules), pipe=layout.pipeline)
     with jax.set_mesh(mesh):
         return jax.jit(fn).lower(params, _abstract_batch(config, mesh)).compile()
 

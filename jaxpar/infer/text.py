@@ -37,7 +37,7 @@ def load_workdir(workdir: str | pathlib.Path, *, devices: list | None = None, st
     parallel = dataclasses.replace(config.parallel, data=1, pipe=1, tensor=tensor)
     mesh = make_mesh(parallel, devices[:tensor])
     # Generation runs the plain model under jit on the sharded params (GSPMD inserts the collectives).
-    layout = model_layout(config.model.n_kv_heads, config.model.vocab_size, mesh, explicit=False)
+    layout = model_layout(config.model, parallel, mesh, explicit=False)
     graphdef, abstract = abstract_model(config.model, layout.padded_vocab)
     params, step = checkpoint.restore_params(workdir, abstract, param_shardings(abstract, mesh, layout.rules),
                                              step=step)

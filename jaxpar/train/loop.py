@@ -48,14 +48,15 @@ def build_trainer(config: Config, mesh: Mesh | None, *, explicit: bool = True, a
     abstract=True makes `state` shapes only (to lower and analyse the step without allocating it).
     """
     model, parallel = config.model, config.parallel
-    layout = model_layout(model.n_kv_heads, model.vocab_size, mesh, parallel.sequence_parallel, explicit)
+    layout = model_layout(model, parallel, mesh, explicit)
     tx = make_optimizer(config.train)
     graphdef, state, shardings = create_state(model, tx, config.train.seed, mesh, layout, abstract=abstract)
     specs = param_specs(state.params, layout.rules) if mesh is not None else None
     train_step, eval_step = compile_steps(
         make_train_step(graphdef, tx, grad_accum=config.train.grad_accum, remat=parallel.remat,
-                        schedule=lr_schedule(config.train), tp=layout.tp, mesh=mesh, param_specs=specs),
-        make_eval_step(graphdef, tp=layout.tp, mesh=mesh, param_specs=specs), mesh, shardings)
+                        schedule=lr_schedule(config.train), tp=layout.tp, mesh=mesh, param_specs=specs,
+                        pipe=layout.pipeline),
+        make_eval_step(graphdef, tp=layout.tp, mesh=mesh, param_specs=specs, pipe=layout.pipeline), mesh, shardings)
     return Trainer(graphdef, state, shardings, train_step, eval_step, mesh, layout)
 
 

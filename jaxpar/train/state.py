@@ -18,7 +18,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxpar.config import ModelConfig, TrainConfig
-from jaxpar.model import Transformer
+from jaxpar.model import Transformer, permute_layers
 from jaxpar.sharding import RULES, ModelLayout, param_shardings
 
 
@@ -83,6 +83,8 @@ def create_state(model_cfg: ModelConfig, tx: optax.GradientTransformation, seed:
     def init() -> TrainState:
         model = Transformer(model_cfg, rngs=nnx.Rngs(params=seed), padded_vocab=layout.padded_vocab)
         params = nnx.state(model, nnx.Param)
+        if layout.layer_order is not None:  # circular pipeline: stage-major order (jaxpar.parallel.pipeline)
+            params = permute_layers(params, layout.layer_order)
         return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params))
 
     graphdef, _ = abstract_model(model_cfg, layout.padded_vocab)

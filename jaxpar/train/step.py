@@ -22,25 +22,52 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from jaxpar.model import attention_mask, default_positions, run_layers
+from jaxpar.parallel import pipeline
 from jaxpar.parallel.tensor import SINGLE_DEVICE, TensorParallel
-from jaxpar.sharding import constrain, logical_to_spec
+from jaxpar.sharding import Pipeline, constrain, logical_to_spec
 from jaxpar.train.state import TrainState
 
 Metrics = dict[str, jax.Array]
-DATA = "data"
+DATA, PIPE = "data", "pipe"
 
 
 def next_token_loss(graphdef: nnx.GraphDef, params: nnx.State, batch: jax.Array, remat: str = "none",
-                    tp: TensorParallel = SINGLE_DEVICE) -> jax.Array:
-    """Mean cross-entropy (float32, nats/token) of predicting batch[:, 1:] from batch[:, :-1]. batch int [B, T+1]."""
+                    tp: TensorParallel = SINGLE_DEVICE, pipe: Pipeline | None = None) -> jax.Array:
+    """Mean cross-entropy (float32, nats/token) of predicting batch[:, 1:] from batch[:, :-1]. batch int [B, T+1].
+
+    With `pipe`, these are this stage's rows and the layers run through the circular pipeline."""
     model = nnx.merge(graphdef, params)
+    if pipe is not None:
+        return pipeline_loss(model, batch, pipe, remat, tp)
     logits = model(batch[:, :-1], remat=remat, tp=tp)  # [B, T, V_local] float32
     return tp.cross_entropy(logits, batch[:, 1:]).mean()
 
 
+def pipeline_loss(model, batch: jax.Array, pipe: Pipeline, remat: str, tp: TensorParallel) -> jax.Array:
+    """Embed this stage's rows, run the layers through the circular pipeline, then head and loss on the microbatches
+    the stage holds at the end (paired with their targets, which are all-gathered over `pipe`)."""
+    p, v, m = pipe.stages, pipe.repeats, pipe.microbatches
+    q = m // p
+    tokens, targets = batch[:, :-1], batch[:, 1:]  # [R, T], R = q·mb rows of this stage
+    R, T = tokens.shape
+    mb = R // q
+    positions = default_positions(mb, T)
+    x = model.embed_tokens(tokens, default_positions(R, T), tp)  # [R, T(/t), D]
+    io = x.reshape(q, mb, *x.shape[1:])
+    per_pass = jax.tree.map(lambda a: a.reshape(v, a.shape[0] // v, *a.shape[1:]), model.blocks.stacked())
+    mask = attention_mask(T, None)
+    stage = lambda layers, h: run_layers(layers, h, positions, mask, model.cfg, remat=remat, tp=tp)  # noqa: E731
+    out = pipeline.circular(stage, per_pass, io, stages=p, repeats=v, microbatches=m)
+    logits = model.logits(out.reshape(R, *out.shape[2:]), tp)  # [R, T, V_local]
+    held = jnp.asarray(pipeline.output_order(p, v, m))[jax.lax.axis_index(PIPE)]  # [q] microbatch ids held here
+    all_targets = jax.lax.all_gather(targets.reshape(q, mb, T), PIPE)  # [p, q, mb, T]
+    return tp.cross_entropy(logits, all_targets[held // q, held % q].reshape(R, T)).mean()
+
+
 def loss_and_grads(graphdef: nnx.GraphDef, *, grad_accum: int = 1, remat: str = "none",
-                   tp: TensorParallel = SINGLE_DEVICE, data_axis: str | None = None
-                   ) -> Callable[[nnx.State, jax.Array], tuple[jax.Array, nnx.State]]:
+                   tp: TensorParallel = SINGLE_DEVICE, data_axis: str | None = None, pipe: Pipeline | None = None,
+                   pipe_replicated=None) -> Callable[[nnx.State, jax.Array], tuple[jax.Array, nnx.State]]:
     """(params, batch int [B, T+1]) → (mean loss, gradients), on whatever rows it is given.
 
     Gradient accumulation splits the rows into `grad_accum` equal chunks run one after another (a scan), so peak
@@ -50,8 +77,14 @@ def loss_and_grads(graphdef: nnx.GraphDef, *, grad_accum: int = 1, remat: str = 
 
     data_axis: inside shard_map, the axis over which rows are split: loss and gradients are averaged over it once,
     after accumulation (an all-reduce of the gradients, as in any data-parallel step).
+
+    pipe: the circular pipeline's counts; rows are then split over `pipe` too. Each stage differentiates
+    loss_s / p: autodiff through the pipeline's ppermutes already sums every stage's loss into the gradients of the
+    layers a stage owns; parameters replicated over `pipe` (embedding, final norm, head; `pipe_replicated` marks
+    them) were used by each stage on its own rows only, so their gradients are summed over `pipe`.
     """
-    grad_fn = jax.value_and_grad(lambda p, b: next_token_loss(graphdef, p, b, remat, tp))
+    scale = 1.0 / pipe.stages if pipe is not None else 1.0
+    grad_fn = jax.value_and_grad(lambda p, b: scale * next_token_loss(graphdef, p, b, remat, tp, pipe))
 
     def run(params: nnx.State, batch: jax.Array) -> tuple[jax.Array, nnx.State]:
         if grad_accum == 1:
@@ -69,6 +102,9 @@ def loss_and_grads(graphdef: nnx.GraphDef, *, grad_accum: int = 1, remat: str = 
             zeros = jax.tree.map(jnp.zeros_like, params)
             (loss_sum, grad_sum), _ = jax.lax.scan(accumulate, (jnp.zeros((), jnp.float32), zeros), chunks)
             loss, grads = loss_sum / grad_accum, jax.tree.map(lambda g: g / grad_accum, grad_sum)
+        if pipe is not None:
+            loss = jax.lax.psum(loss, PIPE)
+            grads = jax.tree.map(lambda g, rep: jax.lax.psum(g, PIPE) if rep else g, grads, pipe_replicated)
         if data_axis is not None:
             loss, grads = jax.lax.pmean((loss, grads), data_axis)
         return loss, grads
@@ -78,14 +114,20 @@ def loss_and_grads(graphdef: nnx.GraphDef, *, grad_accum: int = 1, remat: str = 
 
 def sharded_loss_and_grads(graphdef: nnx.GraphDef, *, grad_accum: int = 1, remat: str = "none",
                            tp: TensorParallel = SINGLE_DEVICE, mesh: Mesh | None = None,
-                           param_specs: nnx.State | None = None):
+                           param_specs: nnx.State | None = None, pipe: Pipeline | None = None):
     """`loss_and_grads` over the global batch: under shard_map when `tp.axis` is set (params laid out by
-    `param_specs`, rows over data), else as one global computation (single device, or GSPMD on a mesh)."""
+    `param_specs`, rows over data and pipe), else as one global computation (single device, or GSPMD on a mesh)."""
     if tp.axis is None:
         return loss_and_grads(graphdef, grad_accum=grad_accum, remat=remat)
-    local = loss_and_grads(graphdef, grad_accum=grad_accum, remat=remat, tp=tp, data_axis=DATA)
+    replicated = jax.tree.map(lambda spec: PIPE not in _mesh_axes(spec), param_specs)
+    local = loss_and_grads(graphdef, grad_accum=grad_accum, remat=remat, tp=tp, data_axis=DATA, pipe=pipe,
+                           pipe_replicated=replicated)
     return jax.shard_map(local, mesh=mesh, in_specs=(param_specs, batch_spec()), out_specs=(P(), param_specs),
                          check_vma=False)
+
+
+def _mesh_axes(spec: P) -> set[str]:
+    return {a for entry in spec if entry is not None for a in ((entry,) if isinstance(entry, str) else entry)}
 
 
 def global_norm(tree) -> jax.Array:
@@ -95,12 +137,12 @@ def global_norm(tree) -> jax.Array:
 
 def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, *, grad_accum: int = 1,
                     remat: str = "none", schedule: optax.Schedule | None = None, tp: TensorParallel = SINGLE_DEVICE,
-                    mesh: Mesh | None = None, param_specs: nnx.State | None = None
+                    mesh: Mesh | None = None, param_specs: nnx.State | None = None, pipe: Pipeline | None = None
                     ) -> Callable[[TrainState, jax.Array], tuple[TrainState, Metrics]]:
     """(state, batch int [B, T+1]) → (state, metrics {loss, grad_norm, lr}); gradients from
     `sharded_loss_and_grads`, then clipping and AdamW on the sharded state."""
     grads_of = sharded_loss_and_grads(graphdef, grad_accum=grad_accum, remat=remat, tp=tp, mesh=mesh,
-                                      param_specs=param_specs)
+                                      param_specs=param_specs, pipe=pipe)
 
     def step(state: TrainState, batch: jax.Array) -> tuple[TrainState, Metrics]:
         loss, grads = grads_of(state.params, batch)
@@ -115,13 +157,17 @@ def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, *,
 
 
 def make_eval_step(graphdef: nnx.GraphDef, *, tp: TensorParallel = SINGLE_DEVICE, mesh: Mesh | None = None,
-                   param_specs: nnx.State | None = None) -> Callable[[nnx.State, jax.Array], jax.Array]:
+                   param_specs: nnx.State | None = None, pipe: Pipeline | None = None
+                   ) -> Callable[[nnx.State, jax.Array], jax.Array]:
     """(params, batch int [B, T+1]) → mean next-token loss."""
     if tp.axis is None:
         return lambda params, batch: next_token_loss(graphdef, params, batch)
 
     def local(params, batch):
-        return jax.lax.pmean(next_token_loss(graphdef, params, batch, tp=tp), DATA)
+        loss = next_token_loss(graphdef, params, batch, tp=tp, pipe=pipe)
+        if pipe is not None:
+            loss = jax.lax.pmean(loss, PIPE)
+        return jax.lax.pmean(loss, DATA)
 
     return jax.shard_map(local, mesh=mesh, in_specs=(param_specs, batch_spec()), out_specs=P(), check_vma=False)
 

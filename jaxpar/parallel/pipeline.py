@@ -1,0 +1,162 @@
+"""The circular pipeline over the mesh axis `pipe` (GPipe is the one-repeat case).
+
+Counts (p = stages, v = repeats, m = microbatches, L = layers, q = m/p, k = L/(p·v) layers per stage per pass):
+- Layer l = (r·p + s)·k + i runs on stage s in pass r. The stacked layer axis is kept *stage-major* in memory,
+  position (s·v + r)·k + i (`pipeline_order`), so an even split over `pipe` hands stage s exactly its v·k layers and
+  the local view [v, k, …] is the [repeats, stages, layers_per_stage, …] array with the stage dim sharded away.
+- Stage s at iteration t works on microbatch j = (t − s) mod m in pass r = ⌊(t − s)/m⌋, valid when 0 ≤ t − s < v·m.
+  The last valid work is stage p−1 at t = v·m + p − 2, so `iterations = v·m + p − 1`; every stage idles p − 1 of them:
+  bubble fraction (p − 1)/(v·m + p − 1).
+- A microbatch leaves stage p−1 after pass r at t = r·m + j + p − 1 and arrives at stage 0 at t + 1; it is needed
+  there at (r+1)·m + j, so m ≥ p. If m > p it waits m − p iterations in `park` (stage 0 only uses it).
+
+Buffers, per device (mb = rows per microbatch, … = [T or T/t under SP, D]):
+    io    [q, mb, …]  this stage's share of the microbatch stream. Starts as its own q embedded microbatches
+                      (stage s holds j = s·q … s·q + q − 1) and ends holding q finished ones (`output_order`).
+                      Column c = t mod q is the stream slot of iteration t: stage 0 reads its input from it (pass 0),
+                      stage 0 writes a finished microbatch into it (last pass), then the column rotates one stage
+                      left (s ← s+1) — one microbatch per stage per iteration, so over the run every input passes
+                      stage 0 and every output is carried off it.
+    shift [mb, …]     the activation the previous stage sent this iteration (ppermute s → s+1, p−1 → 0).
+    park  [m, mb, …]  stage 0's waiting room for pass r+1 inputs (only when v > 1 and m > p).
+
+Why inputs and outputs are spread: embedding, final norm, LM head and loss then run outside the loop on each stage's
+own q microbatches, with `pipe` acting as a batch axis — no stage repeats another's embedding or head work. A stage
+ends up with different microbatches than it started with (`output_order`); the loss pairs them with the right targets
+(token ids, all-gathered over `pipe`: 4 bytes a token, against h·β for the activations).
+
+Gradients come from autodiff through the loop (the buffer moves are linear: selects, slices and ppermutes).
+Per iteration the collective-permutes move two microbatch activations per stage (shift and io), forward and backward.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+Array = jax.Array
+
+
+def iterations(stages: int, repeats: int, microbatches: int) -> int:
+    return repeats * microbatches + stages - 1
+
+
+def bubble_fraction(stages: int, repeats: int, microbatches: int) -> float:
+    return (stages - 1) / iterations(stages, repeats, microbatches)
+
+
+def pipeline_order(layers: int, stages: int, repeats: int) -> np.ndarray:
+    """order[n] = the model layer stored at position n of the stacked axis (stage-major: n = (s·v + r)·k + i)."""
+    k = layers // (stages * repeats)
+    s, r, i = np.meshgrid(np.arange(stages), np.arange(repeats), np.arange(k), indexing="ij")
+    return ((r * stages + s) * k + i).reshape(-1)
+
+
+@dataclasses.dataclass(frozen=True)
+class Slot:
+    microbatch: int
+    repeat: int
+
+
+def schedule(stages: int, repeats: int, microbatches: int) -> list[list[Slot | None]]:
+    """table[t][s]: the (microbatch, repeat) stage s runs at iteration t, or None in the bubble."""
+    table = []
+    for t in range(iterations(stages, repeats, microbatches)):
+        row = []
+        for s in range(stages):
+            u = t - s
+            row.append(Slot(u % microbatches, u // microbatches) if 0 <= u < repeats * microbatches else None)
+        table.append(row)
+    return table
+
+
+def format_schedule(stages: int, repeats: int, microbatches: int) -> str:
+    """The schedule as a text grid: one row per stage, one column per iteration, cells `j.r` (microbatch.repeat)."""
+    table = schedule(stages, repeats, microbatches)
+    width = max(len(f"{microbatches - 1}.{repeats - 1}"), 3)
+    lines = ["iter   " + " ".join(f"{t:>{width}}" for t in range(len(table)))]
+    for s in range(stages):
+        cells = [f"{c.microbatch}.{c.repeat}" if (c := row[s]) else "-" for row in table]
+        lines.append(f"stage{s} " + " ".join(f"{c:>{width}}" for c in cells))
+    f = bubble_fraction(stages, repeats, microbatches)
+    lines.append(f"iterations {len(table)} = v·m + p − 1 = {repeats}·{microbatches} + {stages} − 1;  "
+                 f"bubble (p − 1)/(v·m + p − 1) = {f:.3f}")
+    return "\n".join(lines)
+
+
+def output_order(stages: int, repeats: int, microbatches: int) -> np.ndarray:
+    """[p, q]: which microbatch each io slot holds when `circular` returns — the same buffer rules as the loop,
+    replayed on labels."""
+    p, m = stages, microbatches
+    q = m // p
+    io = np.arange(m).reshape(p, q)  # the labels the stages start with
+    final = np.full((p, q), -1)
+    for t in range(iterations(p, repeats, m) + 1):  # the last step (t = N) is the epilogue write
+        c, u = t % q, t - p
+        if 0 <= u < repeats * m and u // m == repeats - 1:
+            final_slot = io[:, c].copy()
+            final_slot[0] = 1000 + u % m  # a finished microbatch, labelled apart from inputs
+            io[:, c] = final_slot
+        if t < iterations(p, repeats, m):
+            io[:, c] = np.roll(io[:, c], -1)
+    assert (io >= 1000).all(), "every io slot must end holding a finished microbatch"
+    final[:] = io - 1000
+    assert sorted(final.reshape(-1)) == list(range(m))
+    return final
+
+
+def circular(stage_fn: Callable[[object, Array], Array], stage_params, inputs: Array, *, stages: int, repeats: int,
+             microbatches: int, axis: str = "pipe") -> Array:
+    """Run the pipeline on this stage's microbatches. Call inside shard_map with `axis` bound.
+
+    stage_fn(params_of_one_pass, x [mb, …]) → [mb, …]: this stage's k layers.
+    stage_params: pytree whose leaves lead with [v, …] (this stage's layers, one entry per pass).
+    inputs: io [q, mb, …]. Returns io [q, mb, …] holding the finished microbatches `output_order(...)[s]`.
+    """
+    p, v, m = stages, repeats, microbatches
+    q = m // p
+    s = jax.lax.axis_index(axis)
+    to_next = [(i, (i + 1) % p) for i in range(p)]  # shift: s → s+1, the last stage wraps to the first
+    to_prev = [(i, (i - 1) % p) for i in range(p)]  # io column rotation: s ← s+1
+    use_park = v > 1 and m > p
+
+    def stage_zero_receive(io, park, shift, t):
+        """What stage 0 does with the activation arriving from stage p−1 (its iteration t−1 output of microbatch
+        u mod m, u = t − p): keep it as a finished output (last pass) or park it for the next pass."""
+        u = t - p
+        c = t % q
+        finished = (s == 0) & (u >= 0) & (u // m == v - 1)
+        io = io.at[c].set(jnp.where(finished, shift, io[c]))
+        if use_park:
+            wait = (s == 0) & (u >= 0) & (u // m < v - 1)
+            j = jnp.maximum(u, 0) % m
+            park = park.at[j].set(jnp.where(wait, shift, park[j]))
+        return io, park
+
+    def iteration(carry, t):
+        io, shift, park = carry
+        c = t % q
+        u = t - s  # this stage works on microbatch u mod m, pass u // m
+        if p == m or v == 1:
+            later_pass = shift
+        else:
+            later_pass = park[t % m]
+        first = jnp.where(t < m, io[c], later_pass)  # stage 0's input
+        x = jnp.where(s == 0, first, shift)
+        r = jnp.clip(u // m, 0, v - 1)
+        y = stage_fn(jax.tree.map(lambda a: a[r], stage_params), x)
+        io, park = stage_zero_receive(io, park, shift, t)
+        io = io.at[c].set(jax.lax.ppermute(io[c], axis, to_prev))
+        shift = jax.lax.ppermute(y, axis, to_next)
+        return (io, shift, park), None
+
+    shift = jnp.zeros_like(inputs[0])
+    park = jnp.zeros((m,) + inputs.shape[1:], inputs.dtype) if use_park else jnp.zeros((), inputs.dtype)
+    n = iterations(p, v, m)
+    (io, shift, park), _ = jax.lax.scan(iteration, (inputs, shift, park), jnp.arange(n))
+    io, _ = stage_zero_receive(io, park, shift, n)  # epilogue: the last microbatch arrives after the last iteration
+    return io

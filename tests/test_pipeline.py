@@ -1,0 +1,107 @@
+"""The circular pipeline against the plain sequential model: loss and every gradient, and its schedule."""
+
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from jaxpar.config import ConfigError, ModelConfig, ParallelConfig, load_config
+from jaxpar.mesh import make_mesh
+from jaxpar.model import Transformer, pad_vocab, permute_layers
+from jaxpar.parallel import pipeline
+from jaxpar.sharding import model_layout, param_shardings, param_specs
+from jaxpar.train.step import batch_sharding, loss_and_grads, sharded_loss_and_grads
+
+LLAMA = dict(vocab_size=263, d_model=20, n_layers=24, n_heads=4, n_kv_heads=2, head_dim=6, d_ff=28, max_seq_len=8,
+             init_std=0.1)
+GPT2 = dict(LLAMA, family="gpt2", n_kv_heads=4, tie_embeddings=True)
+B, T = 48, 8
+
+
+def reference(cfg, batch):
+    graphdef, params = nnx.split(Transformer(cfg, rngs=nnx.Rngs(0)), nnx.Param)
+    loss, grads = jax.jit(loss_and_grads(graphdef))(params, batch)
+    return params, loss, grads
+
+
+def pipelined(cfg, params, batch, data, pipe, tensor, repeats, microbatches, sequence=False):
+    parallel = ParallelConfig(data=data, pipe=pipe, tensor=tensor, repeats=repeats, microbatches=microbatches,
+                              sequence_parallel=sequence)
+    mesh = make_mesh(parallel)
+    lay = model_layout(cfg, parallel, mesh)
+    graphdef = nnx.graphdef(Transformer(cfg, rngs=nnx.Rngs(0), padded_vocab=lay.padded_vocab))
+    laid_out = permute_layers(pad_vocab(params, lay.padded_vocab), lay.layer_order)
+    laid_out = jax.device_put(laid_out, param_shardings(laid_out, mesh, lay.rules))
+    fn = sharded_loss_and_grads(graphdef, tp=lay.tp, mesh=mesh, param_specs=param_specs(laid_out, lay.rules),
+                                pipe=lay.pipeline)
+    loss, grads = jax.jit(fn)(laid_out, jax.device_put(batch, batch_sharding(mesh)))
+    canonical = np.argsort(lay.layer_order)  # position of each model layer in memory
+    return loss, pad_vocab(permute_layers(grads, canonical), cfg.vocab_size)
+
+
+def assert_grads_equal(got, want):
+    flat_want = dict(nnx.to_flat_state(want))
+    floor = 1e-6 * max(np.abs(np.asarray(g[...])).max() for g in flat_want.values())
+    for path, g in nnx.to_flat_state(got):
+        np.testing.assert_allclose(np.asarray(g[...]), np.asarray(flat_want[path][...]), rtol=1e-5, atol=floor,
+                                   err_msg=str(path))
+
+
+@pytest.fixture(scope="module", params=["llama", "gpt2"])
+def family_reference(request):
+    cfg = ModelConfig(**(LLAMA if request.param == "llama" else GPT2))
+    batch = jnp.asarray(np.random.default_rng(0).integers(0, cfg.vocab_size, (B, T + 1)), jnp.int32)
+    return (cfg, batch, *reference(cfg, batch))
+
+
+@pytest.mark.parametrize("pipe,repeats,microbatches", [(2, 1, 2), (2, 2, 4), (4, 1, 4), (4, 2, 8), (2, 3, 6), (4, 1, 8)])
+def test_pipeline_matches_reference(family_reference, pipe, repeats, microbatches):
+    cfg, batch, params, want_loss, want_grads = family_reference
+    loss, grads = pipelined(cfg, params, batch, 8 // pipe, pipe, 1, repeats, microbatches)
+    np.testing.assert_allclose(loss, want_loss, rtol=1e-5)
+    assert_grads_equal(grads, want_grads)
+
+
+@pytest.mark.parametrize("sequence", [False, True], ids=["tp", "tp+sp"])
+def test_pipeline_with_tensor_and_data_matches_reference(family_reference, sequence):
+    cfg, batch, params, want_loss, want_grads = family_reference
+    loss, grads = pipelined(cfg, params, batch, 2, 2, 2, 2, 4, sequence)  # (data, pipe, tensor) = (2, 2, 2)
+    np.testing.assert_allclose(loss, want_loss, rtol=1e-5)
+    assert_grads_equal(grads, want_grads)
+
+
+def test_schedule_counts():
+    for p, v, m in [(2, 1, 2), (4, 2, 8), (3, 2, 9)]:
+        table = pipeline.schedule(p, v, m)
+        assert len(table) == v * m + p - 1
+        busy = sum(slot is not None for row in table for slot in row)
+        assert busy == p * v * m  # every stage runs every (microbatch, pass) exactly once
+        assert 1 - busy / (p * len(table)) == pytest.approx(pipeline.bubble_fraction(p, v, m))
+        for s in range(p):  # a stage sees each microbatch's passes in order, one iteration after the previous stage
+            runs = [(t, c) for t, row in enumerate(table) if (c := row[s]) is not None]
+            assert [c for _, c in runs] == [pipeline.Slot(j, r) for r in range(v) for j in range(m)]
+            assert runs[0][0] == s
+    order = pipeline.output_order(4, 2, 8)
+    assert sorted(order.reshape(-1)) == list(range(8))
+
+
+def test_pipeline_order_puts_each_stage_layers_contiguous():
+    order = pipeline.pipeline_order(8, 2, 2)  # k = 2: stage 0 runs layers 0,1 (pass 0) and 4,5 (pass 1)
+    assert order.tolist() == [0, 1, 4, 5, 2, 3, 6, 7]
+
+
+def test_config_errors_for_pipeline():
+    base = ["model.n_layers=8", "model.n_heads=4", "parallel.pipe=2"]
+    with pytest.raises(ConfigError, match="parallel.microbatches.*>= parallel.pipe"):
+        load_config(None, base + ["parallel.microbatches=1"])
+    with pytest.raises(ConfigError, match=r"parallel.microbatches = 3.*Fix: use microbatches 2 or 4"):
+        load_config(None, base + ["parallel.microbatches=3"])
+    with pytest.raises(ConfigError, match=r"model.n_layers = 8.*pipe \* parallel.repeats = 2\*3"):
+        load_config(None, base + ["parallel.repeats=3", "parallel.microbatches=2"])
+    with pytest.raises(ConfigError, match="train.batch_size"):  # 30 rows do not split into data 4 x 4 microbatches
+        load_config(None, base + ["parallel.microbatches=4", "train.batch_size=30", "parallel.data=4"]
+                    ).resolve_for_devices(8)
+    with pytest.raises(ConfigError, match="parallel.repeats"):
+        load_config(None, ["parallel.repeats=2"])
