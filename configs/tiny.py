@@ -2,8 +2,10 @@
 
     tokens per step      = batch_size * seq_len          = 32 * 128      = 4,096
     tokens per run       = tokens per step * steps        = 4,096 * 600   ≈ 2.5M
-    mesh on 8 devices    = data * tensor                  = 4 * 2          (data=-1 fills 8 / 2 = 4)
-    sequences per shard  = batch_size / data              = 32 / 4        = 8 per step
+    mesh on 8 devices    = data * pipe * tensor           = 2 * 2 * 2      (data=-1 fills 8 / (2*2) = 2)
+    rows per data shard  = batch_size / data              = 32 / 2        = 16 per step
+    microbatches         = 4 of 16 / 4 = 4 rows; each pipeline stage embeds (and finally holds) 4 / 2 = 2 of them
+    pipeline             = 2 stages * 2 passes * 1 layer  = 4 layers;  iterations = 2*4 + 2 - 1 = 9, bubble 1/9
     parameters           = 2 * 256*128 (embed, untied head) + 4 * 184,576 (layers) + 128 (final norm) ≈ 0.80M
                            (a layer: q,o 128*128 each + k,v 128*64 each (2 kv heads of 32) + SwiGLU 3*128*352 + 2 norms)
 
@@ -28,8 +30,11 @@ def get_config() -> ml_collections.ConfigDict:
     config.model.max_seq_len = 256  # twice train.seq_len, so sampling can run past the training length
 
     config.parallel = ml_collections.ConfigDict()
-    config.parallel.data = -1  # fill the devices left after tensor: 4 on 8 devices
+    config.parallel.data = -1  # fill the devices left after pipe and tensor: 2 on 8 devices
+    config.parallel.pipe = 2  # circular pipeline over 2 stages
     config.parallel.tensor = 2  # Megatron tensor parallelism over pairs of devices
+    config.parallel.repeats = 2  # 2 passes through the stages: 4 layers = 2 stages * 2 passes * 1 layer
+    config.parallel.microbatches = 4  # 16 rows per data shard -> 4 microbatches of 4; bubble 1/(2*4+1) = 11%
 
     config.train = ml_collections.ConfigDict()
     config.train.batch_size = 32  # global sequences per step: 32 * 128 = 4,096 tokens

@@ -60,8 +60,7 @@ def logical_to_spec(axes: Sequence[str | None], rules: Sequence[tuple[str, MeshA
             raise KeyError(f"logical axis {name!r} has no rule; add it to jaxpar.sharding.RULES")
         mesh_axes = table.get(name) if name is not None else None
         group = (mesh_axes,) if isinstance(mesh_axes, str) else tuple(mesh_axes or ())
-        if any(a in used for a in group):
-            group = ()
+        group = tuple(a for a in group if a not in used)
         used.update(group)
         out.append(None if not group else group[0] if len(group) == 1 else group)
     return P(*out)

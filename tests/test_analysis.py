@@ -15,6 +15,7 @@ from jaxpar.config import load_config
 from jaxpar.mesh import make_mesh
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
+NO_PIPE = ["--config.parallel.pipe=1", "--config.parallel.repeats=1", "--config.parallel.microbatches=1"]
 # V = 263 (padded per t) > h = 24 and V/8 = 33 > h, so a gathered-logits collective would be the largest one.
 SMALL = ["model.vocab_size=263", "model.d_model=24", "model.n_layers=3", "model.n_heads=8", "model.n_kv_heads=2",
          "model.head_dim=6", "model.d_ff=40", "model.max_seq_len=16", "train.seq_len=16", "train.batch_size=8"]
@@ -75,7 +76,7 @@ def test_analyze_cli_reports_json_sections(tmp_path):
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
     out = subprocess.run([str(ROOT / ".venv/bin/jaxpar") if (ROOT / ".venv/bin/jaxpar").exists() else "jaxpar",
                           "analyze", "--config", "configs/tiny.py", "--config.parallel.data=2",
-                          "--config.parallel.tensor=4"], cwd=ROOT, env=env, capture_output=True, text=True,
+                          "--config.parallel.tensor=4", *NO_PIPE], cwd=ROOT, env=env, capture_output=True, text=True,
                          timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     report = json.loads(out.stdout)

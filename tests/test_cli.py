@@ -21,7 +21,7 @@ def test_demo_command_trains_and_samples(tmp_path):
     records = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
     assert records[-1]["step"] == 12 and "eval_loss" in records[-1]
     config = json.loads((workdir / "config.json").read_text())
-    assert (config["parallel"]["data"], config["parallel"]["tensor"]) == (4, 2)
+    assert [config["parallel"][k] for k in ("data", "pipe", "tensor")] == [2, 2, 2]
     assert "def " in out.stdout and "-" * 40 in out.stdout  # the prompt echoed with its sample
 
 

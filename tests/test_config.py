@@ -102,7 +102,7 @@ def test_tiny_preset_shape():
     assert (m.family, m.vocab_size, cfg.data.tokenizer) == ("llama", 256, "bytes")
     assert m.n_kv_heads < m.n_heads and m.head_dim == m.d_model // m.n_heads
     assert (p.data, p.tensor) == (-1, 2)
-    assert cfg.resolve_for_devices(8).mesh_shape == (4, 1, 2)
+    assert cfg.resolve_for_devices(8).mesh_shape == (2, 2, 2)  # the demo layout: data, pipe, tensor
 
 
 def test_recipe_with_base_overrides_base():
@@ -120,9 +120,9 @@ def test_recipe_with_base_overrides_base():
 def test_recipe_base_deep_merges(tmp_path):
     """A base given by absolute path; siblings of an overridden key survive."""
     recipe = tmp_path / "r.yaml"
-    recipe.write_text(f"base: {TINY}\nmodel:\n  n_layers: 7\ntrain:\n  steps: 7\n")
+    recipe.write_text(f"base: {TINY}\nmodel:\n  n_layers: 8\ntrain:\n  steps: 7\n")
     cfg, base = load_config(str(recipe)), load_config(TINY)
-    assert (cfg.model.n_layers, cfg.train.steps) == (7, 7)
+    assert (cfg.model.n_layers, cfg.train.steps) == (8, 7)
     assert (cfg.model.n_heads, cfg.model.n_kv_heads, cfg.train.lr) == (base.model.n_heads, base.model.n_kv_heads,
                                                                       base.train.lr)
     # Command-line overrides apply on top of the recipe.
@@ -314,24 +314,20 @@ def test_text_source_needs_path():
     assert config_from_dict(_tiny(data={"source": "text", "path": "corpus.txt"})).data.path == "corpus.txt"
 
 
-@pytest.mark.parametrize(
-    "name, value",
-    [("pipe", 2), ("repeats", 2), ("microbatches", 4), ("zero", 1)],
-)
-def test_unbuilt_parallelism_is_refused(name, value):
-    """Pipeline and ZeRO are not built yet: refused by name, never silently ignored."""
-    msg = _raises(f"parallel.{name}", config_from_dict, _tiny(parallel={name: value}))
+def test_unbuilt_parallelism_is_refused():
+    """ZeRO is not built yet: refused by name, never silently ignored."""
+    msg = _raises("parallel.zero", config_from_dict, _tiny(parallel={"zero": 1}))
     assert "not available yet" in msg
 
 
-def test_n_layers_not_divisible_by_pipe_times_repeats():
-    """The layers-per-stage rule is unreachable while pipe > 1 is refused; check it stays wired for when it lands.
+@pytest.mark.parametrize("name, value", [("repeats", 2), ("microbatches", 4)])
+def test_pipeline_counts_without_a_pipeline_are_refused(name, value):
+    msg = _raises(f"parallel.{name}", config_from_dict, _tiny(parallel={"pipe": 1, name: value}))
+    assert "parallel.pipe > 1" in msg
 
-    The refused ParallelConfig is forged past its own checks to reach Config's cross-section rule.
-    """
-    parallel = ParallelConfig()
-    object.__setattr__(parallel, "pipe", 2)
-    _raises("model.n_layers", Config, model=ModelConfig(n_layers=5), parallel=parallel)
+
+def test_n_layers_not_divisible_by_pipe_times_repeats():
+    _raises("model.n_layers", Config, model=ModelConfig(n_layers=5), parallel=ParallelConfig(pipe=2, microbatches=2))
 
 
 # ---------------------------------------------------------------------------------------------------------------------

@@ -34,7 +34,8 @@ def test_tensor_is_innermost_axis():
 
 
 def test_logical_to_spec_uses_each_mesh_axis_once():
-    assert logical_to_spec(("batch", "seq", "embed")) == P("data", None, None)
+    assert logical_to_spec(("batch", "seq", "embed")) == P(("data", "pipe"), None, None)
+    assert logical_to_spec(("layers", "batch")) == P("pipe", "data")  # 'pipe' is taken: batch keeps 'data' only
     assert logical_to_spec(("heads", "mlp")) == P("tensor", None)  # second use of 'tensor' falls back to replicated
     with pytest.raises(KeyError, match="no rule"):
         logical_to_spec(("nonsense",))

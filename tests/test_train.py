@@ -69,7 +69,7 @@ def trained(tmp_path_factory):
     """A short real run of a small model on the default corpus (the stdlib's .py files) on 8 devices."""
     workdir = tmp_path_factory.mktemp("run")
     config = load_config("configs/tiny.py", [
-        "model.d_model=64", "model.n_layers=2", "train.steps=60", "train.batch_size=16", "train.seq_len=64",
+        "model.d_model=64", "train.steps=60", "train.batch_size=16", "train.seq_len=64",
         "train.eval_every=30", "train.log_every=10", "train.warmup_steps=10", "train.eval_batches=2"])
     return workdir, fit(config, workdir, progress=False)
 
@@ -80,7 +80,7 @@ def test_training_on_default_corpus_lowers_held_out_loss(trained):
     assert len(evals) == 2 and evals[-1] < 3.2 < np.log(256)  # below the byte unigram entropy: it learned context
     records = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
     assert {"step", "loss", "tokens_per_sec", "step_time_s"} <= set(records[0]) and records[-1]["step"] == 60
-    assert json.loads((workdir / "config.json").read_text())["parallel"]["data"] == 4
+    assert json.loads((workdir / "config.json").read_text())["parallel"]["data"] == 2  # (2, 2, 2): data, pipe, tensor
     assert list((workdir / "tensorboard").iterdir())
 
 

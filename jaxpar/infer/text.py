@@ -34,13 +34,14 @@ def load_workdir(workdir: str | pathlib.Path, *, devices: list | None = None, st
     config = config_from_dict(json.loads((workdir / "config.json").read_text()))
     devices = list(jax.devices() if devices is None else devices)
     tensor = config.parallel.tensor if len(devices) >= config.parallel.tensor else 1
-    parallel = dataclasses.replace(config.parallel, data=1, pipe=1, tensor=tensor)
+    parallel = dataclasses.replace(config.parallel, data=1, pipe=1, tensor=tensor, repeats=1, microbatches=1,
+                                   sequence_parallel=False)
     mesh = make_mesh(parallel, devices[:tensor])
     # Generation runs the plain model under jit on the sharded params (GSPMD inserts the collectives).
     layout = model_layout(config.model, parallel, mesh, explicit=False)
     graphdef, abstract = abstract_model(config.model, layout.padded_vocab)
-    params, step = checkpoint.restore_params(workdir, abstract, param_shardings(abstract, mesh, layout.rules),
-                                             step=step)
+    params, step = checkpoint.restore_params(workdir, abstract, layout, config.model.vocab_size,
+                                             param_shardings(abstract, mesh, layout.rules), step=step)
     tokenizer = data_lib.make_tokenizer(config.data.tokenizer)
     return LoadedModel(config, nnx.merge(graphdef, params), mesh, tokenizer, step)
 

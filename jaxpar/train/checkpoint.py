@@ -1,13 +1,13 @@
 """Orbax checkpoints under WORKDIR/checkpoints/<step>/.
 
-One format, used by training and generation alike. Each checkpoint holds two items:
-- `params`: a plain nested dict of arrays in the canonical layout (`[layers, …]` stacks in model order), the part a
-  sampler or a converter needs;
-- `train`: step and optimizer state;
+One format, used by training and generation alike. Each checkpoint holds three items:
+- `params`: a plain nested dict of arrays in the *canonical* layout — stacked layers `[layers, …]` in model order,
+  vocab unpadded — whatever pipeline order or vocab padding the run used (`to_canonical` / `from_canonical`), so
+  params restore onto any layout;
+- `train`: step and optimizer state, in the run's own layout (restoring it needs the same layout);
 - `data`: the data loader's position (JSON), so a continued run sees the batches an uninterrupted one would.
 Orbax writes each step to a temporary directory and renames it when complete, so a crash mid-save never leaves a
-half-written step that looks finished. (Resume, preemption and restore-onto-any-layout semantics are the checkpoint
-issue's; this module is the seam they will grow from.)
+half-written step that looks finished. (Preemption and optimizer-state canonicalisation are the checkpoint issue's.)
 """
 
 from __future__ import annotations
@@ -15,10 +15,31 @@ from __future__ import annotations
 import pathlib
 
 import jax
+import numpy as np
 import orbax.checkpoint as ocp
 from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec as P
 
+from jaxpar.model import pad_vocab, permute_layers
+from jaxpar.sharding import ModelLayout
 from jaxpar.train.state import TrainState
+
+VOCAB_PARAMS = ("embed", "lm_head")
+
+
+def to_canonical(params: nnx.State, layout: ModelLayout, vocab_size: int) -> nnx.State:
+    """Runtime params → model layer order and the true vocab size."""
+    if layout.layer_order is not None:
+        params = permute_layers(params, np.argsort(layout.layer_order))
+    return pad_vocab(params, vocab_size)
+
+
+def from_canonical(params: nnx.State, layout: ModelLayout) -> nnx.State:
+    """Canonical params → the layout's vocab padding and layer order."""
+    params = pad_vocab(params, layout.padded_vocab)
+    if layout.layer_order is not None:
+        params = permute_layers(params, layout.layer_order)
+    return params
 
 
 def manager(workdir: str | pathlib.Path, keep: int = 3) -> ocp.CheckpointManager:
@@ -27,11 +48,12 @@ def manager(workdir: str | pathlib.Path, keep: int = 3) -> ocp.CheckpointManager
     return ocp.CheckpointManager(path, options=options, item_names=("params", "train", "data"))
 
 
-def save(mngr: ocp.CheckpointManager, state: TrainState, data_state: dict, *, wait: bool = True) -> None:
+def save(mngr: ocp.CheckpointManager, state: TrainState, data_state: dict, layout: ModelLayout, vocab_size: int, *,
+         wait: bool = True) -> None:
     """Save asynchronously (orbax copies device arrays to host first, then writes in the background)."""
     step = int(jax.device_get(state.step))
     args = ocp.args.Composite(
-        params=ocp.args.StandardSave(nnx.to_pure_dict(state.params)),
+        params=ocp.args.StandardSave(nnx.to_pure_dict(to_canonical(state.params, layout, vocab_size))),
         train=ocp.args.StandardSave({"step": state.step, "opt_state": state.opt_state}),
         data=ocp.args.JsonSave(data_state))
     mngr.save(step, args=args)
@@ -39,37 +61,62 @@ def save(mngr: ocp.CheckpointManager, state: TrainState, data_state: dict, *, wa
         mngr.wait_until_finished()
 
 
-def restore_train(mngr: ocp.CheckpointManager, like: TrainState, shardings: TrainState) -> tuple[TrainState, dict]:
-    """Restore the latest (state, data loader state), placed like `like` with `shardings`."""
-    step = mngr.latest_step()
-    as_target = lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s)  # noqa: E731
-    target = jax.tree.map(as_target, like, shardings)
-    restored = mngr.restore(step, args=ocp.args.Composite(
-        params=ocp.args.StandardRestore(nnx.to_pure_dict(target.params)),
-        train=ocp.args.StandardRestore({"step": target.step, "opt_state": target.opt_state}),
-        data=ocp.args.JsonRestore()))
-    params = jax.tree.map(lambda x: x, like.params)
-    nnx.replace_by_pure_dict(params, restored["params"])
-    train = restored["train"]
-    return TrainState(step=train["step"], params=params, opt_state=train["opt_state"]), restored["data"]
+def _canonical_target(like: nnx.State, shardings: nnx.State | None, vocab_size: int) -> dict:
+    """Abstract canonical params to restore into: the runtime shardings, except that vocab-sized arrays (whose
+    unpadded size need not divide `tensor`) come in replicated and are padded and resharded afterwards."""
+    like, shardings = nnx.to_pure_dict(like), nnx.to_pure_dict(shardings) if shardings is not None else None
+
+    def target(path, a):
+        name = path[0].key
+        shape = list(a.shape)
+        if name in VOCAB_PARAMS:
+            shape[0 if name == "embed" else 1] = vocab_size
+        if shardings is None:
+            sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+        else:
+            s = _lookup(shardings, path)
+            sharding = NamedSharding(s.mesh, P()) if name in VOCAB_PARAMS else s
+        return jax.ShapeDtypeStruct(tuple(shape), a.dtype, sharding=sharding)
+
+    return jax.tree_util.tree_map_with_path(target, like)
 
 
-def restore_params(workdir: str | pathlib.Path, abstract_params: nnx.State, shardings: nnx.State | None = None,
-                   step: int | None = None) -> tuple[nnx.State, int]:
-    """Load the params of checkpoint `step` (default: latest) into the structure of `abstract_params`, placed with
-    `shardings` when given. Returns (params, step)."""
+def _lookup(tree, path):
+    for key in path:
+        tree = tree[key.key]
+    return tree
+
+
+def restore_params(workdir: str | pathlib.Path, abstract_params: nnx.State, layout: ModelLayout, vocab_size: int,
+                   shardings: nnx.State | None = None, step: int | None = None) -> tuple[nnx.State, int]:
+    """Load the params of checkpoint `step` (default: latest) into the runtime layout of `abstract_params`, placed
+    with `shardings` when given. Returns (params, step)."""
     mngr = manager(workdir)
     step = mngr.latest_step() if step is None else step
     if step is None:
         raise FileNotFoundError(f"no checkpoint under {pathlib.Path(workdir) / 'checkpoints'}; run `jaxpar train` first")
-    target = nnx.to_pure_dict(abstract_params)
-    if shardings is None:
-        one = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-        target = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=one), target)
-    else:
-        target = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
-                              target, nnx.to_pure_dict(shardings))
+    target = _canonical_target(abstract_params, shardings, vocab_size)
     restored = mngr.restore(step, args=ocp.args.Composite(params=ocp.args.StandardRestore(target)))
-    params = jax.tree.map(lambda x: x, abstract_params)
-    nnx.replace_by_pure_dict(params, restored["params"])
-    return params, step
+    return _into_layout(restored["params"], abstract_params, layout, shardings), step
+
+
+def _into_layout(canonical: dict, like: nnx.State, layout: ModelLayout, shardings: nnx.State | None) -> nnx.State:
+    """Canonical arrays (as restored) → a State in the runtime layout, resharded like the training state."""
+    params = jax.tree.map(lambda x: x, like)  # the State structure and metadata; values replaced next
+    nnx.replace_by_pure_dict(params, canonical)
+    return jax.jit(lambda p: from_canonical(p, layout), out_shardings=shardings)(params)
+
+
+def restore_train(mngr: ocp.CheckpointManager, like: TrainState, shardings: TrainState, layout: ModelLayout,
+                  vocab_size: int) -> tuple[TrainState, dict]:
+    """Restore the latest (state, data loader state), placed like `like` with `shardings` (same layout)."""
+    step = mngr.latest_step()
+    as_target = lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s)  # noqa: E731
+    target = jax.tree.map(as_target, like, shardings)
+    restored = mngr.restore(step, args=ocp.args.Composite(
+        params=ocp.args.StandardRestore(_canonical_target(like.params, shardings.params, vocab_size)),
+        train=ocp.args.StandardRestore({"step": target.step, "opt_state": target.opt_state}),
+        data=ocp.args.JsonRestore()))
+    params = _into_layout(restored["params"], like.params, layout, shardings.params)
+    train = restored["train"]
+    return TrainState(step=train["step"], params=params, opt_state=train["opt_state"]), restored["data"]

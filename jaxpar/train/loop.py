@@ -102,7 +102,7 @@ def fit(config: Config, workdir: str | pathlib.Path, *, devices: list | None = N
 
     mngr = checkpoint.manager(workdir, keep=config.checkpoint.keep)
     if mngr.latest_step() is not None:
-        state, data_state = checkpoint.restore_train(mngr, state, shardings)
+        state, data_state = checkpoint.restore_train(mngr, state, shardings, trainer.layout, model_cfg.vocab_size)
         loader.set_state(data_state)
     workdir.mkdir(parents=True, exist_ok=True)
     if jax.process_index() == 0:
@@ -131,9 +131,9 @@ def fit(config: Config, workdir: str | pathlib.Path, *, devices: list | None = N
                 writer.write(step, record)
                 history.append({"step": step, **{k: float(v) for k, v in record.items()}})
             if config.checkpoint.every and step % config.checkpoint.every == 0 and step != train.steps:
-                checkpoint.save(mngr, state, loader.get_state(), wait=False)
+                checkpoint.save(mngr, state, loader.get_state(), trainer.layout, model_cfg.vocab_size, wait=False)
         if int(jax.device_get(state.step)) > start or mngr.latest_step() is None:
-            checkpoint.save(mngr, state, loader.get_state())
+            checkpoint.save(mngr, state, loader.get_state(), trainer.layout, model_cfg.vocab_size)
     finally:
         mngr.wait_until_finished()
         writer.close()
