@@ -35,10 +35,23 @@ from jaxpar.config import Config
 
 
 def _dims(config: Config, padded_vocab: int) -> dict:
+    """Sizes per device. `rows`: sequences this device embeds and scores (b, or b/p with a pipeline);
+    `layer_execs`: layer applications over the step and `tokens_per_exec` the tokens each one processes —
+    L·A of (b/A)·s without a pipeline, (v·m + p − 1)·k·A of mb·s with one (bubbles included); A = grad_accum."""
     m, p, t = config.model, config.parallel, config.train
-    return dict(b=t.batch_size // p.data, s=t.seq_len, h=m.d_model, a=m.n_heads, E=m.head_dim, K=m.n_kv_heads,
-                F=m.d_ff, V=padded_vocab, L=m.n_layers, t=p.tensor, sp=p.sequence_parallel,
-                beta=4 if m.dtype == "float32" else 2, llama=m.family == "llama", gpt2=m.family == "gpt2")
+    b = t.batch_size // p.data
+    d = dict(b=b, s=t.seq_len, h=m.d_model, a=m.n_heads, E=m.head_dim, K=m.n_kv_heads, F=m.d_ff, V=padded_vocab,
+             L=m.n_layers, t=p.tensor, sp=p.sequence_parallel, A=t.grad_accum,
+             beta=4 if m.dtype == "float32" else 2, llama=m.family == "llama", gpt2=m.family == "gpt2")
+    if p.pipe > 1:
+        k = m.n_layers // (p.pipe * p.repeats)
+        mb = b // p.microbatches
+        d.update(rows=b // p.pipe, layer_execs=(p.repeats * p.microbatches + p.pipe - 1) * k * t.grad_accum,
+                 tokens_per_exec=mb // t.grad_accum * t.seq_len, mb=mb // t.grad_accum,
+                 iterations=(p.repeats * p.microbatches + p.pipe - 1) * t.grad_accum)
+    else:
+        d.update(rows=b, layer_execs=m.n_layers * t.grad_accum, tokens_per_exec=b // t.grad_accum * t.seq_len)
+    return d
 
 
 def tensor_bytes(config: Config, padded_vocab: int) -> dict[str, float]:
@@ -47,22 +60,23 @@ def tensor_bytes(config: Config, padded_vocab: int) -> dict[str, float]:
     t = d["t"]
     if t == 1:
         return {"layers": 0.0, "embedding": 0.0, "head": 0.0, "loss": 0.0, "param_grads": 0.0, "total": 0.0}
-    half = (t - 1) / t * d["b"] * d["s"] * d["h"] * d["beta"]  # one all-gather or reduce-scatter of b·s·h
+    half_per_token = (t - 1) / t * d["h"] * d["beta"]  # an all-gather or reduce-scatter of one token's h values
     out = {
-        "layers": d["L"] * (10 if d["sp"] else 8) * half,
-        "embedding": 2 * half,
-        "head": 2 * half,
-        "loss": 3 * 2 * (t - 1) / t * d["b"] * d["s"] * 4,
+        "layers": d["layer_execs"] * d["tokens_per_exec"] * (10 if d["sp"] else 8) * half_per_token,
+        "embedding": 2 * d["rows"] * d["s"] * half_per_token,
+        "head": 2 * d["rows"] * d["s"] * half_per_token,
+        "loss": 3 * 2 * (t - 1) / t * d["rows"] * d["s"] * 4,
     }
-    grads = 0.0  # all-reduced parameter gradients (float32), per step
+    # All-reduced parameter gradients (float32): per layer application (inside the loops), and once per chunk.
+    per_exec, per_chunk = 0.0, 0.0
     if d["K"] < t:
-        grads += d["L"] * 2 * d["h"] * d["K"] * d["E"] * 4
+        per_exec += 2 * d["h"] * d["K"] * d["E"] * 4
     if d["sp"]:
-        per_layer = 2 * d["h"] + (4 * d["h"] if d["gpt2"] else 0)  # norm scales (+ norm biases, bo, b_down)
-        grads += d["L"] * per_layer * 4 + d["h"] * 4 * (2 if d["gpt2"] else 1)
+        per_exec += (2 * d["h"] + (4 * d["h"] if d["gpt2"] else 0)) * 4  # norm scales (+ norm biases, bo, b_down)
+        per_chunk += d["h"] * 4 * (2 if d["gpt2"] else 1)
         if d["gpt2"]:
-            grads += config.model.max_seq_len * d["h"] * 4  # position table
-    out["param_grads"] = 2 * (t - 1) / t * grads
+            per_chunk += config.model.max_seq_len * d["h"] * 4  # position table
+    out["param_grads"] = 2 * (t - 1) / t * (d["layer_execs"] * per_exec + d["A"] * per_chunk)
     out["total"] = sum(out.values())
     return out
 
@@ -76,16 +90,34 @@ def layer_forward_flops_per_token(config: Config) -> float:
 
 
 def step_flops(config: Config, padded_vocab: int) -> dict[str, float]:
-    """Expected matmul FLOPs per device per train step (no recomputation), and model FLOPs (6N + 12·L·h·s)."""
+    """Expected matmul FLOPs per device per train step (no recomputation): `executed` counts the pipeline's bubble
+    iterations, `useful` does not; `model_flops_per_device` is the 6N + 12·L·h·s rule over this device's share."""
     d = _dims(config, padded_vocab)
-    tokens = d["b"] * d["s"]  # per device (each tensor rank processes the same tokens)
-    forward = tokens * (d["L"] * layer_forward_flops_per_token(config) + 2 * d["h"] * d["V"] / d["t"])
+    layer = layer_forward_flops_per_token(config)
+    head = d["rows"] * d["s"] * 2 * d["h"] * d["V"] / d["t"]  # LM head on this device's own rows only
+    executed = 3 * (d["layer_execs"] * d["tokens_per_exec"] * layer + head)
+    useful = 3 * (d["L"] / config.parallel.pipe * d["b"] * d["s"] * layer + head)  # each stage: its L/p layers, all b
     m = config.model
     attn = m.d_model * m.head_dim * (m.n_heads * 2 + 2 * m.n_kv_heads)
     mlp = (3 if m.family == "llama" else 2) * m.d_model * m.d_ff
     n_matmul = m.n_layers * (attn + mlp) + m.d_model * m.vocab_size
+    tokens = d["b"] * d["s"] / config.parallel.pipe  # the device's share of the step's tokens
     model = tokens * (6 * n_matmul + 12 * m.n_layers * m.n_heads * m.head_dim * d["s"]) / d["t"]
-    return {"executed": 3 * forward, "model_flops_per_device": model}
+    return {"executed": executed, "useful": useful, "model_flops_per_device": model}
+
+
+def pipeline_bytes(config: Config) -> dict[str, float]:
+    """Pipeline traffic per device per step: collective-permutes move the shift and the io-stream slot, one
+    microbatch's float32 residual stream [mb, s(/t), h] each, per iteration, forward and again backward."""
+    p = config.parallel
+    if p.pipe == 1:
+        return {"iterations": 0, "bubble_fraction": 0.0, "permute_bytes_per_iteration": 0.0, "permute_bytes": 0.0}
+    d = _dims(config, config.model.vocab_size)
+    s_local = d["s"] // d["t"] if d["sp"] else d["s"]
+    per_iteration = 4 * d["mb"] * s_local * d["h"] * 4
+    n = p.repeats * p.microbatches + p.pipe - 1
+    return {"iterations": n, "bubble_fraction": (p.pipe - 1) / n, "permute_bytes_per_iteration": per_iteration,
+            "permute_bytes": per_iteration * d["iterations"]}
 
 
 def activation_bytes_per_layer(config: Config) -> dict[str, float]:

@@ -8,6 +8,7 @@ Sections of the report (the JSON of `jaxpar analyze`, and what notebooks and tes
 - `memory`: the step's `memory_analysis` (arguments = params + optimizer state + batch, temp = everything else), and
   the activation memory per layer — see `activation_bytes_per_layer`;
 - `expected`: the formulas of `jaxpar.analysis.expected`;
+- `pipeline` (pipe > 1): iterations, bubble fraction, executed/useful FLOPs, collective-permute bytes per iteration;
 - `ratio`: measured / expected for tensor bytes, FLOPs and activation memory.
 """
 
@@ -101,6 +102,8 @@ def analyze(config: Config, devices: list | None = None, *, activations: bool = 
         "ratio": {"tensor_sent_bytes": expected.ratio(tensor_sent, want_bytes["total"]),
                   "flops": expected.ratio(measured_flops, want_flops["executed"])},
     }
+    if config.parallel.pipe > 1:
+        report["pipeline"] = _pipeline_section(config, cols, measured_flops, want_flops)
     if activations:
         act = activation_bytes_per_layer(config, mesh)
         report["memory"]["activations"] = act
@@ -109,6 +112,24 @@ def analyze(config: Config, devices: list | None = None, *, activations: bool = 
         report["ratio"]["activation_bytes_per_layer_vs_korthikanti"] = expected.ratio(act["per_layer"],
                                                                                       korthikanti[key])
     return report
+
+
+def _pipeline_section(config: Config, cols, measured_flops: float, want_flops: dict) -> dict:
+    """Iterations and bubble (formula), executed/useful FLOPs (measured over the model's count, beside the formula
+    (v·m + p − 1)/(v·m) for the layers), and collective-permute bytes per iteration (measured and expected)."""
+    p = config.parallel
+    want = expected.pipeline_bytes(config)
+    permute = sum(c.sent_bytes * c.count for c in cols if c.kind == "collective-permute" and c.axes == ("pipe",))
+    iterations = want["iterations"] * config.train.grad_accum
+    return {
+        "stages": p.pipe, "repeats": p.repeats, "microbatches": p.microbatches,
+        "iterations": want["iterations"], "bubble_fraction": want["bubble_fraction"],
+        "executed_over_useful_flops": measured_flops / want_flops["useful"],
+        "executed_over_useful_flops_layers_formula": (p.repeats * p.microbatches + p.pipe - 1)
+        / (p.repeats * p.microbatches),
+        "permute_bytes_per_iteration": permute / iterations,
+        "expected_permute_bytes_per_iteration": want["permute_bytes_per_iteration"],
+    }
 
 
 def _largest_leaf(shape: str) -> int:
@@ -141,6 +162,14 @@ def format_table(report: dict) -> str:
                     + f"   (Korthikanti 16-bit: {e['activation_bytes_per_layer_korthikanti']['none'] / 1e6:.2f} "
                       f"none, {e['activation_bytes_per_layer_korthikanti']['tp'] / 1e6:.2f} tp, "
                       f"{e['activation_bytes_per_layer_korthikanti']['tp_sp'] / 1e6:.2f} tp+sp)")
+    if "pipeline" in report:
+        pp = report["pipeline"]
+        rows.append(f"pipeline: p={pp['stages']} v={pp['repeats']} m={pp['microbatches']}: {pp['iterations']} "
+                    f"iterations, bubble {pp['bubble_fraction']:.3f}; executed/useful FLOPs "
+                    f"{pp['executed_over_useful_flops']:.3f} (layers alone: (v·m+p−1)/(v·m) = "
+                    f"{pp['executed_over_useful_flops_layers_formula']:.3f}); permute KB/iteration "
+                    f"{pp['permute_bytes_per_iteration'] / 1e3:.1f} (expected "
+                    f"{pp['expected_permute_bytes_per_iteration'] / 1e3:.1f})")
     step = report["memory"]["step"]
     rows.append(f"step memory/dev: arguments {step['argument_bytes'] / 1e6:.2f} MB, temp {step['temp_bytes'] / 1e6:.2f}"
                 f" MB, peak {step['peak_bytes'] / 1e6:.2f} MB;  XLA cost_analysis flops (loop bodies once): "
