@@ -3,6 +3,7 @@
     jaxpar train    --config FILE [--workdir DIR] [--config.section.field=VALUE ...]
     jaxpar generate --workdir DIR --prompt TEXT [--max-new-tokens N] [--temperature T] [--top-k K] [--top-p P]
     jaxpar analyze  --config FILE [--format json|table] [--config.section.field=VALUE ...]
+    jaxpar schedule --pipe P --repeats V --microbatches M [--png FILE]
 
 A configuration that cannot run is reported as one line on stderr (exit status 2), before anything compiles.
 """
@@ -67,6 +68,19 @@ def _analyze(args, overrides: list[str]) -> int:
     return 0
 
 
+def _schedule(args, overrides: list[str]) -> int:
+    from jaxpar.config import ParallelConfig
+    from jaxpar.parallel import pipeline
+
+    # The same rules as a training config (microbatches >= pipe and a multiple of it), reported the same way.
+    ParallelConfig(pipe=args.pipe, repeats=args.repeats, microbatches=args.microbatches)
+    print(pipeline.format_schedule(args.pipe, args.repeats, args.microbatches))
+    if args.png:
+        pipeline.draw_schedule(args.pipe, args.repeats, args.microbatches, args.png)
+        print(f"drawn to {args.png}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="jaxpar", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -93,6 +107,12 @@ def build_parser() -> argparse.ArgumentParser:
     ana.add_argument("--format", choices=("json", "table"), default="json")
     ana.add_argument("--no-activations", action="store_true", help="skip the per-layer activation measurement")
     ana.set_defaults(run=_analyze)
+    sch = sub.add_parser("schedule", help="print (and draw) the circular pipeline's timeline and bubble fraction")
+    sch.add_argument("--pipe", type=int, required=True)
+    sch.add_argument("--repeats", type=int, default=1)
+    sch.add_argument("--microbatches", type=int, required=True)
+    sch.add_argument("--png", help="also draw it to this PNG file (matplotlib)")
+    sch.set_defaults(run=_schedule)
     return parser
 
 

@@ -42,3 +42,16 @@ def test_mesh_product_error_names_data(tmp_path):
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 2 and "parallel.data" in out.stderr and "8 available devices" in out.stderr, out.stderr
     assert not (tmp_path / "checkpoints").exists()  # failed before anything was written
+
+
+def test_schedule_command_prints_grid_and_draws(tmp_path):
+    png = tmp_path / "schedule.png"
+    cmd = [sys.executable, "-m", "jaxpar.cli", "schedule", "--pipe", "2", "--repeats", "2", "--microbatches", "4",
+           "--png", str(png)]
+    out = subprocess.run(cmd, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "stage1   - 0.0 1.0 2.0 3.0 0.1 1.1 2.1 3.1" in out.stdout
+    assert "bubble (p − 1)/(v·m + p − 1) = 0.111" in out.stdout
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    bad = subprocess.run(cmd[:-2] + ["--microbatches", "3"], cwd=ROOT, env=ENV, capture_output=True, text=True)
+    assert bad.returncode == 2 and "parallel.microbatches" in bad.stderr

@@ -160,3 +160,34 @@ def circular(stage_fn: Callable[[object, Array], Array], stage_params, inputs: A
     (io, shift, park), _ = jax.lax.scan(iteration, (inputs, shift, park), jnp.arange(n))
     io, _ = stage_zero_receive(io, park, shift, n)  # epilogue: the last microbatch arrives after the last iteration
     return io
+
+
+def draw_schedule(stages: int, repeats: int, microbatches: int, path: str) -> None:
+    """Save the schedule as a picture: stages as rows, iterations as columns, one colour per microbatch, darker for
+    later passes, bubbles blank."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    table = schedule(stages, repeats, microbatches)
+    fig, ax = plt.subplots(figsize=(max(6, 0.45 * len(table)), 0.6 * stages + 1.2))
+    colours = plt.get_cmap("tab20")
+    for t, row in enumerate(table):
+        for s, slot in enumerate(row):
+            if slot is None:
+                continue
+            shade = 1.0 - 0.45 * slot.repeat / max(repeats - 1, 1)
+            r, g, b, _ = colours(slot.microbatch % 20)
+            ax.add_patch(plt.Rectangle((t, s), 1, 1, facecolor=(r * shade, g * shade, b * shade), edgecolor="white"))
+            ax.text(t + 0.5, s + 0.5, f"{slot.microbatch}.{slot.repeat}", ha="center", va="center", fontsize=7)
+    ax.set_xlim(0, len(table))
+    ax.set_xticks(range(0, len(table) + 1, max(1, len(table) // 16)))
+    ax.set_ylim(stages, 0)
+    ax.set_yticks([s + 0.5 for s in range(stages)], [f"stage {s}" for s in range(stages)])
+    ax.set_xlabel("iteration (cells: microbatch.pass)")
+    ax.set_title(f"circular pipeline p={stages} v={repeats} m={microbatches}: {len(table)} iterations, "
+                 f"bubble {bubble_fraction(stages, repeats, microbatches):.3f}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
