@@ -5,6 +5,8 @@ shards, and every collective is one we wrote —
 
     tensor:  Megatron f/g (or SP all-gather/reduce-scatter) inside each layer, the vocab-parallel embedding and loss
              (jaxpar.parallel.tensor / .sequence);
+    pipe:    the circular pipeline's ppermutes (jaxpar.parallel.pipeline), an all-gather of the targets, and one psum
+             of the gradients of parameters every stage holds (embedding, final norm, head);
     data:    one pmean of the loss and of the gradients after accumulation (below).
 
 The optimizer update runs outside the shard_map under plain `jit` on the sharded state: it is elementwise except for
