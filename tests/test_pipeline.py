@@ -30,7 +30,7 @@ def reference(cfg, batch):
     return params, loss, grads
 
 
-def pipelined(cfg, params, batch, data, pipe, tensor, repeats, microbatches, sequence=False):
+def pipelined(cfg, params, batch, data, pipe, tensor, repeats, microbatches, sequence=False, remat="none"):
     parallel = ParallelConfig(data=data, pipe=pipe, tensor=tensor, repeats=repeats, microbatches=microbatches,
                               sequence_parallel=sequence)
     mesh = make_mesh(parallel)
@@ -39,7 +39,7 @@ def pipelined(cfg, params, batch, data, pipe, tensor, repeats, microbatches, seq
     laid_out = permute_layers(pad_vocab(params, lay.padded_vocab), lay.layer_order)
     laid_out = jax.device_put(laid_out, param_shardings(laid_out, mesh, lay.rules))
     fn = sharded_loss_and_grads(graphdef, tp=lay.tp, mesh=mesh, param_specs=param_specs(laid_out, lay.rules),
-                                pipe=lay.pipeline)
+                                pipe=lay.pipeline, remat=remat)
     loss, grads = jax.jit(fn)(laid_out, jax.device_put(batch, batch_sharding(mesh)))
     canonical = np.argsort(lay.layer_order)  # position of each model layer in memory
     return loss, pad_vocab(permute_layers(grads, canonical), cfg.vocab_size)
@@ -72,6 +72,15 @@ def test_pipeline_matches_reference(family_reference, pipe, repeats, microbatche
 def test_pipeline_with_tensor_and_data_matches_reference(family_reference, sequence):
     cfg, batch, params, want_loss, want_grads = family_reference
     loss, grads = pipelined(cfg, params, batch, 2, 2, 2, 2, 4, sequence)  # (data, pipe, tensor) = (2, 2, 2)
+    np.testing.assert_allclose(loss, want_loss, rtol=1e-5)
+    assert_grads_equal(grads, want_grads)
+
+
+@pytest.mark.parametrize("remat", ["full", "dots"])
+def test_pipeline_with_remat_matches_reference(family_reference, remat):
+    """Each stage iteration recomputes its layers in the backward pass (the `parallel.remat` policy per layer)."""
+    cfg, batch, params, want_loss, want_grads = family_reference
+    loss, grads = pipelined(cfg, params, batch, 2, 2, 2, 2, 4, remat=remat)
     np.testing.assert_allclose(loss, want_loss, rtol=1e-5)
     assert_grads_equal(grads, want_grads)
 
