@@ -4,10 +4,11 @@ One format, used by training and generation alike. Each checkpoint holds three i
 - `params`: a plain nested dict of arrays in the *canonical* layout — stacked layers `[layers, …]` in model order,
   vocab unpadded — whatever pipeline order or vocab padding the run used (`to_canonical` / `from_canonical`), so
   params restore onto any layout;
-- `train`: step and optimizer state, in the run's own layout (restoring it needs the same layout);
+- `train`: step and optimizer state, its parameter-shaped parts (Adam's moments) canonical in the same way;
 - `data`: the data loader's position (JSON), so a continued run sees the batches an uninterrupted one would.
 Orbax writes each step to a temporary directory and renames it when complete, so a crash mid-save never leaves a
-half-written step that looks finished. (Preemption and optimizer-state canonicalisation are the checkpoint issue's.)
+half-written step that looks finished. A checkpoint written at one (data, pipe, tensor, repeats, SP) layout restores
+onto any other. (Preemption, corruption handling and ZeRO are the checkpoint issue's.)
 """
 
 from __future__ import annotations
@@ -52,9 +53,10 @@ def save(mngr: ocp.CheckpointManager, state: TrainState, data_state: dict, layou
          wait: bool = True) -> None:
     """Save asynchronously (orbax copies device arrays to host first, then writes in the background)."""
     step = int(jax.device_get(state.step))
+    canonical = lambda p: nnx.to_pure_dict(to_canonical(p, layout, vocab_size))  # noqa: E731
     args = ocp.args.Composite(
-        params=ocp.args.StandardSave(nnx.to_pure_dict(to_canonical(state.params, layout, vocab_size))),
-        train=ocp.args.StandardSave({"step": state.step, "opt_state": state.opt_state}),
+        params=ocp.args.StandardSave(canonical(state.params)),
+        train=ocp.args.StandardSave({"step": state.step, "opt_state": _map_states(canonical, state.opt_state)}),
         data=ocp.args.JsonSave(data_state))
     mngr.save(step, args=args)
     if wait:
@@ -107,16 +109,31 @@ def _into_layout(canonical: dict, like: nnx.State, layout: ModelLayout, sharding
     return jax.jit(lambda p: from_canonical(p, layout), out_shardings=shardings)(params)
 
 
+def _is_state(x) -> bool:
+    return isinstance(x, nnx.State)
+
+
+def _map_states(fn, opt_state, *rest):
+    """Apply fn to every parameter-shaped nnx.State inside an optax state (Adam's mu and nu), leave the rest."""
+    return jax.tree.map(lambda x, *r: fn(x, *r) if _is_state(x) else x, opt_state, *rest, is_leaf=_is_state)
+
+
 def restore_train(mngr: ocp.CheckpointManager, like: TrainState, shardings: TrainState, layout: ModelLayout,
                   vocab_size: int) -> tuple[TrainState, dict]:
-    """Restore the latest (state, data loader state), placed like `like` with `shardings` (same layout)."""
+    """Restore the latest (state, data loader state) into the layout of `like`, placed with `shardings` — whatever
+    layout wrote it."""
     step = mngr.latest_step()
-    as_target = lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s)  # noqa: E731
-    target = jax.tree.map(as_target, like, shardings)
+    def target(x, s):  # canonical targets for parameter-shaped States, plain ones for the rest (Adam's count, …)
+        if _is_state(x):
+            return _canonical_target(x, s, vocab_size)
+        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s)
+
+    opt_target = jax.tree.map(target, like.opt_state, shardings.opt_state, is_leaf=_is_state)
     restored = mngr.restore(step, args=ocp.args.Composite(
         params=ocp.args.StandardRestore(_canonical_target(like.params, shardings.params, vocab_size)),
-        train=ocp.args.StandardRestore({"step": target.step, "opt_state": target.opt_state}),
+        train=ocp.args.StandardRestore({"step": target(like.step, shardings.step), "opt_state": opt_target}),
         data=ocp.args.JsonRestore()))
     params = _into_layout(restored["params"], like.params, layout, shardings.params)
-    train = restored["train"]
-    return TrainState(step=train["step"], params=params, opt_state=train["opt_state"]), restored["data"]
+    opt_state = jax.tree.map(lambda x, canon, s: _into_layout(canon, x, layout, s) if _is_state(x) else canon,
+                             like.opt_state, restored["train"]["opt_state"], shardings.opt_state, is_leaf=_is_state)
+    return TrainState(step=restored["train"]["step"], params=params, opt_state=opt_state), restored["data"]
