@@ -36,7 +36,16 @@ def _train(args, overrides: list[str]) -> int:
     config = load_config(args.config, overrides)  # every ConfigError is raised here or in fit(), pre-compilation
     from jaxpar.train import fit  # imported late so config errors print fast
 
-    result = fit(config, args.workdir, progress=not args.no_progress)
+    from jaxpar.train.loop import TrainingDiverged
+
+    try:
+        result = fit(config, args.workdir, progress=not args.no_progress)
+    except TrainingDiverged as e:
+        print(f"jaxpar: training stopped: {e}", file=sys.stderr)
+        return 1
+    if result.preempted:
+        print(f"preempted at step {int(result.state.step)}: checkpoint saved; run the same command to resume")
+        return 0
     last = {k: round(v, 4) for k, v in result.history[-1].items()} if result.history else {}
     print(f"done: {last}")
     return 0

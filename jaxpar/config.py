@@ -155,10 +155,12 @@ class TrainConfig:
     log_every: int = _f(10, "log metrics every this many steps")
     eval_every: int = _f(100, "evaluate held-out loss every this many steps (0: only at the end)")
     eval_batches: int = _f(4, "held-out batches per evaluation")
+    max_bad_steps: int = _f(5, "stop after this many consecutive steps with a non-finite loss, gradient or update "
+                               "(each such step is skipped: parameters and optimizer state are left as they were)")
 
     def __post_init__(self):
         _check_fields(self, "train")
-        for name in ("batch_size", "seq_len", "steps", "lr", "grad_accum", "log_every", "eval_batches"):
+        for name in ("batch_size", "seq_len", "steps", "lr", "grad_accum", "log_every", "eval_batches", "max_bad_steps"):
             _check_positive(f"train.{name}", getattr(self, name))
         for name in ("warmup_steps", "weight_decay", "grad_clip", "eval_every", "seed"):
             _check_positive(f"train.{name}", getattr(self, name), allow_zero="allowed")
@@ -188,13 +190,15 @@ class DataConfig:
 class CheckpointConfig:
     """Orbax checkpoints under WORKDIR/checkpoints."""
 
-    every: int = _f(0, "save every this many steps (0: only at the end of training)")
+    every: int = _f(0, "save (asynchronously) every this many steps (0: only at the end, or when preempted)")
     keep: int = _f(3, "keep the newest this many checkpoints")
+    permanent_every: int = _f(0, "also keep every checkpoint whose step is a multiple of this for good (0: none)")
 
     def __post_init__(self):
         _check_fields(self, "checkpoint")
         _check_positive("checkpoint.every", self.every, allow_zero="allowed")
         _check_positive("checkpoint.keep", self.keep)
+        _check_positive("checkpoint.permanent_every", self.permanent_every, allow_zero="allowed")
 
 
 @dataclasses.dataclass(frozen=True)

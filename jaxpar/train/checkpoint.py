@@ -14,6 +14,8 @@ onto any other. (Preemption, corruption handling and ZeRO are the checkpoint iss
 from __future__ import annotations
 
 import pathlib
+import warnings
+from typing import Callable
 
 import jax
 import numpy as np
@@ -43,21 +45,43 @@ def from_canonical(params: nnx.State, layout: ModelLayout) -> nnx.State:
     return params
 
 
-def manager(workdir: str | pathlib.Path, keep: int = 3) -> ocp.CheckpointManager:
+ITEMS = ("params", "train", "data", "config")
+
+
+def manager(workdir: str | pathlib.Path, keep: int = 3, permanent_every: int = 0) -> ocp.CheckpointManager:
     path = pathlib.Path(workdir).absolute() / "checkpoints"
-    options = ocp.CheckpointManagerOptions(max_to_keep=keep, create=True)
-    return ocp.CheckpointManager(path, options=options, item_names=("params", "train", "data"))
+    options = ocp.CheckpointManagerOptions(max_to_keep=keep, keep_period=permanent_every or None, create=True)
+    return ocp.CheckpointManager(path, options=options, item_names=ITEMS)
 
 
-def save(mngr: ocp.CheckpointManager, state: TrainState, data_state: dict, layout: ModelLayout, vocab_size: int, *,
+def restore_latest_good(mngr: ocp.CheckpointManager, restore: Callable[[int], object]) -> tuple[object, int]:
+    """restore(step) for the newest step that restores; a damaged one (truncated or corrupt files) is reported with
+    a warning naming its step, and the one before it is tried. Steps still being written are never listed: orbax
+    writes into a temporary directory and renames it only when complete."""
+    steps = sorted(mngr.all_steps(), reverse=True)
+    if not steps:
+        raise FileNotFoundError(f"no checkpoint under {mngr.directory}; run `jaxpar train` first")
+    for step in steps:
+        try:
+            return restore(step), step
+        except Exception as e:  # noqa: BLE001 — any failure to read a step means: use the previous one
+            warnings.warn(f"checkpoint step {step} under {mngr.directory} is unreadable ({type(e).__name__}: "
+                          f"{str(e).splitlines()[0][:200]}); falling back to the previous checkpoint", stacklevel=2)
+    raise RuntimeError(f"no readable checkpoint under {mngr.directory} (tried steps {steps})")
+
+
+def save(mngr: ocp.CheckpointManager, state: TrainState, data_state: dict, layout: ModelLayout, config: dict, *,
          wait: bool = True) -> None:
-    """Save asynchronously (orbax copies device arrays to host first, then writes in the background)."""
+    """Save asynchronously (orbax copies device arrays to host first, then writes in the background). `config` is
+    the resolved config as a dict (stored beside the arrays; WORKDIR/config.json holds the newest)."""
     step = int(jax.device_get(state.step))
+    vocab_size = config["model"]["vocab_size"]
     canonical = lambda p: nnx.to_pure_dict(to_canonical(p, layout, vocab_size))  # noqa: E731
     args = ocp.args.Composite(
         params=ocp.args.StandardSave(canonical(state.params)),
         train=ocp.args.StandardSave({"step": state.step, "opt_state": _map_states(canonical, state.opt_state)}),
-        data=ocp.args.JsonSave(data_state))
+        data=ocp.args.JsonSave(data_state),
+        config=ocp.args.JsonSave(config))
     mngr.save(step, args=args)
     if wait:
         mngr.wait_until_finished()
@@ -94,11 +118,12 @@ def restore_params(workdir: str | pathlib.Path, abstract_params: nnx.State, layo
     """Load the params of checkpoint `step` (default: latest) into the runtime layout of `abstract_params`, placed
     with `shardings` when given. Returns (params, step)."""
     mngr = manager(workdir)
-    step = mngr.latest_step() if step is None else step
-    if step is None:
-        raise FileNotFoundError(f"no checkpoint under {pathlib.Path(workdir) / 'checkpoints'}; run `jaxpar train` first")
     target = _canonical_target(abstract_params, shardings, vocab_size)
-    restored = mngr.restore(step, args=ocp.args.Composite(params=ocp.args.StandardRestore(target)))
+    read = lambda s: mngr.restore(s, args=ocp.args.Composite(params=ocp.args.StandardRestore(target)))  # noqa: E731
+    if step is not None:
+        restored = read(step)
+    else:
+        restored, step = restore_latest_good(mngr, read)
     return _into_layout(restored["params"], abstract_params, layout, shardings), step
 
 
@@ -120,9 +145,14 @@ def _map_states(fn, opt_state, *rest):
 
 def restore_train(mngr: ocp.CheckpointManager, like: TrainState, shardings: TrainState, layout: ModelLayout,
                   vocab_size: int) -> tuple[TrainState, dict]:
-    """Restore the latest (state, data loader state) into the layout of `like`, placed with `shardings` — whatever
-    layout wrote it."""
-    step = mngr.latest_step()
+    """Restore the latest readable (state, data loader state) into the layout of `like`, placed with `shardings` —
+    whatever layout wrote it."""
+    restored, _ = restore_latest_good(mngr, lambda step: _restore_train_step(mngr, step, like, shardings, layout,
+                                                                             vocab_size))
+    return restored
+
+
+def _restore_train_step(mngr, step, like: TrainState, shardings: TrainState, layout: ModelLayout, vocab_size: int):
     def target(x, s):  # canonical targets for parameter-shaped States, plain ones for the rest (Adam's count, …)
         if _is_state(x):
             return _canonical_target(x, s, vocab_size)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 import pathlib
+import signal
+import threading
 import time
 from typing import Callable
 
@@ -62,13 +64,42 @@ def build_trainer(config: Config, mesh: Mesh | None, *, explicit: bool = True, a
 
 @dataclasses.dataclass
 class FitResult:
-    """What a run produced: the final state, the resolved config and mesh, and every logged metrics record."""
+    """What a run produced: the final state, the resolved config and mesh, every logged metrics record, and whether
+    it stopped early on SIGTERM/SIGINT (after saving a checkpoint)."""
 
     config: Config
     mesh: Mesh
     graphdef: nnx.GraphDef
     state: TrainState
     history: list[dict]
+    preempted: bool = False
+
+
+class TrainingDiverged(RuntimeError):
+    """train.max_bad_steps consecutive steps had a non-finite loss, gradient or update."""
+
+
+class Preemption:
+    """While active, SIGTERM and SIGINT only set `requested`; the loop then saves and returns (a cluster's
+    preemption notice, or Ctrl-C, costs at most one step). Handlers are restored on exit; off the main thread
+    (where signals cannot be caught) it does nothing."""
+
+    def __init__(self):
+        self.requested = False
+        self._previous = {}
+
+    def __enter__(self):
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def _handle(self, signum, frame):
+        self.requested = True
+
+    def __exit__(self, *exc):
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
 
 
 def fit(config: Config, workdir: str | pathlib.Path, *, devices: list | None = None, progress: bool = True) -> FitResult:
@@ -100,41 +131,59 @@ def fit(config: Config, workdir: str | pathlib.Path, *, devices: list | None = N
         losses = [trainer.eval_step(params, to_device(next(eval_loader))) for _ in range(train.eval_batches)]
         return float(np.mean(jax.device_get(losses)))
 
-    mngr = checkpoint.manager(workdir, keep=config.checkpoint.keep)
-    if mngr.latest_step() is not None:
+    mngr = checkpoint.manager(workdir, keep=config.checkpoint.keep, permanent_every=config.checkpoint.permanent_every)
+    if mngr.all_steps():
         state, data_state = checkpoint.restore_train(mngr, state, shardings, trainer.layout, model_cfg.vocab_size)
         loader.set_state(data_state)
     workdir.mkdir(parents=True, exist_ok=True)
     if jax.process_index() == 0:
         (workdir / "config.json").write_text(config.to_json())
 
+    def save(wait: bool) -> None:
+        checkpoint.save(mngr, state, loader.get_state(), trainer.layout, config.to_dict(), wait=wait)
+
     start = int(jax.device_get(state.step))
     writer = MetricsWriter(workdir, train.steps, start, progress=progress)
     history: list[dict] = []
     tokens_per_step = train.batch_size * train.seq_len
     last_time, last_step = time.perf_counter(), start
+    bad_streak = skipped_total = 0
+    preemption = Preemption()
     try:
-        for step in range(start + 1, train.steps + 1):
-            state, metrics = train_step(state, to_device(next(loader)))
-            writer.advance()
-            record = None
-            if step % train.log_every == 0 or step == train.steps or step == start + 1:
-                metrics = jax.device_get(metrics)  # blocks: the time below covers the steps' real work
-                now = time.perf_counter()
-                dt = (now - last_time) / (step - last_step)
-                record = {**metrics, "step_time_s": dt, "tokens_per_sec": tokens_per_step / dt}
-                last_time, last_step = now, step
-            if (train.eval_every and step % train.eval_every == 0) or step == train.steps:
-                record = {**(record or {}), "eval_loss": evaluate(state.params)}
-                last_time = time.perf_counter()  # keep evaluation out of the next interval's step time
-            if record is not None:
-                writer.write(step, record)
-                history.append({"step": step, **{k: float(v) for k, v in record.items()}})
-            if config.checkpoint.every and step % config.checkpoint.every == 0 and step != train.steps:
-                checkpoint.save(mngr, state, loader.get_state(), trainer.layout, model_cfg.vocab_size, wait=False)
-        if int(jax.device_get(state.step)) > start or mngr.latest_step() is None:
-            checkpoint.save(mngr, state, loader.get_state(), trainer.layout, model_cfg.vocab_size)
+        with preemption:
+            for step in range(start + 1, train.steps + 1):
+                state, metrics = train_step(state, to_device(next(loader)))
+                writer.advance()
+                skipped = int(metrics["skipped"])  # a scalar per step: consecutive bad steps must be counted exactly
+                skipped_total += skipped
+                bad_streak = bad_streak + 1 if skipped else 0
+                if bad_streak >= train.max_bad_steps:
+                    raise TrainingDiverged(
+                        f"steps {step - bad_streak + 1}..{step} had a non-finite loss, gradient or update and were "
+                        f"skipped (train.max_bad_steps = {train.max_bad_steps}); nothing was saved after step "
+                        f"{mngr.latest_step()}. Lower train.lr, raise train.warmup_steps or check the data.")
+                record = None
+                if step % train.log_every == 0 or step == train.steps or step == start + 1:
+                    metrics = jax.device_get(metrics)  # blocks: the time below covers the steps' real work
+                    now = time.perf_counter()
+                    dt = (now - last_time) / (step - last_step)
+                    record = {**metrics, "skipped_steps": skipped_total, "step_time_s": dt,
+                              "tokens_per_sec": tokens_per_step / dt}
+                    last_time, last_step = now, step
+                if (train.eval_every and step % train.eval_every == 0) or step == train.steps:
+                    record = {**(record or {}), "eval_loss": evaluate(state.params)}
+                    last_time = time.perf_counter()  # keep evaluation out of the next interval's step time
+                if record is not None:
+                    writer.write(step, record)
+                    history.append({"step": step, **{k: float(v) for k, v in record.items()}})
+                if preemption.requested:
+                    break
+                if config.checkpoint.every and step % config.checkpoint.every == 0 and step != train.steps:
+                    save(wait=False)
+            if int(jax.device_get(state.step)) > start or mngr.latest_step() is None:
+                save(wait=True)  # at the end, or on preemption: before returning
     finally:
         mngr.wait_until_finished()
         writer.close()
-    return FitResult(config=config, mesh=mesh, graphdef=trainer.graphdef, state=state, history=history)
+    return FitResult(config=config, mesh=mesh, graphdef=trainer.graphdef, state=state, history=history,
+                     preempted=preemption.requested)

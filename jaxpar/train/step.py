@@ -150,7 +150,13 @@ def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, *,
         loss, grads = grads_of(state.params, batch)
         updates, opt_state = tx.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
-        metrics = {"loss": loss, "grad_norm": global_norm(grads)}
+        grad_norm = global_norm(grads)
+        # A non-finite loss, gradient or updated parameter skips the step: the state stays as it was, so no
+        # NaN/Inf ever reaches the parameters (or a checkpoint). The loop counts and limits consecutive skips.
+        ok = jnp.isfinite(loss) & jnp.isfinite(grad_norm) & jnp.isfinite(global_norm(params))
+        params, opt_state = jax.tree.map(lambda new, old: jnp.where(ok, new, old), (params, opt_state),
+                                         (state.params, state.opt_state))
+        metrics = {"loss": loss, "grad_norm": grad_norm, "skipped": 1 - ok.astype(jnp.int32)}
         if schedule is not None:
             metrics["lr"] = schedule(state.step)
         return TrainState(step=state.step + 1, params=params, opt_state=opt_state), metrics

@@ -1,0 +1,124 @@
+"""Crashes, preemption, damaged files and non-finite steps: the last good state is never lost or poisoned."""
+
+import json
+import os
+import pathlib
+import random
+import signal
+import subprocess
+import sys
+import time
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+
+from jaxpar.config import load_config
+from jaxpar.train import build_trainer, fit
+from jaxpar.train.checkpoint import restore_params
+from jaxpar.train.loop import TrainingDiverged
+from jaxpar.train.state import abstract_model
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+ENV = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
+SMALL = ["model.d_model=32", "train.batch_size=16", "train.seq_len=32", "train.log_every=1", "train.eval_every=0",
+         "train.eval_batches=1", "train.warmup_steps=2", "checkpoint.every=2"]
+
+
+def train_cmd(workdir, steps):
+    overrides = [f"--config.{o}" for o in SMALL + [f"train.steps={steps}"]]
+    return [sys.executable, "-m", "jaxpar.cli", "train", "--config", "configs/tiny.py", "--workdir", str(workdir),
+            "--no-progress", *overrides]
+
+
+def final_params(workdir):
+    """Canonical parameters of the newest checkpoint, on the host."""
+    cfg = load_config("configs/tiny.py", SMALL)
+    _, abstract = abstract_model(cfg.model)
+    from jaxpar.sharding import ModelLayout
+
+    params, step = restore_params(workdir, abstract, ModelLayout(padded_vocab=cfg.model.vocab_size),
+                                  cfg.model.vocab_size)
+    return step, jax.tree.map(np.asarray, nnx.to_pure_dict(params))
+
+
+def wait_for_metrics(workdir, lines, proc, timeout=240):
+    deadline = time.time() + timeout
+    path = workdir / "metrics.jsonl"
+    while time.time() < deadline and proc.poll() is None:
+        if path.exists() and len(path.read_text().splitlines()) >= lines:
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"training never logged {lines} steps")
+
+
+def test_sigkill_at_a_random_moment_then_resume_is_bitwise_equal(tmp_path):
+    steps = 12
+    whole = subprocess.run(train_cmd(tmp_path / "whole", steps), cwd=ROOT, env=ENV, capture_output=True, text=True,
+                           timeout=600)
+    assert whole.returncode == 0, whole.stderr[-2000:]
+
+    killed = tmp_path / "killed"
+    proc = subprocess.Popen(train_cmd(killed, steps), cwd=ROOT, env=ENV, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    wait_for_metrics(killed, 2, proc)
+    time.sleep(random.Random(os.getpid()).uniform(0.0, 3.0))  # anywhere: mid-step, mid-async-save, ...
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(timeout=60)
+
+    resumed = subprocess.run(train_cmd(killed, steps), cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=600)
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    (step_a, want), (step_b, got) = final_params(tmp_path / "whole"), final_params(killed)
+    assert step_a == step_b == steps
+    jax.tree.map(np.testing.assert_array_equal, got, want)
+
+
+def test_sigterm_saves_and_exits_cleanly(tmp_path):
+    workdir = tmp_path / "run"
+    proc = subprocess.Popen(train_cmd(workdir, 400), cwd=ROOT, env=ENV, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    wait_for_metrics(workdir, 3, proc)
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, err[-2000:]
+    assert "preempted at step" in out
+    step = int(out.split("preempted at step ")[1].split(":")[0])
+    assert 3 <= step < 400
+    assert final_params(workdir)[0] == step  # the checkpoint is the step it stopped at
+
+
+def test_truncated_checkpoint_falls_back_to_previous_step(tmp_path):
+    config = load_config("configs/tiny.py", SMALL + ["train.steps=4", "checkpoint.keep=5"])
+    fit(config, tmp_path, progress=False)
+    files = sorted((tmp_path / "checkpoints" / "4" / "params").rglob("*"), key=lambda p: p.stat().st_size)
+    victim = [f for f in files if f.is_file()][-1]  # the largest data file of the newest step
+    victim.write_bytes(victim.read_bytes()[: victim.stat().st_size // 2])
+    with pytest.warns(UserWarning, match="checkpoint step 4 .* unreadable"):
+        step, _ = final_params(tmp_path)
+    assert step == 2
+
+
+def test_non_finite_update_is_skipped_and_state_kept():
+    config = load_config("configs/tiny.py", SMALL + ["train.lr=1e30", "train.warmup_steps=0"])
+    config = config.resolve_for_devices(8)
+    from jaxpar.mesh import make_mesh
+
+    trainer = build_trainer(config, make_mesh(config.parallel))
+    before = jax.tree.map(np.asarray, nnx.to_pure_dict(trainer.state.params))
+    rows = np.random.default_rng(0).integers(0, 256, (16, 33)).astype(np.int32)
+    state, metrics = trainer.train_step(trainer.state, trainer.put(rows))
+    assert int(metrics["skipped"]) == 1 and int(state.step) == 1
+    jax.tree.map(np.testing.assert_array_equal, jax.tree.map(np.asarray, nnx.to_pure_dict(state.params)), before)
+
+
+def test_consecutive_bad_steps_stop_the_run_without_a_checkpoint(tmp_path):
+    config = load_config("configs/tiny.py", SMALL + ["train.lr=1e30", "train.warmup_steps=0", "train.steps=20",
+                                                     "train.max_bad_steps=3"])
+    with pytest.raises(TrainingDiverged, match=r"steps 1\.\.3 .*train.max_bad_steps = 3"):
+        fit(config, tmp_path, progress=False)
+    # checkpoint.every = 2 saved step 2 during the bad streak: it holds the untouched (finite) parameters.
+    step, params = final_params(tmp_path)
+    assert step == 2 and all(np.isfinite(x).all() for x in jax.tree.leaves(params))
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert records and records[-1]["skipped_steps"] >= 1
