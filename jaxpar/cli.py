@@ -4,6 +4,7 @@
     jaxpar generate --workdir DIR --prompt TEXT [--max-new-tokens N] [--temperature T] [--top-k K] [--top-p P]
     jaxpar analyze  --config FILE [--format json|table] [--config.section.field=VALUE ...]
     jaxpar schedule --pipe P --repeats V --microbatches M [--png FILE]
+    jaxpar convert  --from DIR --to DIR2 [--step N] [--dtype bfloat16]
 
 A configuration that cannot run is reported as one line on stderr (exit status 2), before anything compiles.
 """
@@ -90,6 +91,14 @@ def _schedule(args, overrides: list[str]) -> int:
     return 0
 
 
+def _convert(args, overrides: list[str]) -> int:
+    from jaxpar.train.checkpoint import convert
+
+    step = convert(args.src, args.dst, step=args.step, dtype=args.dtype)
+    print(f"exported step {step} of {args.src} to {args.dst} (params only, canonical layout)")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="jaxpar", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -122,6 +131,12 @@ def build_parser() -> argparse.ArgumentParser:
     sch.add_argument("--microbatches", type=int, required=True)
     sch.add_argument("--png", help="also draw it to this PNG file (matplotlib)")
     sch.set_defaults(run=_schedule)
+    conv = sub.add_parser("convert", help="export a workdir's parameters (canonical layout, optional dtype)")
+    conv.add_argument("--from", dest="src", required=True, help="a jaxpar train workdir")
+    conv.add_argument("--to", dest="dst", required=True, help="the new workdir (params-only)")
+    conv.add_argument("--step", type=int, default=None, help="checkpoint step (default: latest)")
+    conv.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None)
+    conv.set_defaults(run=_convert)
     return parser
 
 

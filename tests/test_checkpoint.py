@@ -81,3 +81,17 @@ def test_resume_after_a_clean_stop_is_bitwise_equal(tmp_path):
     assert [r["step"] for r in resumed.history] == [3, 4]
     jax.tree.map(np.testing.assert_array_equal, canonical_host(resumed.state.params, resumed.config, resumed.mesh),
                  canonical_host(whole.state.params, whole.config, whole.mesh))
+
+
+def test_convert_exports_params_that_generate_reads(tmp_path):
+    from jaxpar.infer.text import generate_tokens, load_workdir
+    from jaxpar.train.checkpoint import convert
+
+    result = run("(2,2,2) v=2", tmp_path / "src", 2)
+    assert convert(tmp_path / "src", tmp_path / "bf16", dtype="bfloat16") == 2
+    loaded = load_workdir(tmp_path / "bf16")
+    assert loaded.config.model.param_dtype == "bfloat16" and loaded.step == 2
+    want = canonical_host(result.state.params, result.config, result.mesh)
+    got = jax.tree.map(np.asarray, nnx.to_pure_dict(nnx.state(loaded.model, nnx.Param)))
+    jax.tree.map(lambda g, w: np.testing.assert_array_equal(g, w.astype(g.dtype)), got, want)
+    assert generate_tokens(loaded, np.array([list(b"def ")], np.int32), max_new_tokens=5).shape == (1, 5)

@@ -167,3 +167,31 @@ def _restore_train_step(mngr, step, like: TrainState, shardings: TrainState, lay
     opt_state = jax.tree.map(lambda x, canon, s: _into_layout(canon, x, layout, s) if _is_state(x) else canon,
                              like.opt_state, restored["train"]["opt_state"], shardings.opt_state, is_leaf=_is_state)
     return TrainState(step=restored["train"]["step"], params=params, opt_state=opt_state), restored["data"]
+
+
+def convert(src: str | pathlib.Path, dst: str | pathlib.Path, *, step: int | None = None,
+            dtype: str | None = None) -> int:
+    """Write a params-only export of checkpoint `step` (default: latest) of workdir `src` as workdir `dst`:
+    canonical params, optionally cast to `dtype`, and its config.json. A layout change needs no conversion — any
+    layout restores these — so this is for handing a model on (to `jaxpar generate`, to a finetune). Returns the
+    step exported."""
+    import dataclasses
+    import json
+
+    from jaxpar.config import config_from_dict
+    from jaxpar.train.state import abstract_model
+
+    src, dst = pathlib.Path(src), pathlib.Path(dst)
+    config = config_from_dict(json.loads((src / "config.json").read_text()))
+    _, abstract = abstract_model(config.model)
+    params, step = restore_params(src, abstract, ModelLayout(padded_vocab=config.model.vocab_size),
+                                  config.model.vocab_size, step=step)
+    if dtype is not None:
+        params = jax.tree.map(lambda x: x.astype(dtype), params)
+        config = dataclasses.replace(config, model=dataclasses.replace(config.model, param_dtype=dtype))
+    dst.mkdir(parents=True, exist_ok=True)
+    (dst / "config.json").write_text(config.to_json())
+    mngr = manager(dst)
+    mngr.save(step, args=ocp.args.Composite(params=ocp.args.StandardSave(nnx.to_pure_dict(params))))
+    mngr.wait_until_finished()
+    return step
