@@ -131,9 +131,6 @@ class ParallelConfig:
                               f"must be a multiple of parallel.pipe = {self.pipe} (each stage embeds, and finally "
                               "holds, microbatches/pipe of them)",
                               f"use microbatches {_nearest_multiples(self.microbatches, self.pipe)}")
-        # Not built yet. Refuse rather than silently ignore.
-        if self.zero != 0:
-            raise ConfigError("parallel.zero", self.zero, "ZeRO sharding is not available yet", "set parallel.zero=0")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -80,15 +80,29 @@ def _axes_of(v: nnx.Variable) -> LogicalAxes:
     return tuple(axes) if axes is not None else (None,) * len(v.shape)
 
 
-def param_specs(state: nnx.State, rules=RULES) -> nnx.State:
-    """A State of PartitionSpecs mirroring `state` (abstract or concrete)."""
-    return jax.tree.map(lambda v: v.replace(logical_to_spec(_axes_of(v), rules)), state, is_leaf=_is_variable)
+def zero_spec(spec: P, shape: tuple[int, ...], data: int) -> P:
+    """ZeRO: `spec` with 'data' added on the first dim it leaves whole whose size `data` divides (unchanged when
+    there is none, or data == 1). Each data rank then stores 1/data of the array."""
+    entries = list(spec) + [None] * (len(shape) - len(spec))
+    if data > 1 and "data" not in jax.tree.leaves(entries):
+        for i, (entry, size) in enumerate(zip(entries, shape)):
+            if entry is None and size % data == 0:
+                entries[i] = "data"
+                break
+    return P(*entries)
 
 
-def param_shardings(state: nnx.State, mesh: Mesh, rules=RULES) -> nnx.State:
+def param_specs(state: nnx.State, rules=RULES, zero_data: int = 1) -> nnx.State:
+    """A State of PartitionSpecs mirroring `state` (abstract or concrete); `zero_data` > 1 also splits each array
+    over the data axis (`zero_spec`)."""
+    return jax.tree.map(lambda v: v.replace(zero_spec(logical_to_spec(_axes_of(v), rules), v.shape, zero_data)),
+                        state, is_leaf=_is_variable)
+
+
+def param_shardings(state: nnx.State, mesh: Mesh, rules=RULES, zero_data: int = 1) -> nnx.State:
     """A State of NamedShardings mirroring `state`: what `jit(out_shardings=…)` needs to create it born sharded."""
-    return jax.tree.map(lambda v: v.replace(NamedSharding(mesh, logical_to_spec(_axes_of(v), rules))), state,
-                        is_leaf=_is_variable)
+    specs = param_specs(state, rules, zero_data)
+    return jax.tree.map(lambda s: s.replace(NamedSharding(mesh, s.get_value())), specs, is_leaf=_is_variable)
 
 
 def constrain(x: jax.Array, axes: Sequence[str | None]) -> jax.Array:
@@ -113,6 +127,16 @@ class ModelLayout:
     padded_vocab: int | None = None
     tp: TensorParallel = SINGLE_DEVICE
     pipeline: Pipeline | None = None
+    zero: int = 0  # ZeRO stage: 1 shards optimizer moments over `data`, 3 parameters too
+    data: int = 1  # the data degree those are split by
+
+    @property
+    def param_zero_data(self) -> int:
+        return self.data if self.zero >= 3 else 1
+
+    @property
+    def opt_zero_data(self) -> int:
+        return self.data if self.zero >= 1 else 1
 
     @property
     def layer_order(self) -> np.ndarray | None:
@@ -154,4 +178,5 @@ def model_layout(model: ModelConfig, parallel: ParallelConfig | None, mesh: Mesh
     pipeline = None
     if parallel is not None and mesh.shape["pipe"] > 1:
         pipeline = Pipeline(mesh.shape["pipe"], parallel.repeats, parallel.microbatches, model.n_layers)
-    return ModelLayout(rules, math.ceil(model.vocab_size / t) * t, tp, pipeline)
+    zero = parallel.zero if parallel is not None else 0
+    return ModelLayout(rules, math.ceil(model.vocab_size / t) * t, tp, pipeline, zero, mesh.shape["data"])

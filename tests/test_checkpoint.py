@@ -25,6 +25,10 @@ LAYOUTS = {  # name: (overrides, number of devices)
                      "parallel.microbatches=2"], 8),
     "single device": (["parallel.data=1", "parallel.pipe=1", "parallel.tensor=1", "parallel.repeats=1",
                        "parallel.microbatches=1"], 1),
+    "(4,1,2) zero=3": (["parallel.data=4", "parallel.pipe=1", "parallel.tensor=2", "parallel.repeats=1",
+                        "parallel.microbatches=1", "parallel.zero=3"], 8),
+    "(2,2,2) v=2 zero=1 SP": (["parallel.data=2", "parallel.pipe=2", "parallel.tensor=2", "parallel.repeats=2",
+                               "parallel.microbatches=4", "parallel.zero=1", "parallel.sequence_parallel=true"], 8),
 }
 
 
@@ -42,7 +46,7 @@ def canonical_host(params, config, mesh):
     return jax.tree.map(np.asarray, nnx.to_pure_dict(to_canonical(params, layout, config.model.vocab_size)))
 
 
-@pytest.fixture(scope="module", params=["(2,2,2) v=2", "single device"])
+@pytest.fixture(scope="module", params=["(2,2,2) v=2", "single device", "(4,1,2) zero=3"])
 def written(request, tmp_path_factory):
     """Three steps at the source layout, checkpointed; and the source's own fourth step for comparison."""
     source = request.param
@@ -63,7 +67,7 @@ def test_restore_onto_another_layout(written, target, tmp_path):
     layout = model_layout(config.model, config.parallel, mesh)
     _, abstract = abstract_model(config.model, layout.padded_vocab)
     restored, step = restore_params(workdir / "src", abstract, layout, config.model.vocab_size,
-                                    param_shardings(abstract, mesh, layout.rules))
+                                    param_shardings(abstract, mesh, layout.rules, layout.param_zero_data))
     assert step == 3
     jax.tree.map(np.testing.assert_array_equal, canonical_host(restored, config, mesh), params)  # bit for bit
     # The whole training state (optimizer moments, step, data position) continues on the new layout.
@@ -95,3 +99,31 @@ def test_convert_exports_params_that_generate_reads(tmp_path):
     got = jax.tree.map(np.asarray, nnx.to_pure_dict(nnx.state(loaded.model, nnx.Param)))
     jax.tree.map(lambda g, w: np.testing.assert_array_equal(g, w.astype(g.dtype)), got, want)
     assert generate_tokens(loaded, np.array([list(b"def ")], np.int32), max_new_tokens=5).shape == (1, 5)
+
+
+def opt_state_bytes_on_device_0(state) -> int:
+    """Bytes of Adam's moments held by the first device."""
+    moments = [x for s in jax.tree.leaves(state.opt_state, is_leaf=lambda x: isinstance(x, nnx.State))
+               if isinstance(s, nnx.State) for x in jax.tree.leaves(s)]
+    return sum(shard.data.nbytes for x in moments for shard in x.addressable_shards if shard.device == jax.devices()[0])
+
+
+@pytest.mark.parametrize("zero", [1, 3])
+def test_zero_shards_optimizer_state_and_trains_the_same(zero, tmp_path):
+    from jaxpar.train import build_trainer
+
+    base = ["parallel.data=4", "parallel.pipe=1", "parallel.tensor=2", "parallel.repeats=1", "parallel.microbatches=1",
+            "train.steps=3"]
+    plain = run_config(base, tmp_path / "plain")
+    sharded = run_config(base + [f"parallel.zero={zero}"], tmp_path / "zero")
+    np.testing.assert_allclose([r["loss"] for r in sharded.history], [r["loss"] for r in plain.history], rtol=1e-5)
+    ratio = opt_state_bytes_on_device_0(sharded.state) / opt_state_bytes_on_device_0(plain.state)
+    print(f"zero={zero}: optimizer-state bytes per device = {ratio:.3f} of zero=0 at data=4")
+    assert ratio <= 1.02 / 4
+    wq = sharded.state.params["blocks"]["wq"][...]
+    assert ("data" in str(wq.sharding.spec)) == (zero == 3)
+
+
+def run_config(overrides, workdir):
+    config = load_config("configs/tiny.py", MODEL + overrides)
+    return fit(config, workdir, progress=False)

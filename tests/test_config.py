@@ -314,10 +314,9 @@ def test_text_source_needs_path():
     assert config_from_dict(_tiny(data={"source": "text", "path": "corpus.txt"})).data.path == "corpus.txt"
 
 
-def test_unbuilt_parallelism_is_refused():
-    """ZeRO is not built yet: refused by name, never silently ignored."""
-    msg = _raises("parallel.zero", config_from_dict, _tiny(parallel={"zero": 1}))
-    assert "not available yet" in msg
+def test_zero_stage_must_be_0_1_or_3():
+    _raises("parallel.zero", config_from_dict, _tiny(parallel={"zero": 2}))
+    assert config_from_dict(_tiny(parallel={"zero": 3})).parallel.zero == 3
 
 
 @pytest.mark.parametrize("name, value", [("repeats", 2), ("microbatches", 4)])

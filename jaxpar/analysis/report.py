@@ -43,10 +43,11 @@ def compile_grads(config: Config, mesh) -> jax.stages.Compiled:
     layout = model_layout(m, p, mesh)
     graphdef, params = nnx.split(nnx.eval_shape(lambda: Transformer(m, rngs=nnx.Rngs(0),
                                                                     padded_vocab=layout.padded_vocab)), nnx.Param)
-    shardings = param_shardings(params, mesh, layout.rules)
+    shardings = param_shardings(params, mesh, layout.rules, layout.param_zero_data)
     params = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), params, shardings)
     fn = sharded_loss_and_grads(graphdef, grad_accum=config.train.grad_accum, remat=p.remat, tp=layout.tp, mesh=mesh,
-                                param_specs=param_specs(params, layout.rules), pipe=layout.pipeline)
+                                param_specs=param_specs(params, layout.rules, layout.param_zero_data),
+                                pipe=layout.pipeline)
     with jax.set_mesh(mesh):
         return jax.jit(fn).lower(params, _abstract_batch(config, mesh)).compile()
 

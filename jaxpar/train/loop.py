@@ -53,7 +53,7 @@ def build_trainer(config: Config, mesh: Mesh | None, *, explicit: bool = True, a
     layout = model_layout(model, parallel, mesh, explicit)
     tx = make_optimizer(config.train)
     graphdef, state, shardings = create_state(model, tx, config.train.seed, mesh, layout, abstract=abstract)
-    specs = param_specs(state.params, layout.rules) if mesh is not None else None
+    specs = param_specs(state.params, layout.rules, layout.param_zero_data) if mesh is not None else None
     train_step, eval_step = compile_steps(
         make_train_step(graphdef, tx, grad_accum=config.train.grad_accum, remat=parallel.remat,
                         schedule=lr_schedule(config.train), tp=layout.tp, mesh=mesh, param_specs=specs,

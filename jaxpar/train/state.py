@@ -19,7 +19,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxpar.config import ModelConfig, TrainConfig
 from jaxpar.model import Transformer, permute_layers
-from jaxpar.sharding import RULES, ModelLayout, param_shardings
+from jaxpar.sharding import ModelLayout, param_shardings
 
 
 @flax.struct.dataclass
@@ -61,16 +61,20 @@ def abstract_model(cfg: ModelConfig, padded_vocab: int | None = None) -> tuple[n
     return nnx.split(model, nnx.Param)[:2]
 
 
-def state_shardings(abstract_state: TrainState, mesh: Mesh, rules=RULES) -> TrainState:
+def state_shardings(abstract_state: TrainState, mesh: Mesh, layout: ModelLayout = ModelLayout()) -> TrainState:
     """NamedShardings for a (abstract) TrainState: parameters by the rules table; optimizer moments mirror their
-    parameter (their nnx.Variable nodes carry the same logical axes); scalars (step, Adam count) replicated."""
+    parameter (their nnx.Variable nodes carry the same logical axes); scalars (step, Adam count) replicated.
+    ZeRO adds the data axis: to the moments at stage 1, to parameters too at stage 3."""
     replicated = NamedSharding(mesh, P())
 
     def opt_leaf(x):
-        return param_shardings(x, mesh, rules) if isinstance(x, nnx.State) else replicated
+        if isinstance(x, nnx.State):
+            return param_shardings(x, mesh, layout.rules, layout.opt_zero_data)
+        return replicated
 
     opt = jax.tree.map(opt_leaf, abstract_state.opt_state, is_leaf=lambda x: isinstance(x, nnx.State))
-    return TrainState(step=replicated, params=param_shardings(abstract_state.params, mesh, rules), opt_state=opt)
+    params = param_shardings(abstract_state.params, mesh, layout.rules, layout.param_zero_data)
+    return TrainState(step=replicated, params=params, opt_state=opt)
 
 
 def create_state(model_cfg: ModelConfig, tx: optax.GradientTransformation, seed: int, mesh: Mesh | None = None,
@@ -91,7 +95,7 @@ def create_state(model_cfg: ModelConfig, tx: optax.GradientTransformation, seed:
     if mesh is None:
         return graphdef, jax.jit(init)(), None
     shapes = jax.eval_shape(init)
-    shardings = state_shardings(shapes, mesh, layout.rules)
+    shardings = state_shardings(shapes, mesh, layout)
     if abstract:
         return graphdef, jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), shapes,
                                       shardings), shardings

@@ -69,7 +69,7 @@ def pipeline_loss(model, batch: jax.Array, pipe: Pipeline, remat: str, tp: Tenso
 
 def loss_and_grads(graphdef: nnx.GraphDef, *, grad_accum: int = 1, remat: str = "none",
                    tp: TensorParallel = SINGLE_DEVICE, data_axis: str | None = None, pipe: Pipeline | None = None,
-                   pipe_replicated=None) -> Callable[[nnx.State, jax.Array], tuple[jax.Array, nnx.State]]:
+                   pipe_replicated=None, zero_dims=None) -> Callable[[nnx.State, jax.Array], tuple[jax.Array, nnx.State]]:
     """(params, batch int [B, T+1]) → (mean loss, gradients), on whatever rows it is given.
 
     Gradient accumulation splits the rows into `grad_accum` equal chunks run one after another (a scan), so peak
@@ -84,11 +84,16 @@ def loss_and_grads(graphdef: nnx.GraphDef, *, grad_accum: int = 1, remat: str = 
     loss_s / p: autodiff through the pipeline's ppermutes already sums every stage's loss into the gradients of the
     layers a stage owns; parameters replicated over `pipe` (embedding, final norm, head; `pipe_replicated` marks
     them) were used by each stage on its own rows only, so their gradients are summed over `pipe`.
+
+    zero_dims (ZeRO-3): per parameter, the dim split over `data` (-1: none). Those arrive as 1/data shards: they are
+    all-gathered once before the step's first chunk, and their gradients reduce-scattered (instead of all-reduced)
+    after the last — the whole model is gathered for the step, not layer by layer.
     """
     scale = 1.0 / pipe.stages if pipe is not None else 1.0
     grad_fn = jax.value_and_grad(lambda p, b: scale * next_token_loss(graphdef, p, b, remat, tp, pipe))
 
     def run(params: nnx.State, batch: jax.Array) -> tuple[jax.Array, nnx.State]:
+        params = gather_zero(params, zero_dims)
         if grad_accum == 1:
             loss, grads = grad_fn(params, batch)
         else:
@@ -108,10 +113,26 @@ def loss_and_grads(graphdef: nnx.GraphDef, *, grad_accum: int = 1, remat: str = 
             loss = jax.lax.psum(loss, PIPE)
             grads = jax.tree.map(lambda g, rep: jax.lax.psum(g, PIPE) if rep else g, grads, pipe_replicated)
         if data_axis is not None:
-            loss, grads = jax.lax.pmean((loss, grads), data_axis)
+            loss = jax.lax.pmean(loss, data_axis)
+            dims = zero_dims if zero_dims is not None else jax.tree.map(lambda _: -1, grads)
+            grads = jax.tree.map(lambda g, d: jax.lax.pmean(g, data_axis) if d < 0 else
+                                 jax.lax.psum_scatter(g, data_axis, scatter_dimension=d, tiled=True)
+                                 / jax.lax.axis_size(data_axis), grads, dims)
         return loss, grads
 
     return run
+
+
+def gather_zero(params: nnx.State, zero_dims) -> nnx.State:
+    """ZeRO-3: all-gather over `data` every parameter stored split along dim zero_dims[...] (≥ 0)."""
+    if zero_dims is None:
+        return params
+    return jax.tree.map(lambda p, d: p if d < 0 else jax.lax.all_gather(p, DATA, axis=d, tiled=True), params,
+                        zero_dims)
+
+
+def _zero_dims(param_specs: nnx.State):
+    return jax.tree.map(lambda spec: list(spec).index(DATA) if DATA in list(spec) else -1, param_specs)
 
 
 def sharded_loss_and_grads(graphdef: nnx.GraphDef, *, grad_accum: int = 1, remat: str = "none",
@@ -123,7 +144,7 @@ def sharded_loss_and_grads(graphdef: nnx.GraphDef, *, grad_accum: int = 1, remat
         return loss_and_grads(graphdef, grad_accum=grad_accum, remat=remat)
     replicated = jax.tree.map(lambda spec: PIPE not in _mesh_axes(spec), param_specs)
     local = loss_and_grads(graphdef, grad_accum=grad_accum, remat=remat, tp=tp, data_axis=DATA, pipe=pipe,
-                           pipe_replicated=replicated)
+                           pipe_replicated=replicated, zero_dims=_zero_dims(param_specs))
     return jax.shard_map(local, mesh=mesh, in_specs=(param_specs, batch_spec()), out_specs=(P(), param_specs),
                          check_vma=False)
 
@@ -171,8 +192,10 @@ def make_eval_step(graphdef: nnx.GraphDef, *, tp: TensorParallel = SINGLE_DEVICE
     if tp.axis is None:
         return lambda params, batch: next_token_loss(graphdef, params, batch)
 
+    zero_dims = _zero_dims(param_specs)
+
     def local(params, batch):
-        loss = next_token_loss(graphdef, params, batch, tp=tp, pipe=pipe)
+        loss = next_token_loss(graphdef, gather_zero(params, zero_dims), batch, tp=tp, pipe=pipe)
         if pipe is not None:
             loss = jax.lax.pmean(loss, PIPE)
         return jax.lax.pmean(loss, DATA)
