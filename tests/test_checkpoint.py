@@ -110,7 +110,6 @@ def opt_state_bytes_on_device_0(state) -> int:
 
 @pytest.mark.parametrize("zero", [1, 3])
 def test_zero_shards_optimizer_state_and_trains_the_same(zero, tmp_path):
-    from jaxpar.train import build_trainer
 
     base = ["parallel.data=4", "parallel.pipe=1", "parallel.tensor=2", "parallel.repeats=1", "parallel.microbatches=1",
             "train.steps=3"]

@@ -1,6 +1,5 @@
 """Megatron tensor + sequence parallelism under shard_map against the single-device reference, value and gradients."""
 
-import dataclasses
 import types
 
 import jax

@@ -3,7 +3,6 @@
 import dataclasses
 import json
 
-import jax
 import numpy as np
 import pytest
 
