@@ -7,7 +7,7 @@ import json
 import pathlib
 
 import jax
-from tqdm.auto import tqdm
+from tqdm import tqdm  # plain text bar: works in terminals, logs and notebooks (no ipywidgets)
 
 
 class MetricsWriter:
