@@ -252,29 +252,34 @@ class Config:
     def resolve_for_devices(self, n_devices: int) -> "Config":
         """Fill `parallel.data = -1` from the device count and check the mesh product matches it."""
         p = self.parallel
-        fixed = p.pipe * p.tensor
-        if p.data == -1:
-            if n_devices % fixed:
-                raise ConfigError("parallel.tensor", p.tensor,
-                                  f"pipe*tensor = {fixed} must divide the {n_devices} available devices",
-                                  f"use pipe*tensor among {_divisors(n_devices)}")
-            resolved = dataclasses.replace(self, parallel=dataclasses.replace(p, data=n_devices // fixed))
-            resolved._check_batch(resolved.parallel.data)
-            return resolved
-        if p.data * fixed != n_devices:
-            raise ConfigError("parallel.data", p.data,
-                              f"mesh data*pipe*tensor = {p.data}*{p.pipe}*{p.tensor} = {p.data * fixed} "
-                              f"must equal the {n_devices} available devices",
-                              f"set parallel.data={n_devices // fixed} (or -1 to fill)" if n_devices % fixed == 0
-                              else f"choose pipe*tensor among {_divisors(n_devices)}, then parallel.data=-1")
-        self._check_batch(p.data)
-        return self
+        resolved = dataclasses.replace(self, parallel=dataclasses.replace(p, data=data_degree(p, n_devices)))
+        resolved._check_batch(resolved.parallel.data)
+        return resolved
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=2, sort_keys=True)
+
+
+def data_degree(parallel, n_devices: int) -> int:
+    """The data degree of a (data, pipe, tensor) layout on `n_devices`: `data = -1` is filled; any other value must
+    make the mesh product equal the device count. `parallel` is anything with data, pipe, tensor attributes."""
+    fixed = parallel.pipe * parallel.tensor
+    if parallel.data == -1:
+        if n_devices % fixed:
+            raise ConfigError("parallel.tensor", parallel.tensor,
+                              f"pipe*tensor = {fixed} must divide the {n_devices} available devices",
+                              f"use pipe*tensor among {_divisors(n_devices)}")
+        return n_devices // fixed
+    if parallel.data * fixed != n_devices:
+        raise ConfigError("parallel.data", parallel.data,
+                          f"mesh data*pipe*tensor = {parallel.data}*{parallel.pipe}*{parallel.tensor} = "
+                          f"{parallel.data * fixed} must equal the {n_devices} available devices",
+                          f"set parallel.data={n_devices // fixed} (or -1 to fill)" if n_devices % fixed == 0
+                          else f"choose pipe*tensor among {_divisors(n_devices)}, then parallel.data=-1")
+    return parallel.data
 
 
 SECTIONS: dict[str, type] = {"model": ModelConfig, "parallel": ParallelConfig, "train": TrainConfig, "data": DataConfig,

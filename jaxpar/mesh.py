@@ -10,26 +10,9 @@ from __future__ import annotations
 import jax
 from jax.sharding import AxisType, Mesh
 
-from jaxpar.config import ConfigError, ParallelConfig
+from jaxpar.config import ParallelConfig, data_degree
 
 AXES = ("data", "pipe", "tensor")
-
-
-def mesh_shape(parallel: ParallelConfig, n_devices: int) -> tuple[int, int, int]:
-    """(data, pipe, tensor) with `data = -1` filled from the device count; ConfigError if the product is wrong."""
-    fixed = parallel.pipe * parallel.tensor
-    data = parallel.data
-    if data == -1:
-        if n_devices % fixed:
-            raise ConfigError("parallel.tensor", parallel.tensor,
-                              f"pipe*tensor = {fixed} must divide the {n_devices} available devices",
-                              "choose pipe and tensor whose product divides the device count")
-        data = n_devices // fixed
-    if data * fixed != n_devices:
-        raise ConfigError("parallel.data", parallel.data,
-                          f"mesh data*pipe*tensor = {data}*{parallel.pipe}*{parallel.tensor} = {data * fixed} must "
-                          f"equal the {n_devices} available devices", "set parallel.data=-1 to fill the devices")
-    return data, parallel.pipe, parallel.tensor
 
 
 def make_mesh(parallel: ParallelConfig, devices: list | None = None) -> Mesh:
@@ -39,5 +22,5 @@ def make_mesh(parallel: ParallelConfig, devices: list | None = None) -> Mesh:
     annotations; explicit per-collective code runs under `jax.shard_map` on top of the same mesh.
     """
     devices = list(jax.devices() if devices is None else devices)
-    shape = mesh_shape(parallel, len(devices))
+    shape = (data_degree(parallel, len(devices)), parallel.pipe, parallel.tensor)
     return jax.make_mesh(shape, AXES, axis_types=(AxisType.Auto,) * len(AXES), devices=devices)

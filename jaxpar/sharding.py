@@ -70,11 +70,6 @@ def _is_variable(x: Any) -> bool:
     return isinstance(x, nnx.Variable)
 
 
-def logical_axes(state: nnx.State) -> nnx.State:
-    """The `logical_axes` metadata of every variable (a State of tuples; `()`-free: missing metadata → replicated)."""
-    return jax.tree.map(lambda v: v.replace(_axes_of(v)), state, is_leaf=_is_variable)
-
-
 def _axes_of(v: nnx.Variable) -> LogicalAxes:
     axes = v.get_metadata().get("logical_axes")
     return tuple(axes) if axes is not None else (None,) * len(v.shape)

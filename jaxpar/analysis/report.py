@@ -20,16 +20,12 @@ import re
 
 import jax
 import jax.numpy as jnp
-from flax import nnx
-
 from jaxpar.analysis import expected
 from jaxpar.analysis.hlo import collective_summary, collectives, cost, dot_flops, memory
 from jaxpar.config import Config
 from jaxpar.mesh import make_mesh
-from jaxpar.model import Transformer
-from jaxpar.sharding import model_layout, param_shardings, param_specs
 from jaxpar.train.loop import build_trainer
-from jaxpar.train.step import batch_sharding, sharded_loss_and_grads
+from jaxpar.train.step import batch_sharding
 
 
 def _abstract_batch(config: Config, mesh) -> jax.ShapeDtypeStruct:
@@ -38,18 +34,10 @@ def _abstract_batch(config: Config, mesh) -> jax.ShapeDtypeStruct:
 
 
 def compile_grads(config: Config, mesh) -> jax.stages.Compiled:
-    """The compiled loss-and-gradients function alone (no optimizer) for `config` on `mesh`, from abstract params."""
-    m, p = config.model, config.parallel
-    layout = model_layout(m, p, mesh)
-    graphdef, params = nnx.split(nnx.eval_shape(lambda: Transformer(m, rngs=nnx.Rngs(0),
-                                                                    padded_vocab=layout.padded_vocab)), nnx.Param)
-    shardings = param_shardings(params, mesh, layout.rules, layout.param_zero_data)
-    params = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), params, shardings)
-    fn = sharded_loss_and_grads(graphdef, grad_accum=config.train.grad_accum, remat=p.remat, tp=layout.tp, mesh=mesh,
-                                param_specs=param_specs(params, layout.rules, layout.param_zero_data),
-                                pipe=layout.pipeline)
+    """The compiled loss-and-gradients function of the train step alone (no optimizer), from abstract state."""
+    trainer = build_trainer(config, mesh, abstract=True)
     with jax.set_mesh(mesh):
-        return jax.jit(fn).lower(params, _abstract_batch(config, mesh)).compile()
+        return jax.jit(trainer.loss_and_grads).lower(trainer.state.params, _abstract_batch(config, mesh)).compile()
 
 
 def activation_bytes_per_layer(config: Config, mesh) -> dict[str, float]:

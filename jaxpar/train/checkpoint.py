@@ -13,6 +13,8 @@ onto any other. (Preemption, corruption handling and ZeRO are the checkpoint iss
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import pathlib
 import warnings
 from typing import Callable
@@ -25,7 +27,8 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxpar.model import pad_vocab, permute_layers
 from jaxpar.sharding import ModelLayout
-from jaxpar.train.state import TrainState
+from jaxpar.config import config_from_dict
+from jaxpar.train.state import TrainState, abstract_model
 
 VOCAB_PARAMS = ("embed", "lm_head")
 
@@ -138,9 +141,9 @@ def _is_state(x) -> bool:
     return isinstance(x, nnx.State)
 
 
-def _map_states(fn, opt_state, *rest):
+def _map_states(fn, opt_state):
     """Apply fn to every parameter-shaped nnx.State inside an optax state (Adam's mu and nu), leave the rest."""
-    return jax.tree.map(lambda x, *r: fn(x, *r) if _is_state(x) else x, opt_state, *rest, is_leaf=_is_state)
+    return jax.tree.map(lambda x: fn(x) if _is_state(x) else x, opt_state, is_leaf=_is_state)
 
 
 def restore_train(mngr: ocp.CheckpointManager, like: TrainState, shardings: TrainState, layout: ModelLayout,
@@ -175,12 +178,6 @@ def convert(src: str | pathlib.Path, dst: str | pathlib.Path, *, step: int | Non
     canonical params, optionally cast to `dtype`, and its config.json. A layout change needs no conversion — any
     layout restores these — so this is for handing a model on (to `jaxpar generate`, to a finetune). Returns the
     step exported."""
-    import dataclasses
-    import json
-
-    from jaxpar.config import config_from_dict
-    from jaxpar.train.state import abstract_model
-
     src, dst = pathlib.Path(src), pathlib.Path(dst)
     config = config_from_dict(json.loads((src / "config.json").read_text()))
     _, abstract = abstract_model(config.model)

@@ -21,7 +21,8 @@ from jaxpar.train import checkpoint
 from jaxpar.train.metrics import MetricsWriter
 from jaxpar.sharding import ModelLayout, model_layout, param_specs
 from jaxpar.train.state import TrainState, create_state, lr_schedule, make_optimizer
-from jaxpar.train.step import batch_sharding, compile_steps, make_eval_step, make_train_step
+from jaxpar.train.step import (batch_sharding, compile_steps, make_eval_step, make_train_step,
+                               sharded_loss_and_grads)
 
 
 @dataclasses.dataclass
@@ -31,10 +32,11 @@ class Trainer:
     graphdef: nnx.GraphDef
     state: TrainState
     shardings: TrainState | None
-    train_step: Callable  # (state, batch int [B, T+1]) -> (state, metrics)
-    eval_step: Callable  # (params, batch) -> loss
+    train_step: Callable  # (state, batch int [B, T+1]) -> (state, metrics); jitted
+    eval_step: Callable  # (params, batch) -> loss; jitted
     mesh: Mesh | None
     layout: ModelLayout
+    loss_and_grads: Callable  # (params, batch) -> (loss, grads): the train step's gradients alone, not jitted
 
     def put(self, rows: np.ndarray) -> jax.Array:
         """This process's batch rows → a global array laid out for the step (rows over 'data')."""
@@ -54,12 +56,12 @@ def build_trainer(config: Config, mesh: Mesh | None, *, explicit: bool = True, a
     tx = make_optimizer(config.train)
     graphdef, state, shardings = create_state(model, tx, config.train.seed, mesh, layout, abstract=abstract)
     specs = param_specs(state.params, layout.rules, layout.param_zero_data) if mesh is not None else None
+    grads_of = sharded_loss_and_grads(graphdef, grad_accum=config.train.grad_accum, remat=parallel.remat, tp=layout.tp,
+                                      mesh=mesh, param_specs=specs, pipe=layout.pipeline)
     train_step, eval_step = compile_steps(
-        make_train_step(graphdef, tx, grad_accum=config.train.grad_accum, remat=parallel.remat,
-                        schedule=lr_schedule(config.train), tp=layout.tp, mesh=mesh, param_specs=specs,
-                        pipe=layout.pipeline),
+        make_train_step(grads_of, tx, lr_schedule(config.train)),
         make_eval_step(graphdef, tp=layout.tp, mesh=mesh, param_specs=specs, pipe=layout.pipeline), mesh, shardings)
-    return Trainer(graphdef, state, shardings, train_step, eval_step, mesh, layout)
+    return Trainer(graphdef, state, shardings, train_step, eval_step, mesh, layout, grads_of)
 
 
 @dataclasses.dataclass

@@ -158,14 +158,11 @@ def global_norm(tree) -> jax.Array:
     return jnp.sqrt(sum(jnp.sum(jnp.square(x.astype(jnp.float32))) for x in jax.tree.leaves(tree)))
 
 
-def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, *, grad_accum: int = 1,
-                    remat: str = "none", schedule: optax.Schedule | None = None, tp: TensorParallel = SINGLE_DEVICE,
-                    mesh: Mesh | None = None, param_specs: nnx.State | None = None, pipe: Pipeline | None = None
+def make_train_step(grads_of: Callable[[nnx.State, jax.Array], tuple[jax.Array, nnx.State]],
+                    tx: optax.GradientTransformation, schedule: optax.Schedule | None = None
                     ) -> Callable[[TrainState, jax.Array], tuple[TrainState, Metrics]]:
-    """(state, batch int [B, T+1]) → (state, metrics {loss, grad_norm, lr}); gradients from
-    `sharded_loss_and_grads`, then clipping and AdamW on the sharded state."""
-    grads_of = sharded_loss_and_grads(graphdef, grad_accum=grad_accum, remat=remat, tp=tp, mesh=mesh,
-                                      param_specs=param_specs, pipe=pipe)
+    """(state, batch int [B, T+1]) → (state, metrics {loss, grad_norm, skipped, lr}): gradients from `grads_of`
+    (`sharded_loss_and_grads`), then clipping and AdamW on the sharded state."""
 
     def step(state: TrainState, batch: jax.Array) -> tuple[TrainState, Metrics]:
         loss, grads = grads_of(state.params, batch)
