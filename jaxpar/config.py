@@ -40,6 +40,8 @@ def _f(default: Any, help: str) -> Any:
 FAMILIES = ("llama", "gpt2")
 DTYPES = ("float32", "bfloat16", "float16")
 REMAT_POLICIES = ("none", "full", "dots")
+ATTENTION_IMPLS = ("auto", "xla", "cudnn")
+ROPE_SCALINGS = ("none", "linear", "llama3")
 SOURCES = ("default", "synthetic", "text", "tokens")
 
 
@@ -57,6 +59,17 @@ class ModelConfig:
     d_ff: int = _f(0, "MLP hidden width; 0 means 4*d_model (gpt2) or 8/3*d_model rounded up to 32 (llama)")
     max_seq_len: int = _f(256, "longest sequence the model accepts (size of the gpt2 position table)")
     rope_theta: float = _f(10000.0, "RoPE base frequency (llama family)")
+    rope_scaling: str = _f("none", "RoPE frequency scaling for long context: 'none', 'linear' (positions / "
+                           "rope_factor) or 'llama3' (Llama 3.1's per-frequency interpolation)")
+    rope_factor: float = _f(1.0, "RoPE scaling factor (rope_scaling 'linear' or 'llama3')")
+    rope_low_freq_factor: float = _f(1.0, "llama3 scaling: wavelengths above original_max_len/this are scaled fully")
+    rope_high_freq_factor: float = _f(4.0, "llama3 scaling: wavelengths below original_max_len/this are kept")
+    rope_original_max_len: int = _f(8192, "llama3 scaling: the context length the model was pretrained at")
+    qkv_bias: bool = _f(False, "biases on the q, k, v projections in the llama family (Qwen2); gpt2 always has them")
+    sliding_window: int = _f(0, "attend only to the last this-many positions, the query's own included (Mistral); "
+                             "0: full causal attention")
+    attention: str = _f("auto", "attention kernel via jax.nn.dot_product_attention: 'xla', 'cudnn' (flash attention "
+                        "on NVIDIA GPUs, bf16/fp16), or 'auto' (cudnn where it applies, else xla)")
     norm_eps: float = _f(1e-5, "epsilon of RMSNorm / LayerNorm")
     tie_embeddings: bool = _f(False, "share the token embedding with the LM head")
     init_std: float = _f(0.02, "std of the normal init; output projections get init_std/sqrt(2*n_layers)")
@@ -68,6 +81,18 @@ class ModelConfig:
         _check_choice("model.family", self.family, FAMILIES)
         _check_choice("model.dtype", self.dtype, DTYPES)
         _check_choice("model.param_dtype", self.param_dtype, DTYPES)
+        _check_choice("model.rope_scaling", self.rope_scaling, ROPE_SCALINGS)
+        _check_choice("model.attention", self.attention, ATTENTION_IMPLS)
+        _check_positive("model.rope_factor", self.rope_factor)
+        _check_positive("model.rope_original_max_len", self.rope_original_max_len)
+        _check_positive("model.sliding_window", self.sliding_window, allow_zero="full causal attention")
+        if self.rope_scaling == "llama3" and not self.rope_high_freq_factor > self.rope_low_freq_factor > 0:
+            raise ConfigError("model.rope_high_freq_factor", self.rope_high_freq_factor,
+                              f"must exceed model.rope_low_freq_factor = {self.rope_low_freq_factor} > 0 "
+                              "for llama3 RoPE scaling", "Llama 3.1 uses low 1.0 and high 4.0")
+        if self.attention == "cudnn" and self.dtype == "float32":
+            raise ConfigError("model.attention", self.attention, "cuDNN flash attention needs a 16-bit compute dtype",
+                              "set model.dtype=bfloat16, or model.attention=auto/xla")
         for name in ("vocab_size", "d_model", "n_layers", "n_heads", "max_seq_len"):
             _check_positive(f"model.{name}", getattr(self, name))
         for name in ("n_kv_heads", "head_dim", "d_ff"):

@@ -20,10 +20,12 @@ Design:
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from jaxpar.config import ModelConfig
@@ -58,6 +60,7 @@ class Blocks(nnx.Module):
         llama: w_gate, w_up [L, D, F]; w_down [L, F, D]
         gpt2:  w_up [L, D, F]; w_down [L, F, D]; biases attn_norm_b, mlp_norm_b, bo, b_down [L, D];
                bq [L, H, E]; bk, bv [L, K, E]; b_up [L, F]
+        llama with qkv_bias (Qwen2): bq [L, H, E]; bk, bv [L, K, E]
     """
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
@@ -75,12 +78,13 @@ class Blocks(nnx.Module):
             self.w_gate = _param(rngs, (L, D, F), ("layers", "embed", "mlp"), pd, std=std)
         self.w_up = _param(rngs, (L, D, F), ("layers", "embed", "mlp"), pd, std=std)
         self.w_down = _param(rngs, (L, F, D), ("layers", "mlp", "embed"), pd, std=out_std)
-        if gpt2:
-            self.attn_norm_b = _param(None, (L, D), ("layers", "norm"), pd)
-            self.mlp_norm_b = _param(None, (L, D), ("layers", "norm"), pd)
+        if gpt2 or cfg.qkv_bias:
             self.bq = _param(None, (L, H, E), ("layers", "heads", "head_dim"), pd)
             self.bk = _param(None, (L, K, E), ("layers", "kv_heads", "head_dim"), pd)
             self.bv = _param(None, (L, K, E), ("layers", "kv_heads", "head_dim"), pd)
+        if gpt2:
+            self.attn_norm_b = _param(None, (L, D), ("layers", "norm"), pd)
+            self.mlp_norm_b = _param(None, (L, D), ("layers", "norm"), pd)
             self.bo = _param(None, (L, D), ("layers", "embed"), pd)
             self.b_up = _param(None, (L, F), ("layers", "mlp"), pd)
             self.b_down = _param(None, (L, D), ("layers", "embed"), pd)
@@ -90,23 +94,61 @@ class Blocks(nnx.Module):
         """The stacked parameters by name, each [L, …] (the local share of the stack inside shard_map)."""
         return {name: v[...] for name, v in vars(self).items() if isinstance(v, nnx.Param)}
 
-    def __call__(self, x: Array, positions: Array, mask: Array, *, remat: str = "none",
+    def __call__(self, x: Array, positions: Array, mask: Array | None, *, remat: str = "none",
                  tp: TensorParallel = SINGLE_DEVICE) -> Array:
-        """x [B, T, D] float32 (T/t under sequence parallelism) → same; positions [B, T]; mask [B, 1, 1, T, S] bool."""
+        """x [B, T, D] float32 (T/t under sequence parallelism) → same; positions [B, T]; mask as `attend`'s."""
         return run_layers(self.stacked(), x, positions, mask, self.cfg, remat=remat, tp=tp)
 
 
-def run_layers(stacked: dict[str, Array], x: Array, positions: Array, mask: Array, cfg: ModelConfig, *,
+def run_layers(stacked: dict[str, Array], x: Array, positions: Array, mask: Array | None, cfg: ModelConfig, *,
                remat: str = "none", tp: TensorParallel = SINGLE_DEVICE) -> Array:
     """Apply the layers of `stacked` ([n, …] each) in order with a scan; `remat` checkpoints each layer."""
 
     def body(x, layer):
-        return block(layer, x, positions, mask, cfg, tp), None
+        return block(layer, x, positions, mask, cfg, tp)[0], None
 
     if remat != "none":
         body = jax.checkpoint(body, policy=REMAT_POLICIES[remat], prevent_cse=False)
     x, _ = jax.lax.scan(body, x, stacked)
     return x
+
+
+def run_layers_cached(stacked: dict[str, Array], x: Array, positions: Array, mask: Array, cfg: ModelConfig,
+                      k_cache: Array, v_cache: Array, slot: Array) -> tuple[Array, Array, Array]:
+    """`run_layers` for decoding: layer l also writes its new keys/values into k_cache[l], v_cache[l] [L, B, S, K, E]
+    at slots slot … slot+T-1 and attends over the whole cache. Returns (x, k_cache, v_cache)."""
+
+    def body(x, xs):
+        layer, k, v = xs
+        x, (k, v) = block(layer, x, positions, mask, cfg, kv_cache=(k, v, slot))
+        return x, (k, v)
+
+    x, (k_cache, v_cache) = jax.lax.scan(body, x, (stacked, k_cache, v_cache))
+    return x, k_cache, v_cache
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class KVCache:
+    """Keys and values of every layer for B rows of up to S slots (the decoding state).
+
+    k, v  [L, B, S, K, E] in the compute dtype, keys after RoPE;
+    start [B] int32: the first slot of each row holding a real token — prompts are *left*-padded, so every row writes
+          its next token to the same slot and one `dynamic_update_slice` serves the batch;
+    end   int32 scalar: slots filled so far; the next token goes to slot `end`.
+    Slot i of row b holds the token at position i - start[b]; slots before start[b] are padding, never attended to.
+    """
+
+    k: Array
+    v: Array
+    start: Array
+    end: Array
+
+    @classmethod
+    def empty(cls, cfg: ModelConfig, batch: int, slots: int, start: Array) -> "KVCache":
+        shape = (cfg.n_layers, batch, slots, cfg.n_kv_heads, cfg.head_dim)
+        zeros = jnp.zeros(shape, cfg.dtype)
+        return cls(zeros, zeros, jnp.asarray(start, jnp.int32), jnp.zeros((), jnp.int32))
 
 
 class Transformer(nnx.Module):
@@ -143,8 +185,29 @@ class Transformer(nnx.Module):
         if positions is None:
             positions = default_positions(B, T)
         x = self.embed_tokens(tokens, positions, tp)
-        x = self.blocks(x, positions, attention_mask(T, segment_ids), remat=remat, tp=tp)
+        x = self.blocks(x, positions, attention_mask(T, segment_ids, self.cfg.sliding_window), remat=remat, tp=tp)
         return self.logits(x, tp)
+
+    def decode(self, tokens: Array, cache: KVCache) -> tuple[Array, KVCache]:
+        """Run the next T tokens of every row (prefill: the left-padded prompts; decode: T = 1) against `cache`.
+
+        tokens int [B, T] go to slots end … end+T-1. Returns float32 logits [B, T, V] and the cache with their keys
+        and values written. Each step's matmuls cost O(T), independent of how full the cache is; attention reads the
+        whole cache, masked to the row's real, earlier slots (and the sliding window).
+        """
+        B, T = tokens.shape
+        S = cache.k.shape[2]
+        slots = cache.end + jnp.arange(T, dtype=jnp.int32)  # [T]
+        positions = jnp.maximum(slots[None, :] - cache.start[:, None], 0)  # [B, T]; padding clamps to position 0
+        q, k = slots[None, :, None], jnp.arange(S, dtype=jnp.int32)[None, None, :]  # query / key slots
+        mask = (k <= q) & (k >= cache.start[:, None, None])  # [B, T, S]
+        if self.cfg.sliding_window:
+            mask &= q - k < self.cfg.sliding_window
+        mask |= k == q  # a padding query attends to itself: no all-masked softmax rows (their output is unused)
+        x = self.embed_tokens(tokens, positions)
+        x, k_cache, v_cache = run_layers_cached(self.blocks.stacked(), x, positions, mask[:, None], self.cfg,
+                                                cache.k, cache.v, cache.end)
+        return self.logits(x), KVCache(k_cache, v_cache, cache.start, cache.end + T)
 
     def embed_tokens(self, tokens: Array, positions: Array, tp: TensorParallel = SINGLE_DEVICE) -> Array:
         """tokens [B, T] → residual stream [B, T, D] float32 ([B, T/t, D] under sequence parallelism)."""
@@ -175,16 +238,19 @@ def _maybe(fn, x):
     return None if x is None else fn(x)
 
 
-def block(p: dict[str, Array], x: Array, positions: Array, mask: Array, cfg: ModelConfig,
-          tp: TensorParallel = SINGLE_DEVICE) -> Array:
+def block(p: dict[str, Array], x: Array, positions: Array, mask: Array | None, cfg: ModelConfig,
+          tp: TensorParallel = SINGLE_DEVICE, kv_cache: tuple[Array, Array, Array] | None = None
+          ) -> tuple[Array, tuple[Array, Array] | None]:
     """One pre-norm transformer block. p holds one layer's parameters (no leading L); x [B, T, D] float32
-    ([B, T/t, D] under sequence parallelism: norms and residual adds run on sequence shards)."""
+    ([B, T/t, D] under sequence parallelism: norms and residual adds run on sequence shards).
+
+    kv_cache: this layer's (k [B, S, K, E], v, slot) when decoding. Returns (x, updated (k, v) or None)."""
     h = norm(x, tp.replicated(p["attn_norm"]), _maybe(tp.replicated, p.get("attn_norm_b")), cfg)
-    x = x + attention(p, h, positions, mask, cfg, tp)
-    x = constrain(x, ("batch", "seq", "embed"))
+    a, kv = attention(p, h, positions, mask, cfg, tp, kv_cache)
+    x = constrain(x + a, ("batch", "seq", "embed"))
     h = norm(x, tp.replicated(p["mlp_norm"]), _maybe(tp.replicated, p.get("mlp_norm_b")), cfg)
     x = x + mlp(p, h, cfg, tp)
-    return constrain(x, ("batch", "seq", "embed"))
+    return constrain(x, ("batch", "seq", "embed")), kv
 
 
 def norm(x: Array, scale: Array, bias: Array | None, cfg: ModelConfig) -> Array:
@@ -198,37 +264,66 @@ def norm(x: Array, scale: Array, bias: Array | None, cfg: ModelConfig) -> Array:
     return y.astype(cfg.dtype)
 
 
-def attention(p: dict[str, Array], h: Array, positions: Array, mask: Array, cfg: ModelConfig,
-              tp: TensorParallel = SINGLE_DEVICE) -> Array:
-    """Causal self-attention with GQA. h [B, T, D] (compute dtype) → [B, T, D] float32.
+def attention(p: dict[str, Array], h: Array, positions: Array, mask: Array | None, cfg: ModelConfig,
+              tp: TensorParallel = SINGLE_DEVICE, kv_cache: tuple[Array, Array, Array] | None = None
+              ) -> tuple[Array, tuple[Array, Array] | None]:
+    """Causal self-attention with GQA. h [B, T, D] (compute dtype) → ([B, T, D] float32, updated cache or None).
 
     Query head n belongs to kv group n // G (Hugging Face's `repeat_kv` order), so a contiguous slice of query heads
     and the matching slice of kv heads form a self-contained tensor-parallel shard. QKV is column-parallel (local
-    heads), the output projection row-parallel.
+    heads), the output projection row-parallel. With `kv_cache` (k, v [B, S, K, E], slot) the new keys and values
+    are written at slot … slot+T-1 and the queries attend over all S slots under `mask`.
     """
     dt = cfg.dtype
     wk, wv = tp.kv_weight(p["wk"]), tp.kv_weight(p["wv"])
     q, k, v = (y.astype(dt) for y in tp.column(h, (p["wq"].astype(dt), wk.astype(dt), wv.astype(dt)),
                                                 ("btd,dhe->bthe", "bsd,dke->bske", "bsd,dke->bske")))
     # q [B, T, H, E]; k, v [B, S, K, E] (local heads under tensor parallelism; S = T, the full sequence)
-    if cfg.family == "gpt2":
+    if "bq" in p:  # gpt2, and the llama family with qkv_bias (Qwen2)
         bk, bv = tp.kv_weight(p["bk"]), tp.kv_weight(p["bv"])
         q, k, v = q + p["bq"].astype(dt), k + bk.astype(dt), v + bv.astype(dt)
-    else:
-        q, k = rope(q, positions, cfg.rope_theta), rope(k, positions, cfg.rope_theta)
+    if cfg.family != "gpt2":
+        inv_freq = rope_frequencies(q.shape[-1], cfg)
+        q, k = rope(q, positions, inv_freq), rope(k, positions, inv_freq)
     q = constrain(q, ("batch", "seq", "heads", "head_dim"))
     k = constrain(k, ("batch", "seq", "kv_heads", "head_dim"))
-    B, T, H, E = q.shape
-    K = k.shape[2]
-    q = q.reshape(B, T, K, H // K, E)  # [B, T, K, G, E]
-    scores = jnp.einsum("btkge,bske->bkgts", q, k, preferred_element_type=jnp.float32) / math.sqrt(E)
-    scores = jnp.where(mask, scores, jnp.finfo(jnp.float32).min)  # mask [B, 1, 1, T, S]
-    probs = jax.nn.softmax(scores, axis=-1).astype(dt)
-    o = jnp.einsum("bkgts,bske->btkge", probs, v).reshape(B, T, H, E)  # [B, T, H, E]
+    new_cache = None
+    if kv_cache is not None:
+        k_cache, v_cache, slot = kv_cache
+        k = jax.lax.dynamic_update_slice_in_dim(k_cache, k.astype(k_cache.dtype), slot, axis=1)  # [B, S, K, E]
+        v = jax.lax.dynamic_update_slice_in_dim(v_cache, v.astype(v_cache.dtype), slot, axis=1)
+        new_cache = (k, v)
+    o = attend(q, k, v, mask, cfg)  # [B, T, H, E]
     out = tp.row(o, p["wo"].astype(dt), "bthe,hed->btd")  # [B, T, D] float32 ([B, T/t, D] under SP)
     if "bo" in p:
         out = out + tp.replicated(p["bo"]).astype(jnp.float32)
-    return out
+    return out, new_cache
+
+
+def attention_impl(cfg: ModelConfig, q: Array) -> str:
+    """The `jax.nn.dot_product_attention` implementation for `cfg.attention` ('auto': cuDNN flash attention on an
+    NVIDIA GPU for 16-bit inputs with a head width it supports, XLA otherwise)."""
+    if cfg.attention != "auto":
+        return cfg.attention
+    device = jax.devices()[0]
+    nvidia = device.platform == "gpu" and "nvidia" in device.device_kind.lower()
+    fits = q.dtype in (jnp.bfloat16, jnp.float16) and q.shape[-1] <= 128 and q.shape[-1] % 8 == 0
+    return "cudnn" if nvidia and fits else "xla"
+
+
+def attend(q: Array, k: Array, v: Array, mask: Array | None, cfg: ModelConfig) -> Array:
+    """softmax(q·kᵀ/√E + mask) v for GQA, through `jax.nn.dot_product_attention` (XLA or cuDNN flash attention).
+
+    q [B, T, H, E]; k, v [B, S, K, E] with K dividing H (query head n reads kv head n // (H/K)); → [B, T, H, E].
+    mask None: causal with T == S (query t sees keys s ≤ t), within `cfg.sliding_window` when set — the kernels
+    then skip the masked blocks instead of reading a mask. Otherwise a bool [B|1, 1, T, S] mask saying which keys
+    each query sees (segments, decoding). Logits and softmax run in float32 (the kernels accumulate in float32).
+    """
+    impl = attention_impl(cfg, q)
+    if mask is None:
+        window = (cfg.sliding_window - 1, 0) if cfg.sliding_window else None  # (left, right): W keys, itself included
+        return jax.nn.dot_product_attention(q, k, v, is_causal=True, local_window_size=window, implementation=impl)
+    return jax.nn.dot_product_attention(q, k, v, mask=mask, implementation=impl)
 
 
 def mlp(p: dict[str, Array], h: Array, cfg: ModelConfig, tp: TensorParallel = SINGLE_DEVICE) -> Array:
@@ -247,13 +342,35 @@ def mlp(p: dict[str, Array], h: Array, cfg: ModelConfig, tp: TensorParallel = SI
     return out
 
 
-def rope(x: Array, positions: Array, theta: float) -> Array:
-    """Rotary embedding, Hugging Face's rotate-half convention. x [B, T, N, E]; positions [B, T].
+def rope_frequencies(E: int, cfg: ModelConfig) -> np.ndarray:
+    """RoPE's inverse frequencies ω_i = 1 / theta^(2i/E), i < E/2 (float32 [E/2]), after `cfg.rope_scaling`:
 
-    Pairs (i, i + E/2) rotate by angle pos · theta^(-2i/E):  [x1, x2] → [x1·cos − x2·sin, x2·cos + x1·sin].
+    - linear: ω / factor (positions interpolated by `factor`);
+    - llama3 (Llama 3.1): with the pretraining context C = rope_original_max_len and wavelength λ = 2π/ω, keep ω
+      where λ < C/high_freq_factor, use ω/factor where λ > C/low_freq_factor, and in between blend
+      (1-a)·ω/factor + a·ω with a = (C/λ - low_freq_factor) / (high_freq_factor - low_freq_factor).
+    A constant of the config, computed in NumPy as Hugging Face does (float32).
     """
-    E = x.shape[-1]
-    inv_freq = theta ** (-jnp.arange(0, E, 2, dtype=jnp.float32) / E)  # [E/2]
+    inv_freq = (1.0 / cfg.rope_theta ** (np.arange(0, E, 2, dtype=np.float32) / np.float32(E))).astype(np.float32)
+    if cfg.rope_scaling == "linear":
+        inv_freq = inv_freq / np.float32(cfg.rope_factor)
+    elif cfg.rope_scaling == "llama3":
+        factor, low, high = cfg.rope_factor, cfg.rope_low_freq_factor, cfg.rope_high_freq_factor
+        context = cfg.rope_original_max_len
+        wavelen = 2 * math.pi / inv_freq
+        scaled = np.where(wavelen > context / low, inv_freq / factor, inv_freq)
+        a = (context / wavelen - low) / (high - low)
+        blended = (1 - a) * scaled / factor + a * scaled
+        medium = (wavelen >= context / high) & (wavelen <= context / low)
+        inv_freq = np.where(medium, blended, scaled).astype(np.float32)
+    return inv_freq
+
+
+def rope(x: Array, positions: Array, inv_freq: np.ndarray | Array) -> Array:
+    """Rotary embedding, Hugging Face's rotate-half convention. x [B, T, N, E]; positions [B, T]; inv_freq [E/2].
+
+    Pairs (i, i + E/2) rotate by angle pos · ω_i:  [x1, x2] → [x1·cos − x2·sin, x2·cos + x1·sin].
+    """
     angles = positions.astype(jnp.float32)[..., None] * inv_freq  # [B, T, E/2]
     cos, sin = jnp.cos(angles)[:, :, None, :], jnp.sin(angles)[:, :, None, :]  # [B, T, 1, E/2]
     x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
@@ -264,13 +381,15 @@ def default_positions(B: int, T: int) -> Array:
     return jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
 
 
-def attention_mask(T: int, segment_ids: Array | None) -> Array:
-    """Causal mask, intersected with same-segment when segment_ids [B, T] is given. → bool [B|1, 1, 1, T, S]."""
-    causal = jnp.tril(jnp.ones((T, T), dtype=bool))  # [T, S]
+def attention_mask(T: int, segment_ids: Array | None, window: int = 0) -> Array | None:
+    """None for plain causal attention (the kernels build it, see `attend`); with segment_ids [B, T] the causal
+    mask (within `window`) intersected with same-segment → bool [B, 1, T, S]."""
     if segment_ids is None:
-        return causal[None, None, None]
+        return None
+    t, s = jnp.arange(T)[:, None], jnp.arange(T)[None, :]
+    causal = (s <= t) & ((t - s < window) if window else True)  # [T, S]
     same = segment_ids[:, :, None] == segment_ids[:, None, :]  # [B, T, S]
-    return (causal & same)[:, None, None]
+    return (causal & same)[:, None]
 
 
 def pad_vocab(params: nnx.State, padded_vocab: int) -> nnx.State:

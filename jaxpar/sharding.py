@@ -109,7 +109,10 @@ def constrain(x: jax.Array, axes: Sequence[str | None]) -> jax.Array:
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty or getattr(mesh, "manual_axes", ()):
         return x
-    return jax.lax.with_sharding_constraint(x, logical_to_spec(axes))
+    # A dim the mesh axes don't divide stays whole (GQA with fewer kv heads than tensor ranks: kv replicated).
+    spec = [None if a is not None and size % math.prod(mesh.shape[n] for n in ((a,) if isinstance(a, str) else a))
+            else a for a, size in zip(logical_to_spec(axes), x.shape)]
+    return jax.lax.with_sharding_constraint(x, P(*spec))
 
 
 @dataclasses.dataclass(frozen=True)

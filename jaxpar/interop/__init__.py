@@ -1,0 +1,1 @@
+"""Interoperability with other model formats (Hugging Face)."""
