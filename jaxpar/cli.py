@@ -5,6 +5,10 @@
     jaxpar analyze  --config FILE [--format json|table] [--config.section.field=VALUE ...]
     jaxpar schedule --pipe P --repeats V --microbatches M [--png FILE]
     jaxpar convert  --from DIR --to DIR2 [--step N] [--dtype bfloat16]
+    jaxpar launch   --processes N [--devices-per-process K] -- jaxpar train ...
+
+`train` also takes the multi-process flags `--coordinator HOST:PORT --num-processes N --process-id K
+[--local-device-ids 0,1] [--peer-timeout S]` (or SLURM / Open MPI / JAXPAR_* variables; see jaxpar/distributed.py).
 
 A configuration that cannot run is reported as one line on stderr (exit status 2), before anything compiles.
 """
@@ -35,6 +39,15 @@ def _split_overrides(extra: list[str]) -> tuple[list[str], list[str]]:
 
 def _train(args, overrides: list[str]) -> int:
     config = load_config(args.config, overrides)  # every ConfigError is raised here or in fit(), pre-compilation
+    from jaxpar import distributed
+
+    try:  # before anything touches a JAX backend; nothing happens for a single process
+        distributed.initialize(distributed.resolve(
+            args.coordinator, args.num_processes, args.process_id, args.local_device_ids,
+            peer_timeout_s=args.peer_timeout, init_timeout_s=args.init_timeout))
+    except distributed.DistributedError as e:
+        print(f"jaxpar: distributed setup error: {e}", file=sys.stderr)
+        return 2
     from jaxpar.train import fit  # imported late so config errors print fast
 
     from jaxpar.train.loop import TrainingDiverged
@@ -44,6 +57,11 @@ def _train(args, overrides: list[str]) -> int:
     except TrainingDiverged as e:
         print(f"jaxpar: training stopped: {e}", file=sys.stderr)
         return 1
+    except ConfigError:
+        raise
+    except Exception as e:
+        distributed.fail(e)  # multi-process: name a lost peer, or exit 1 without waiting on the dead one
+        raise
     if result.preempted:
         print(f"preempted at step {int(result.state.step)}: checkpoint saved; run the same command to resume")
         return 0
@@ -99,6 +117,21 @@ def _convert(args, overrides: list[str]) -> int:
     return 0
 
 
+def _launch(args, overrides: list[str]) -> int:
+    from jaxpar.launch import launch
+
+    command = list(args.cmd)
+    if command[:1] == ["--"]:
+        command = command[1:]
+    # The child command's own --config.* overrides were pulled out with ours; they belong to it.
+    command += [f"--config.{o}" for o in overrides]
+    try:
+        return launch(command, args.processes, args.devices_per_process, port=args.port, grace_s=args.grace)
+    except ValueError as e:
+        print(f"jaxpar: launch error: {e}", file=sys.stderr)
+        return 2
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="jaxpar", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -106,6 +139,14 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--config", required=True, help="configs/*.py (ml_collections) or recipes/*.yaml")
     train.add_argument("--workdir", default="runs/default", help="metrics, checkpoints and config.json go here")
     train.add_argument("--no-progress", action="store_true", help="no progress bar (for logs)")
+    multi = train.add_argument_group("multi-process (default: one process, or what SLURM / Open MPI / JAXPAR_* say)")
+    multi.add_argument("--coordinator", help="HOST:PORT of process 0's coordination service")
+    multi.add_argument("--num-processes", type=int, help="number of JAX processes in the run")
+    multi.add_argument("--process-id", type=int, help="this process's rank, 0-based")
+    multi.add_argument("--local-device-ids", help="comma-separated local GPU ordinals of this process (default: all "
+                                                  "visible; one process per GPU: its ordinal)")
+    multi.add_argument("--peer-timeout", type=int, default=60, help="seconds before a lost peer process stops the run")
+    multi.add_argument("--init-timeout", type=int, default=300, help="seconds to wait for every process to connect")
     train.set_defaults(run=_train)
     gen = sub.add_parser("generate", help="sample text from a trained workdir")
     gen.add_argument("--workdir", required=True)
@@ -137,6 +178,14 @@ def build_parser() -> argparse.ArgumentParser:
     conv.add_argument("--step", type=int, default=None, help="checkpoint step (default: latest)")
     conv.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None)
     conv.set_defaults(run=_convert)
+    lau = sub.add_parser("launch", help="run a command as N local JAX processes (CPU devices, gloo collectives)")
+    lau.add_argument("--processes", type=int, required=True, help="number of local processes")
+    lau.add_argument("--devices-per-process", type=int, default=1, help="simulated CPU devices per process")
+    lau.add_argument("--port", type=int, default=None, help="coordinator port on 127.0.0.1 (default: a free one)")
+    lau.add_argument("--grace", type=float, default=90.0,
+                     help="seconds the others get to exit by themselves after one fails, before they are killed")
+    lau.add_argument("cmd", nargs=argparse.REMAINDER, help="-- jaxpar train ...")
+    lau.set_defaults(run=_launch)
     return parser
 
 

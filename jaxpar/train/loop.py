@@ -16,7 +16,7 @@ from jax.sharding import Mesh
 
 from jaxpar import data as data_lib
 from jaxpar.config import Config
-from jaxpar.mesh import make_mesh
+from jaxpar.mesh import describe_mesh, make_mesh
 from jaxpar.train import checkpoint
 from jaxpar.train.metrics import MetricsWriter
 from jaxpar.sharding import ModelLayout, model_layout, param_specs
@@ -122,6 +122,8 @@ def fit(config: Config, workdir: str | pathlib.Path, *, devices: list | None = N
     loader = data_lib.make_loader(train_tokens, seed=train.seed, **loader_args)
 
     mesh = make_mesh(config.parallel, devices)
+    if jax.process_count() > 1 and jax.process_index() == 0:
+        print(describe_mesh(mesh), flush=True)  # which host holds which (data, pipe, tensor) position
     trainer = build_trainer(config, mesh)
     if trainer.layout.padded_vocab != model_cfg.vocab_size and jax.process_index() == 0:
         print(f"jaxpar: vocab {model_cfg.vocab_size} padded to {trainer.layout.padded_vocab} (a multiple of "
