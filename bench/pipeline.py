@@ -20,12 +20,14 @@ import time
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 
 import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from jaxpar.analysis.report import analyze  # noqa: E402
 from jaxpar.config import load_config  # noqa: E402
 from jaxpar.mesh import make_mesh  # noqa: E402
 from jaxpar.train import build_trainer  # noqa: E402
+from jaxpar.train.step import batch_sharding  # noqa: E402
 
 SWEEP = [(1, 1, 1), (2, 1, 2), (2, 1, 4), (2, 2, 4), (2, 4, 4), (4, 1, 4), (4, 1, 8), (4, 2, 8)]
 DEFAULTS = ["model.n_layers=8", "model.d_model=64", "train.batch_size=32", "parallel.tensor=1"]
@@ -36,8 +38,9 @@ def with_pipeline(config, p, v, m):
     return dataclasses.replace(config, parallel=parallel)
 
 
-def timed_steps(config, steps: int) -> tuple[float, float]:
-    """(compile seconds, median step seconds) of the real step."""
+def timed_steps(config, steps: int, *, keep=None) -> tuple[float, float]:
+    """(compile seconds, median step seconds) of the real step. keep: a dict that receives the compiled step
+    under "compiled" (to analyse it without compiling it again)."""
     config = config.resolve_for_devices(8)
     trainer = build_trainer(config, make_mesh(config.parallel))
     t = config.train
@@ -46,6 +49,8 @@ def timed_steps(config, steps: int) -> tuple[float, float]:
     start = time.perf_counter()
     step = trainer.train_step.lower(trainer.state, batch).compile()
     compile_s = time.perf_counter() - start
+    if keep is not None:
+        keep["compiled"] = step
     state, times = trainer.state, []
     for _ in range(steps + 1):
         start = time.perf_counter()
@@ -53,6 +58,19 @@ def timed_steps(config, steps: int) -> tuple[float, float]:
         jax.block_until_ready(metrics)
         times.append(time.perf_counter() - start)
     return compile_s, statistics.median(times[1:])
+
+
+def compile_seconds(config) -> float:
+    """Seconds to lower and compile the train step of `config` on all devices, from abstract state (nothing is
+    allocated or run)."""
+    config = config.resolve_for_devices(len(jax.devices()))
+    mesh = make_mesh(config.parallel)
+    trainer = build_trainer(config, mesh, abstract=True)
+    t = config.train
+    batch = jax.ShapeDtypeStruct((t.batch_size, t.seq_len + 1), jnp.int32, sharding=batch_sharding(mesh))
+    start = time.perf_counter()
+    trainer.train_step.lower(trainer.state, batch).compile()
+    return time.perf_counter() - start
 
 
 def main():
@@ -86,7 +104,7 @@ def main():
     print("\ncompile time vs depth at the demo layout (data, pipe, tensor) = (2, 2, 2), 2 repeats, 4 microbatches:")
     demo = load_config(args.config, ["model.d_model=64"])
     for layers in (4, 16, 32):
-        compile_s, _ = timed_steps(dataclasses.replace(demo, model=dataclasses.replace(demo.model, n_layers=layers)), 1)
+        compile_s = compile_seconds(dataclasses.replace(demo, model=dataclasses.replace(demo.model, n_layers=layers)))
         print(f"  n_layers {layers:>2}: {compile_s:.2f} s")
 
 

@@ -54,13 +54,17 @@ def activation_bytes_per_layer(config: Config, mesh) -> dict[str, float]:
     return {"per_layer": (temps[1] - temps[0]) / L, "temp_bytes_at_L": temps[0], "temp_bytes_at_2L": temps[1]}
 
 
-def analyze(config: Config, devices: list | None = None, *, activations: bool = True) -> dict:
-    """The report for `config` on `devices` (default: all). `activations=False` skips the two extra compilations."""
+def analyze(config: Config, devices: list | None = None, *, activations: bool = True,
+            compiled: jax.stages.Compiled | None = None) -> dict:
+    """The report for `config` on `devices` (default: all). `activations=False` skips the two extra compilations;
+    `compiled`: the train step already compiled for this config and devices (a benchmark's), else it is compiled
+    here from abstract state."""
     devices = list(jax.devices() if devices is None else devices)
     config = config.resolve_for_devices(len(devices))
     mesh = make_mesh(config.parallel, devices)
     trainer = build_trainer(config, mesh, abstract=True)
-    compiled = trainer.train_step.lower(trainer.state, _abstract_batch(config, mesh)).compile()
+    if compiled is None:
+        compiled = trainer.train_step.lower(trainer.state, _abstract_batch(config, mesh)).compile()
 
     cols = collectives(compiled, mesh)
     # Scalar-only reductions on the tensor axis are the optimizer's global gradient norm (partial sums of squares of

@@ -1,5 +1,6 @@
 """Where metrics go: WORKDIR/metrics.jsonl (one JSON object per logged step), TensorBoard event files, and a progress
-bar. Only process 0 writes (the others would write the same numbers)."""
+bar. Only process 0 writes (the others would write the same numbers). `StepProfiler`: a `jax.profiler` trace of a
+few steps into WORKDIR/profile."""
 
 from __future__ import annotations
 
@@ -35,7 +36,8 @@ class MetricsWriter:
         for k, v in metrics.items():
             self._tb.add_scalar(k, float(v), step)
         if self._bar is not None:
-            shown = {k: f"{record[k]:.4g}" for k in ("loss", "eval_loss", "tokens_per_sec", "step_time_s") if k in record}
+            shown = {k: f"{record[k]:.4g}" for k in ("loss", "eval_loss", "tokens_per_sec", "step_time_s",
+                                                      "tflops_per_device", "mfu") if k in record}
             self._bar.set_postfix(shown, refresh=False)
 
     def advance(self, n: int = 1) -> None:
@@ -49,3 +51,29 @@ class MetricsWriter:
             self._bar.close()
         self._tb.close()
         self._jsonl.close()
+
+
+class StepProfiler:
+    """Traces steps first … first + count − 1 with `jax.profiler` into WORKDIR/profile (TensorBoard's profile plugin
+    or Perfetto read it). `before(step)` / `after(step, state)` bracket each step; `after` waits for the traced
+    steps' device work before stopping, so the trace holds them whole. count 0: does nothing."""
+
+    def __init__(self, workdir: str | pathlib.Path, first: int, count: int):
+        self.dir, self.first, self.last = pathlib.Path(workdir) / "profile", first, first + count - 1
+        self.active = False
+        self.enabled = count > 0
+
+    def before(self, step: int) -> None:
+        if self.enabled and step == self.first:
+            jax.profiler.start_trace(str(self.dir))
+            self.active = True
+
+    def after(self, step: int, state) -> None:
+        if self.active and step >= self.last:
+            jax.block_until_ready(state)
+            self.close()
+
+    def close(self) -> None:
+        if self.active:
+            jax.profiler.stop_trace()
+            self.active = False

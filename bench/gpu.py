@@ -1,0 +1,141 @@
+"""The one-shot GPU check that `bench/gpu.sh` runs (see there for usage).
+
+1. XLA's GPU flags (`jaxpar.perf.configure_gpu_flags`), then: does JAX see the GPU(s)?
+2. The matmul ceiling: the best TFLOP/s of a large bf16 matmul (n = 8192: 2n³ FLOPs per call), the realistic
+   upper bound for a transformer step on this device, beside the datasheet peak.
+3. A ~1B Llama (d_model 2048, 16 layers, 16 heads of 128, 8 kv heads, d_ff 8192, vocab 128256 tied, seq 2048, bf16
+   compute, fp32 master weights and AdamW state; `configs/llama_1b.py` with 16 heads) trained for `--steps` steps on
+   random tokens, data-parallel over the local GPUs; per-step wall times after the compiling step. Printed:
+   tokens/s, model TFLOP/s per device (`jaxpar.analysis.flops`, causal attention pairs, no recomputation), MFU
+   against the datasheet peak and against the measured ceiling, HFU, and peak device memory.
+`--dry-run`: the same path on CPU with a tiny model and a 512 matmul (a CI test runs it), so the script cannot rot.
+The last line is `GPU-RESULT {json}` with every figure, for bench/RESULTS.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import statistics
+import sys
+import time
+
+from jaxpar import perf
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+ONE_B = ["model.n_heads=16", "model.head_dim=128", "model.n_kv_heads=8", "parallel.data=-1", "parallel.tensor=1",
+         "train.grad_accum=1", "train.warmup_steps=10", "data.source=synthetic"]
+TINY = ["model.vocab_size=256", "model.d_model=64", "model.n_layers=2", "model.n_heads=4", "model.head_dim=16",
+        "model.n_kv_heads=2", "model.d_ff=128", "model.max_seq_len=64", "model.dtype=float32", "train.seq_len=64",
+        "parallel.data=-1", "parallel.tensor=1", "train.grad_accum=1", "data.source=synthetic"]
+
+
+def matmul_ceiling(n: int, dtype, rounds: int = 3, calls: int = 10) -> float:
+    """Best FLOP/s over `rounds` of `calls` back-to-back n×n @ n×n matmuls (2n³ FLOPs each)."""
+    import jax
+
+    a = jax.random.normal(jax.random.key(0), (n, n), dtype)
+    b = jax.random.normal(jax.random.key(1), (n, n), dtype)
+    f = jax.jit(lambda x, y: x @ y)
+    f(a, b).block_until_ready()
+    best = 0.0
+    for _ in range(rounds):
+        start = time.perf_counter()
+        out = [f(a, b) for _ in range(calls)]
+        jax.block_until_ready(out)
+        best = max(best, 2 * n**3 * calls / (time.perf_counter() - start))
+    return best
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="bench/gpu.sh")
+    parser.add_argument("--dry-run", action="store_true", help="CPU, tiny model: check the script end to end")
+    parser.add_argument("--steps", type=int, default=None, help="timed steps (default 30; dry run 4)")
+    parser.add_argument("--batch-per-device", type=int, default=None, help="sequences per device (default 4)")
+    parser.add_argument("overrides", nargs="*", help="extra config overrides, section.field=value")
+    args = parser.parse_args(argv)
+    added = perf.configure_gpu_flags()  # before any backend starts
+
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from jaxpar.analysis import flops
+    from jaxpar.analysis.hlo import memory
+    from jaxpar.config import load_config
+    from jaxpar.mesh import make_mesh
+    from jaxpar.train import build_trainer
+
+    devices = jax.devices()
+    kind = devices[0].device_kind
+    print(f"jax {jax.__version__}: {len(devices)} x {kind} ({devices[0].platform}); XLA flags added: "
+          f"{' '.join(added) or 'none'}", flush=True)
+    if not args.dry_run and devices[0].platform != "gpu":
+        print("no GPU visible to JAX: install jax[cuda12] (or carry its wheels, see bench/gpu.sh), or use --dry-run")
+        return 2
+
+    n, mm_dtype = (512, jnp.float32) if args.dry_run else (8192, jnp.bfloat16)
+    ceiling = matmul_ceiling(n, mm_dtype)
+    mm_peak = flops.device_peak(devices[0], jnp.dtype(mm_dtype).name)
+    print(f"matmul ceiling: {ceiling / 1e12:.3g} TFLOP/s ({n}^3 {jnp.dtype(mm_dtype).name}); datasheet peak: "
+          + (f"{mm_peak / 1e12:.1f} TFLOP/s" if mm_peak else f"none for {kind!r}"), flush=True)
+
+    steps = args.steps or (4 if args.dry_run else 30)
+    per_device = args.batch_per_device or (2 if args.dry_run else 4)
+    preset = None if args.dry_run else str(ROOT / "configs/llama_1b.py")
+    overrides = (TINY if args.dry_run else ONE_B) + [f"train.batch_size={per_device * len(devices)}",
+                                                      f"train.steps={steps + 1}"] + args.overrides
+    config = load_config(preset, overrides).resolve_for_devices(len(devices))
+    m, t = config.model, config.train
+    mesh = make_mesh(config.parallel, devices)
+    trainer = build_trainer(config, mesh)
+    rows = np.random.default_rng(0).integers(0, m.vocab_size, (t.batch_size, t.seq_len + 1)).astype(np.int32)
+    batch = trainer.put(rows)
+    start = time.perf_counter()
+    step = trainer.train_step.lower(trainer.state, batch).compile()
+    compile_s = time.perf_counter() - start
+    state, times, losses = trainer.state, [], []
+    for _ in range(steps + 1):
+        start = time.perf_counter()
+        state, metrics = step(state, batch)
+        losses.append(float(metrics["loss"]))  # waits for the step
+        times.append(time.perf_counter() - start)
+    step_s = statistics.median(times[1:])  # the first call may still carry one-time work
+
+    tokens = t.batch_size * t.seq_len
+    attention = getattr(m, "attention", "xla")
+    peak = flops.device_peak(devices[0], m.dtype)
+    util = flops.utilisation(flops.train_flops_per_token(m, t.seq_len) * tokens, step_s, len(devices), peak)
+    full = flops.executes_full_attention(attention, devices[0].platform)
+    hw = flops.hardware_flops_per_token(m, t.seq_len, remat=config.parallel.remat, full_attention=full) * tokens
+    stats = devices[0].memory_stats() or {}
+    result = {
+        "device": kind, "devices": len(devices), "jax": jax.__version__, "date": time.strftime("%Y-%m-%d"),
+        "params": sum(x.size for x in jax.tree.leaves(state.params)), "seq_len": t.seq_len,
+        "batch_per_device": per_device, "dtype": m.dtype, "attention": attention, "remat": config.parallel.remat,
+        "matmul_ceiling_tflops": ceiling / 1e12, "peak_tflops": peak / 1e12 if peak else None,
+        "compile_s": compile_s, "step_s": step_s, "tokens_per_s": tokens / step_s,
+        "tflops_per_device": util["tflops_per_device"], "mfu": util.get("mfu"),
+        "mfu_vs_ceiling": util["tflops_per_device"] * 1e12 / ceiling,
+        "hfu": hw / step_s / len(devices) / peak if peak else None,
+        "loss_first_last": [losses[0], losses[-1]],
+        "peak_memory_gb": stats.get("peak_bytes_in_use", memory(step)["peak_bytes"]) / 1e9,
+        "memory_limit_gb": stats["bytes_limit"] / 1e9 if "bytes_limit" in stats else None,
+    }
+    pct = lambda x: "n/a (no datasheet peak for this device)" if x is None else f"{100 * x:.1f}%"
+    print(f"model: {result['params'] / 1e6:,.1f}M params, d_model {m.d_model}, {m.n_layers} layers, {m.n_heads} heads, "
+          f"seq {t.seq_len}, {per_device} seq/device, {m.dtype}, attention {result['attention']}\n"
+          f"compile {compile_s:.1f} s; step {step_s * 1e3:.1f} ms (median of {steps})\n"
+          f"tokens/s: {result['tokens_per_s']:,.0f} ({result['tokens_per_s'] / len(devices):,.0f} per device)\n"
+          f"TFLOP/s per device (model FLOPs): {util['tflops_per_device']:.3g}\n"
+          f"MFU vs datasheet peak: {pct(result['mfu'])};  vs measured matmul ceiling: "
+          f"{pct(result['mfu_vs_ceiling'])};  HFU: {pct(result['hfu'])}\n"
+          f"peak memory: {result['peak_memory_gb']:.2f} GB per device"
+          + (f" of {result['memory_limit_gb']:.1f} GB" if result["memory_limit_gb"] else " (compiled step's estimate)"))
+    print("GPU-RESULT " + json.dumps(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,215 @@
+"""The benchmark suite: one command, one table.
+
+    python -m bench [--quick] [--steps N] [--repeats R]      (or: python bench/run.py ...)
+
+Sections (each device count runs in its own subprocess: the simulated device count is fixed when jax starts):
+1. single device — jaxpar's train step against a plain hand-written `jax.jit` step of the same math
+   (`bench/plain.py`), timed interleaved (R rounds of N steps of each, the same batch, medians). The ratio is
+   plain time / jaxpar time (goal ≥ 0.95). A second row drives jaxpar's step the way `fit` does (one host read of
+   the step's `skipped` flag after every step) to show what that sync costs.
+2. 8 simulated CPU devices — the tiny model's step time per (data, pipe, tensor) layout, with model FLOP/s per
+   device (`jaxpar.analysis.flops`; a CPU has no peak, so no MFU); beside each, from `jaxpar.analysis.report`:
+   tensor-axis bytes against Megatron's analytic count and, with a pipeline, executed/useful FLOPs against
+   (v·m + p − 1)/(v·m).
+3. compile time against depth (4, 16, 32 layers) at the demo layout (2, 2, 2): layers are scanned, so it should
+   not grow.
+Simulated devices share the host's cores: section 2 shows each layout's overhead, not a speed-up. The whole suite
+takes about 4 minutes on a 2-core machine, `--quick` about 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import pathlib
+import re
+import statistics
+import subprocess
+import sys
+import time
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+ROW = "BENCH-ROW "
+NO_PIPE = ["parallel.pipe=1", "parallel.repeats=1", "parallel.microbatches=1"]
+# (data, pipe, tensor) -> overrides of configs/tiny.py (whose own layout is (2, 2, 2), 2 repeats × 4 microbatches).
+LAYOUTS = {(8, 1, 1): ["parallel.data=8", "parallel.tensor=1"] + NO_PIPE,
+           (4, 1, 2): ["parallel.data=4", "parallel.tensor=2"] + NO_PIPE,
+           (2, 2, 2): ["parallel.data=2"],
+           (1, 2, 4): ["parallel.data=1", "parallel.tensor=4"]}
+SINGLE = ["parallel.data=1", "parallel.tensor=1", "train.batch_size=8"] + NO_PIPE
+
+
+def emit(section: str, case: str, measured: str, reference: str = "", ratio: float | None = None,
+         note: str = "") -> None:
+    """A worker's table row, as one line of JSON on stdout."""
+    print(ROW + json.dumps({"section": section, "case": case, "measured": measured, "reference": reference,
+                            "ratio": ratio, "note": note}), flush=True)
+
+
+def _batch(config, put):
+    import numpy as np
+
+    t = config.train
+    rows = np.random.default_rng(0).integers(0, config.model.vocab_size, (t.batch_size, t.seq_len + 1))
+    return put(rows.astype(np.int32))
+
+
+def single_device(steps: int, repeats: int) -> None:
+    """Section 1 (run with one device)."""
+    import jax
+
+    from bench import plain
+    from jaxpar.analysis import flops
+    from jaxpar.config import load_config
+    from jaxpar.train import build_trainer
+
+    config = load_config(str(ROOT / "configs/tiny.py"), SINGLE)
+    trainer = build_trainer(config, None)
+    batch = _batch(config, jax.device_put)
+    plain_step, tx = plain.make_step(config.model, config.train)
+    params = plain.params_from_jaxpar(trainer.state.params)
+    box = {"jaxpar": trainer.state, "plain": (params, tx.init(params))}
+
+    def run_jaxpar(n: int, sync: bool = False):
+        state = box["jaxpar"]
+        for _ in range(n):
+            state, metrics = trainer.train_step(state, batch)
+            if sync:
+                int(metrics["skipped"])  # what fit does after every step
+        box["jaxpar"] = state
+        return metrics["loss"]
+
+    def run_plain(n: int):
+        params, opt_state = box["plain"]
+        for _ in range(n):
+            params, opt_state, loss = plain_step(params, opt_state, batch)
+        box["plain"] = (params, opt_state)
+        return loss
+
+    contenders = {"jaxpar": run_jaxpar, "plain": run_plain, "fit-driven": lambda n: run_jaxpar(n, sync=True)}
+    losses = {k: float(fn(1)) for k, fn in list(contenders.items())[:2]}  # compile both; first step's loss
+    times: dict[str, list[float]] = {k: [] for k in contenders}
+    for _ in range(repeats):  # interleaved rounds: machine load hits every contender alike
+        for name, fn in contenders.items():
+            start = time.perf_counter()
+            jax.block_until_ready(fn(steps))
+            times[name].append((time.perf_counter() - start) / steps)
+    med = {k: statistics.median(v) for k, v in times.items()}
+    t = config.train
+    rate = flops.train_flops_per_token(config.model, t.seq_len) * t.batch_size * t.seq_len / med["jaxpar"] / 1e9
+    same = "same first loss" if abs(losses["jaxpar"] - losses["plain"]) < 1e-5 * abs(losses["plain"]) else \
+        f"first losses differ: {losses}"
+    emit("1 device", f"jaxpar step vs plain jit (tiny, {t.batch_size}x{t.seq_len})", f"{med['jaxpar'] * 1e3:.1f} ms",
+         f"{med['plain'] * 1e3:.1f} ms", med["plain"] / med["jaxpar"],
+         f"plain/jaxpar, goal >= 0.95; {same}; {rate:.2f} GFLOP/s; medians of {repeats}x{steps}")
+    emit("1 device", "jaxpar step driven like fit (sync per step)", f"{med['fit-driven'] * 1e3:.1f} ms",
+         f"{med['plain'] * 1e3:.1f} ms", med["plain"] / med["fit-driven"], "plain/fit-driven")
+
+
+def layouts(steps: int, depths: tuple[int, ...]) -> None:
+    """Sections 2 and 3 (run with 8 devices)."""
+    from bench.pipeline import compile_seconds, timed_steps
+    from jaxpar.analysis import flops
+    from jaxpar.analysis.report import analyze
+    from jaxpar.config import load_config
+
+    tiny = str(ROOT / "configs/tiny.py")
+    base = None
+    for layout, overrides in LAYOUTS.items():
+        config = load_config(tiny, overrides).resolve_for_devices(8)
+        t, p = config.train, config.parallel
+        keep: dict = {}
+        compile_s, step_s = timed_steps(config, steps, keep=keep)
+        report = analyze(config, activations=False, compiled=keep["compiled"])  # the timed program itself
+        base = base or step_s
+        rate = flops.train_flops_per_token(config.model, t.seq_len) * t.batch_size * t.seq_len / step_s / 8 / 1e9
+        name = f"{layout}" + (f" v={p.repeats} m={p.microbatches}" if p.pipe > 1 else "")
+        emit("8 devices", f"step {name}", f"{step_s * 1e3:.1f} ms", f"{base * 1e3:.1f} ms", step_s / base,
+             f"vs (8, 1, 1); compile {compile_s:.1f} s; {rate:.2f} GFLOP/s/dev")
+        if p.tensor > 1:
+            got, want = report["collectives"]["tensor_sent_bytes"], report["expected"]["tensor_sent_bytes"]["total"]
+            emit("8 devices", f"TP bytes {name}", f"{got / 1e6:.3f} MB/dev", f"{want / 1e6:.3f} MB analytic",
+                 got / want, "tensor-axis bytes sent per device per step")
+        if p.pipe > 1:
+            pp = report["pipeline"]
+            emit("8 devices", f"pipeline FLOPs {name}", f"{pp['executed_over_useful_flops']:.3f} exec/useful",
+                 f"{pp['executed_over_useful_flops_layers_formula']:.3f} (v·m+p−1)/(v·m)",
+                 pp["executed_over_useful_flops"] / pp["executed_over_useful_flops_layers_formula"],
+                 f"{pp['iterations']} iterations, bubble {pp['bubble_fraction']:.3f}; head/loss are bubble-free, "
+                 "so the whole step sits a little under the layers' formula")
+    demo = load_config(tiny, ["model.d_model=64"])
+    seconds: dict[int, list[float]] = {n: [] for n in depths}
+    for _ in range(2):  # two interleaved rounds, the faster of each: compile time is noisy on a shared machine
+        for n in depths:
+            seconds[n].append(compile_seconds(dataclasses.replace(demo, model=dataclasses.replace(demo.model,
+                                                                                                   n_layers=n))))
+    first = min(seconds[depths[0]])
+    for n in depths:
+        emit("compile vs depth", f"{n} layers at (2, 2, 2)", f"{min(seconds[n]):.2f} s", f"{first:.2f} s",
+             min(seconds[n]) / first, f"vs {depths[0]} layers, min of 2 (scanned: should stay near 1)")
+
+
+def _env(devices: int | None) -> dict[str, str]:
+    """The environment for a worker: the caller's XLA_FLAGS without any device count, plus `devices` simulated
+    CPU devices (None: leave the platform alone, one device)."""
+    env = dict(os.environ)
+    flags = re.sub(r"--xla_force_host_platform_device_count=\S+", "", env.get("XLA_FLAGS", "")).strip()
+    if devices:
+        flags = f"{flags} --xla_force_host_platform_device_count={devices}".strip()
+        env["JAX_PLATFORMS"] = "cpu"
+    env["XLA_FLAGS"] = flags
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH", "")]))
+    return env
+
+
+def _worker(section: str, devices: int | None, args) -> list[dict]:
+    cmd = [sys.executable, "-m", "bench.run", "--worker", section, "--steps", str(args.steps), "--repeats",
+           str(args.repeats)] + (["--quick"] if args.quick else [])
+    proc = subprocess.run(cmd, cwd=ROOT, env=_env(devices), capture_output=True, text=True, check=False)
+    rows = [json.loads(line[len(ROW):]) for line in proc.stdout.splitlines() if line.startswith(ROW)]
+    if proc.returncode != 0:
+        tail = "\n".join(proc.stderr.strip().splitlines()[-15:])
+        rows.append({"section": section, "case": "FAILED", "measured": f"exit {proc.returncode}", "reference": "",
+                     "ratio": None, "note": tail})
+    return rows
+
+
+def format_table(rows: list[dict]) -> str:
+    """Rows as one aligned text table."""
+    head = ("section", "case", "measured", "reference", "ratio", "note")
+    cells = [head] + [(r["section"], r["case"], r["measured"], r["reference"],
+                       "" if r["ratio"] is None else f"{r['ratio']:.3f}", r["note"]) for r in rows]
+    widths = [max(len(c[i]) for c in cells) for i in range(5)]
+    lines = ["  ".join(c[i].ljust(widths[i]) if i != 4 else c[i].rjust(widths[i]) for i in range(5)) + "  " + c[5]
+             for c in cells]
+    lines.insert(1, "-" * max(len(line) for line in lines))
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__.split("\n")[0])
+    parser.add_argument("--quick", action="store_true", help="fewer steps and rounds; depths 4 and 16 only")
+    parser.add_argument("--steps", type=int, default=None, help="steps per timing (default 4, quick 2)")
+    parser.add_argument("--repeats", type=int, default=None, help="interleaved rounds, section 1 (default 7, quick 3)")
+    parser.add_argument("--worker", choices=("single", "layouts"), help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    args.steps = args.steps or (2 if args.quick else 4)
+    args.repeats = args.repeats or (3 if args.quick else 7)
+    if args.worker == "single":
+        single_device(args.steps, args.repeats)
+        return 0
+    if args.worker == "layouts":
+        layouts(args.steps, (4, 16) if args.quick else (4, 16, 32))
+        return 0
+    start = time.perf_counter()
+    rows = _worker("single", None, args) + _worker("layouts", 8, args)
+    print(format_table(rows))
+    print(f"\n{time.perf_counter() - start:.0f} s; python -m bench{' --quick' if args.quick else ''} "
+          f"--steps {args.steps} --repeats {args.repeats}")
+    return 1 if any(r["case"] == "FAILED" for r in rows) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
