@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import pathlib
 import statistics
 import sys
@@ -66,6 +67,7 @@ def main(argv: list[str] | None = None) -> int:
     from jaxpar.config import load_config
     from jaxpar.mesh import make_mesh
     from jaxpar.train import build_trainer
+    from jaxpar.train.state import abstract_model
 
     devices = jax.devices()
     kind = devices[0].device_kind
@@ -84,24 +86,38 @@ def main(argv: list[str] | None = None) -> int:
     steps = args.steps or (4 if args.dry_run else 30)
     per_device = args.batch_per_device or (2 if args.dry_run else 4)
     preset = None if args.dry_run else str(ROOT / "configs/llama_1b.py")
-    overrides = (TINY if args.dry_run else ONE_B) + [f"train.batch_size={per_device * len(devices)}",
-                                                      f"train.steps={steps + 1}"] + args.overrides
-    config = load_config(preset, overrides).resolve_for_devices(len(devices))
-    m, t = config.model, config.train
-    mesh = make_mesh(config.parallel, devices)
-    trainer = build_trainer(config, mesh)
-    rows = np.random.default_rng(0).integers(0, m.vocab_size, (t.batch_size, t.seq_len + 1)).astype(np.int32)
-    batch = trainer.put(rows)
-    start = time.perf_counter()
-    step = trainer.train_step.lower(trainer.state, batch).compile()
-    compile_s = time.perf_counter() - start
-    state, times, losses = trainer.state, [], []
-    for _ in range(steps + 1):
+
+    def train(per_device: int):
+        """(config, compiled step, compile s, median step s, losses) for `per_device` sequences per device."""
+        overrides = (TINY if args.dry_run else ONE_B) + [f"train.batch_size={per_device * len(devices)}",
+                                                          f"train.steps={steps + 1}"] + args.overrides
+        config = load_config(preset, overrides).resolve_for_devices(len(devices))
+        trainer = build_trainer(config, make_mesh(config.parallel, devices))
+        t = config.train
+        rows = np.random.default_rng(0).integers(0, config.model.vocab_size, (t.batch_size, t.seq_len + 1))
+        batch = trainer.put(rows.astype(np.int32))
         start = time.perf_counter()
-        state, metrics = step(state, batch)
-        losses.append(float(metrics["loss"]))  # waits for the step
-        times.append(time.perf_counter() - start)
-    step_s = statistics.median(times[1:])  # the first call may still carry one-time work
+        step = trainer.train_step.lower(trainer.state, batch).compile()
+        compile_s = time.perf_counter() - start
+        state, times, losses = trainer.state, [], []
+        for _ in range(steps + 1):
+            start = time.perf_counter()
+            state, metrics = step(state, batch)
+            losses.append(float(metrics["loss"]))  # waits for the step
+            times.append(time.perf_counter() - start)
+        return config, step, compile_s, statistics.median(times[1:]), losses  # step 1 may carry one-time work
+
+    while True:
+        try:
+            config, step, compile_s, step_s, losses = train(per_device)
+            break
+        except Exception as e:  # one shot on a lent GPU: out of memory halves the batch instead of ending the run
+            if "RESOURCE_EXHAUSTED" not in str(e) and "out of memory" not in str(e).lower() or per_device == 1:
+                raise
+            print(f"out of memory at {per_device} sequences per device; retrying with {per_device // 2}", flush=True)
+            per_device //= 2
+    m, t = config.model, config.train
+    n_params = sum(math.prod(x.shape) for x in jax.tree.leaves(abstract_model(m)[1]))
 
     tokens = t.batch_size * t.seq_len
     attention = getattr(m, "attention", "xla")
@@ -112,7 +128,7 @@ def main(argv: list[str] | None = None) -> int:
     stats = devices[0].memory_stats() or {}
     result = {
         "device": kind, "devices": len(devices), "jax": jax.__version__, "date": time.strftime("%Y-%m-%d"),
-        "params": sum(x.size for x in jax.tree.leaves(state.params)), "seq_len": t.seq_len,
+        "params": n_params, "seq_len": t.seq_len,
         "batch_per_device": per_device, "dtype": m.dtype, "attention": attention, "remat": config.parallel.remat,
         "matmul_ceiling_tflops": ceiling / 1e12, "peak_tflops": peak / 1e12 if peak else None,
         "compile_s": compile_s, "step_s": step_s, "tokens_per_s": tokens / step_s,
@@ -120,7 +136,8 @@ def main(argv: list[str] | None = None) -> int:
         "mfu_vs_ceiling": util["tflops_per_device"] * 1e12 / ceiling,
         "hfu": hw / step_s / len(devices) / peak if peak else None,
         "loss_first_last": [losses[0], losses[-1]],
-        "peak_memory_gb": stats.get("peak_bytes_in_use", memory(step)["peak_bytes"]) / 1e9,
+        "step_memory_gb": memory(step)["peak_bytes"] / 1e9,  # the compiled step's arguments + outputs + temps
+        "peak_memory_gb": stats["peak_bytes_in_use"] / 1e9 if "peak_bytes_in_use" in stats else None,
         "memory_limit_gb": stats["bytes_limit"] / 1e9 if "bytes_limit" in stats else None,
     }
     pct = lambda x: "n/a (no datasheet peak for this device)" if x is None else f"{100 * x:.1f}%"
@@ -131,8 +148,9 @@ def main(argv: list[str] | None = None) -> int:
           f"TFLOP/s per device (model FLOPs): {util['tflops_per_device']:.3g}\n"
           f"MFU vs datasheet peak: {pct(result['mfu'])};  vs measured matmul ceiling: "
           f"{pct(result['mfu_vs_ceiling'])};  HFU: {pct(result['hfu'])}\n"
-          f"peak memory: {result['peak_memory_gb']:.2f} GB per device"
-          + (f" of {result['memory_limit_gb']:.1f} GB" if result["memory_limit_gb"] else " (compiled step's estimate)"))
+          f"memory per device: the compiled step needs {result['step_memory_gb']:.2f} GB"
+          + (f"; device peak in use {result['peak_memory_gb']:.2f} GB of {result['memory_limit_gb']:.1f} GB"
+             if result["peak_memory_gb"] is not None and result["memory_limit_gb"] else ""))
     print("GPU-RESULT " + json.dumps(result))
     return 0
 
