@@ -1,0 +1,255 @@
+"""Benchmark: decoding with the KV cache vs the cache-free reference, side by side in one run.
+
+    python bench/generate.py [--quick] [--tensor 1 2 4] [--json out.json]
+
+For tensor ∈ {1, 2, 4} (a (data=1, pipe=1, tensor=t) mesh on the first t simulated devices, parameters placed by
+the rules table, GSPMD partitioning the computation) it prints two tables.
+
+1. End to end: B prompts of P tokens extended by N greedy tokens with `jaxpar.infer.decode.generate` (prefill, then
+   a `lax.while_loop` of one-token steps reading a KV cache, all in one jit) and with
+   `jaxpar.infer.sampling.generate` (every step re-runs the full causal forward over a fixed [B, P + N] buffer).
+   tokens/s = B·N / median wall time (compiled once beforehand; prefill included in the cached path), the speed-up,
+   and the fraction of generated tokens on which the two agree (a sanity check, not a timing: both are greedy on
+   the same weights, so they differ only where float rounding flips a near-tie).
+2. Per token against the context c: one jitted cached step (`model.decode` of one token per row with c − 1 slots
+   already filled, so it attends over c keys, its own included) over a cache of max(c) slots (KV: one executable
+   for every c, `end` is traced) and over a cache of exactly c slots (KV fit: what `decode.generate` allocates when
+   P + N = c); and one cache-free step (the full forward over c tokens: what producing token c + 1 costs without a
+   cache). The fastest of a few calls in ms (each step emits one token per row), the ratio no-cache / KV, and each
+   step's matmul MFLOP per device counted from the compiled HLO (`dot_flops`).
+
+How to read it: KV stays flat in c — the same executable with the same FLOPs whatever c is, since attention reads
+the whole buffer, masked. Its cost is set by the buffer, not by how much of it is filled: KV fit grows with c
+(attention over c slots; on this CPU mostly memory traffic — per layer the scan slices that layer's whole k and v
+out of the stacked cache, writes one slot, writes the slice back and transposes k for the score dot, several
+buffer-sized copies against ~33 MFLOP of matmuls at the default size) and meets KV at c = max(c). The cache-free
+step's FLOPs grow linearly in c (its attention part quadratically) and its time faster still: XLA's CPU attention
+materialises the f32 scores [B, K, H/K, c, c] (33.5 MB per layer at c = 512) and passes over them several times
+(mask, transposed copy, max, exp, normalise), so past c ≈ 256 that c² memory traffic dominates. The end-to-end
+speed-up is the per-step effect summed over N steps, plus one prefill.
+
+On simulated CPU devices every "device" shares the same host cores, so tensor > 1 is not faster here (it adds the
+collectives and per-device dispatch); the point is that both paths run sharded and the ratios hold. On real
+accelerators run the same script with real devices.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import json
+import os
+import statistics
+import time
+from collections.abc import Callable
+
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from flax import nnx  # noqa: E402
+from jax.sharding import NamedSharding  # noqa: E402
+from jax.sharding import PartitionSpec as P  # noqa: E402
+
+from jaxpar.analysis import dot_flops  # noqa: E402
+from jaxpar.config import ModelConfig, ParallelConfig  # noqa: E402
+from jaxpar.infer import decode, sampling  # noqa: E402
+from jaxpar.infer.decode import CACHE_AXES  # noqa: E402
+from jaxpar.mesh import make_mesh  # noqa: E402
+from jaxpar.model import KVCache, Transformer, pad_vocab  # noqa: E402
+from jaxpar.sharding import constrain, model_layout, param_shardings  # noqa: E402
+from jaxpar.train.state import abstract_model  # noqa: E402
+
+
+@dataclasses.dataclass(frozen=True)
+class Sizes:
+    """What one run measures: the model, the end-to-end workload and the contexts of the per-step sweep."""
+
+    model: ModelConfig
+    batch: int  # B prompts
+    prompt: int  # P tokens each (a multiple of 8: left_pad adds no padding, both paths see the same tokens)
+    new_tokens: int  # N generated per prompt
+    contexts: tuple[int, ...]  # c of the per-step sweep; the cache buffer has max(contexts) slots
+    repeats: int  # timed end-to-end runs (after one warm-up run that compiles)
+    # Timed calls per single-step measurement. Steps take milliseconds and the host's cores are shared, so one
+    # burst of other work can cover most of a short run: the minimum is the least disturbed estimate of the step.
+    step_repeats: int
+
+
+DEFAULT = Sizes(ModelConfig(family="llama", vocab_size=512, d_model=256, n_layers=4, n_heads=8, n_kv_heads=4,
+                            max_seq_len=1024), batch=4, prompt=64, new_tokens=64, contexts=(64, 128, 256, 512),
+                repeats=3, step_repeats=10)
+QUICK = Sizes(ModelConfig(family="llama", vocab_size=512, d_model=128, n_layers=2, n_heads=8, n_kv_heads=4,
+                          max_seq_len=512), batch=4, prompt=32, new_tokens=16, contexts=(32, 64, 128, 256), repeats=2,
+              step_repeats=5)
+
+
+def seconds(fn: Callable[[], object], repeats: int, stat: Callable[[list[float]], float] = statistics.median
+            ) -> float:
+    """`stat` (median, or min) of the wall times of `repeats` calls of `fn()`, each until its result is ready,
+    after one warm-up call that pays for compilation."""
+    fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        jax.block_until_ready(fn())
+        times.append(time.perf_counter() - start)
+    return stat(times)
+
+
+def place_model(cfg: ModelConfig, params: nnx.State, tensor: int
+                ) -> tuple[jax.sharding.Mesh, nnx.GraphDef, nnx.State]:
+    """`params` on a (1, 1, tensor) mesh of the first `tensor` devices, sharded by the rules table with the vocab
+    padded to a multiple of tensor: the layout `jaxpar.infer.text.load_workdir` gives a trained model. Every degree
+    gets the same weights (initialised once: compiling the init costs more than a quick run's measurements)."""
+    parallel = ParallelConfig(data=1, pipe=1, tensor=tensor)
+    mesh = make_mesh(parallel, jax.devices()[:tensor])
+    layout = model_layout(cfg, parallel, mesh, explicit=False)  # GSPMD inserts the collectives
+    graphdef, abstract = abstract_model(cfg, layout.padded_vocab)
+    placed = jax.device_put(pad_vocab(params, layout.padded_vocab), param_shardings(abstract, mesh, layout.rules))
+    return mesh, graphdef, placed
+
+
+def make_forward(graphdef: nnx.GraphDef) -> Callable:
+    """jit(params, tokens [B, T]) → logits [B, T, V]: the cache-free path's whole step. Params are an argument, not
+    a closure, so they are not baked into the executable as constants."""
+    return jax.jit(lambda params, tokens: nnx.merge(graphdef, params)(tokens))
+
+
+def make_cached_step(graphdef: nnx.GraphDef) -> Callable:
+    """jit(params, tok [B], k, v, start [B], end []) → (logits [B, V], k, v): one KV-cache decode step.
+
+    k and v [L, B, S, K, E] are donated, so the one-slot `dynamic_update_slice` writes in place as it does inside
+    decode's `while_loop`; without donation every call would also copy the whole cache (2·L·B·S·K·E floats), a cost
+    that grows with S and that real decoding does not pay. `end` is traced: one compilation serves every context.
+    """
+
+    @functools.partial(jax.jit, donate_argnums=(2, 3))
+    def step(params, tok, k, v, start, end):
+        logits, cache = nnx.merge(graphdef, params).decode(tok[:, None], KVCache(k, v, start, end))
+        return logits[:, 0], constrain(cache.k, CACHE_AXES), constrain(cache.v, CACHE_AXES)
+
+    return step
+
+
+def end_to_end(sizes: Sizes, mesh, graphdef, params, rng: np.random.Generator) -> dict:
+    """Tokens/s of KV-cache generate vs cache-free generate for the same greedy workload."""
+    B, Pn, N = sizes.batch, sizes.prompt, sizes.new_tokens
+    prompts = rng.integers(0, sizes.model.vocab_size, (B, Pn)).astype(np.int32)
+    model = nnx.merge(graphdef, params)
+    cached = functools.partial(decode.generate, model, prompts, max_new_tokens=N, mesh=mesh, return_prompt=False)
+    forward = functools.partial(make_forward(graphdef), params)
+
+    def cache_free() -> np.ndarray:
+        with jax.set_mesh(mesh):
+            return sampling.generate(forward, prompts, max_new_tokens=N, max_len=Pn + N, rng=jax.random.key(0),
+                                     temperature=0.0)
+
+    kv_s = seconds(cached, sizes.repeats)
+    free_s = seconds(cache_free, sizes.repeats)
+    agree = float((cached() == cache_free()).mean())
+    return {"kv_tokens_per_s": B * N / kv_s, "free_tokens_per_s": B * N / free_s, "speedup": free_s / kv_s,
+            "agree": agree}
+
+
+class CachedStep:
+    """One compiled cached step over a cache of `slots` slots, timed with its donated buffers fed back in."""
+
+    def __init__(self, step: Callable, params: nnx.State, cfg: ModelConfig, batch: int, slots: int, mesh):
+        replicated = NamedSharding(mesh, P())
+        # The cache laid out as decode lays it out (kv heads over tensor); its contents do not change the cost.
+        empty = jax.jit(lambda: constrain(KVCache.empty(cfg, batch, slots, jnp.zeros((batch,), jnp.int32)).k,
+                                          CACHE_AXES))
+        self.params, self.k, self.v = params, empty(), empty()
+        self.tok = jax.device_put(np.zeros((batch,), np.int32), replicated)
+        self.start = jax.device_put(np.zeros((batch,), np.int32), replicated)
+        self.replicated = replicated
+        self.compiled = step.lower(params, self.tok, self.k, self.v, self.start,
+                                   jax.device_put(np.int32(0), replicated)).compile()
+        self.flops = dot_flops(self.compiled)
+
+    def seconds(self, context: int, repeats: int) -> float:
+        """Fastest of `repeats` calls of the step that writes slot context − 1, so attends over `context` keys."""
+        end = jax.device_put(np.int32(context - 1), self.replicated)
+
+        def call() -> jax.Array:
+            logits, self.k, self.v = self.compiled(self.params, self.tok, self.k, self.v, self.start, end)
+            return logits
+
+        return seconds(call, repeats, min)
+
+
+def per_step(sizes: Sizes, mesh, graphdef, params, rng: np.random.Generator) -> list[dict]:
+    """ms and matmul FLOPs per device of one cached step and one cache-free step at each context c."""
+    cfg, B = sizes.model, sizes.batch
+    replicated = NamedSharding(mesh, P())
+    rows = []
+    with jax.set_mesh(mesh):
+        step, forward = make_cached_step(graphdef), make_forward(graphdef)
+        # One executable for every c (`end` is traced): its FLOPs cannot depend on c.
+        fixed = CachedStep(step, params, cfg, B, max(sizes.contexts), mesh)
+        for c in sizes.contexts:
+            # The same step over a buffer of exactly c slots (what decode.generate allocates for P + N = c): the
+            # attention and cache traffic of a step scale with the buffer, not with how much of it is filled.
+            fitted = CachedStep(step, params, cfg, B, c, mesh)
+            tokens = jax.device_put(rng.integers(0, cfg.vocab_size, (B, c)).astype(np.int32), replicated)
+            compiled_fwd = forward.lower(params, tokens).compile()
+            kv_s = fixed.seconds(c, sizes.step_repeats)
+            fitted_s = fitted.seconds(c, sizes.step_repeats)
+            free_s = seconds(functools.partial(compiled_fwd, params, tokens), sizes.step_repeats, min)
+            rows.append({"context": c, "kv_ms": kv_s * 1e3, "kv_fitted_ms": fitted_s * 1e3, "free_ms": free_s * 1e3,
+                         "ratio": free_s / kv_s, "kv_mflop": fixed.flops / 1e6, "kv_fitted_mflop": fitted.flops / 1e6,
+                         "free_mflop": dot_flops(compiled_fwd) / 1e6})
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="a smaller model and workload (under a minute)")
+    parser.add_argument("--tensor", type=int, nargs="+", default=[1, 2, 4], help="tensor degrees to run")
+    parser.add_argument("--json", help="also write the measurements to this file")
+    args = parser.parse_args()
+    sizes = QUICK if args.quick else DEFAULT
+    m = sizes.model
+    print(f"model: llama, d_model {m.d_model}, {m.n_layers} layers, {m.n_heads} heads ({m.n_kv_heads} kv), vocab "
+          f"{m.vocab_size}, {m.dtype}; {jax.devices()[0].platform} x {len(jax.devices())} simulated devices "
+          "sharing the host's cores (tensor > 1 adds collectives here, not speed)\n")
+    results = {"sizes": {"batch": sizes.batch, "prompt": sizes.prompt, "new_tokens": sizes.new_tokens,
+                         "d_model": m.d_model, "n_layers": m.n_layers}, "tensor": {}}
+    weights = nnx.state(Transformer(m, rngs=nnx.Rngs(0)), nnx.Param)  # eager, on the first device
+    for t in args.tensor:
+        mesh, graphdef, params = place_model(m, weights, t)
+        rng = np.random.default_rng(0)
+        results["tensor"][t] = {"end_to_end": end_to_end(sizes, mesh, graphdef, params, rng),
+                                "per_step": per_step(sizes, mesh, graphdef, params, rng)}
+
+    print(f"1. end to end: {sizes.batch} prompts x {sizes.prompt} tokens + {sizes.new_tokens} new (greedy); "
+          f"median of {sizes.repeats}")
+    head = f"{'t':>2} | {'KV cache tok/s':>14} {'no cache tok/s':>14} {'speed-up':>8} | {'same tokens':>11}"
+    print(head + "\n" + "-" * len(head))
+    for t, r in results["tensor"].items():
+        e = r["end_to_end"]
+        print(f"{t:>2} | {e['kv_tokens_per_s']:>14.0f} {e['free_tokens_per_s']:>14.0f} {e['speedup']:>7.1f}x | "
+              f"{e['agree']:>11.0%}")
+
+    S = max(sizes.contexts)
+    print(f"\n2. one step (one token per row, batch {sizes.batch}) against the context c. KV: a cache of {S} slots "
+          f"(one executable for every c);\n   KV fit: a cache of exactly c slots (recompiled per c). ratio = no-cache / "
+          f"KV. MFLOP = matmul FLOPs per device from the compiled HLO")
+    head = (f"{'t':>2} {'c':>5} | {'KV ms':>7} {'KV fit ms':>9} {'no-cache ms':>11} {'ratio':>6} | "
+            f"{'KV MFLOP':>8} {'KV fit MFLOP':>12} {'no-cache MFLOP':>14}")
+    print(head + "\n" + "-" * len(head))
+    for t, r in results["tensor"].items():
+        for s in r["per_step"]:
+            print(f"{t:>2} {s['context']:>5} | {s['kv_ms']:>7.2f} {s['kv_fitted_ms']:>9.2f} {s['free_ms']:>11.2f} "
+                  f"{s['ratio']:>6.1f} | {s['kv_mflop']:>8.1f} {s['kv_fitted_mflop']:>12.1f} "
+                  f"{s['free_mflop']:>14.1f}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
