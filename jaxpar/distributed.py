@@ -188,6 +188,24 @@ def initialize(settings: Settings) -> None:
     start_watchdog(jax.process_count(), jax.process_index(), host, settings.peer_timeout_s)
 
 
+def batch_rows(sharding, batch_size: int) -> tuple[int, int]:
+    """(index, count): this process's rows of a [batch_size, …] global batch laid out with `sharding` are slice
+    `index` of `count` equal contiguous slices — what the data loader takes as its process index and count.
+
+    Usually (index, count) = (process_index, process_count); when `pipe` spans hosts several processes hold the
+    same data slice, and each of them loads those rows (count < process_count).
+    """
+    shape = (batch_size, *([1] * (len(sharding.spec) - 1 if len(sharding.spec) else 0)))
+    spans = {(i[0].start or 0, batch_size if i[0].stop is None else i[0].stop)
+             for i in sharding.addressable_devices_indices_map(shape).values()}
+    lo, hi = min(a for a, _ in spans), max(b for _, b in spans)
+    rows = hi - lo
+    if sum(b - a for a, b in spans) < rows or batch_size % rows or lo % rows:
+        raise DistributedError(f"this process's batch rows {sorted(spans)} are not one aligned contiguous slice of "
+                               f"{batch_size}. Fix: order the mesh with jaxpar.mesh.make_mesh (hybrid order)")
+    return lo // rows, batch_size // rows
+
+
 def _client():
     """The live coordination-service client (the public API exposes no key-value store; present in jax 0.4–0.12)."""
     from jax._src import distributed

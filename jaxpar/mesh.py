@@ -38,15 +38,16 @@ def hybrid_device_order(devices: list, shape: tuple[int, int, int]) -> np.ndarra
     Devices are sorted by (process_index, id) and reshaped, so consecutive mesh positions fill one process before
     the next: with D devices per process, a tensor group (t consecutive positions) stays inside a process when t
     divides D, and a whole pipe x tensor block too when p*t divides D; otherwise pipe spans processes (activations
-    cross the network once per pipeline iteration — cheap next to TP's per-layer all-reduces). Processes must hold
-    equal device counts and whole data slices (each process loads its own rows of the batch). Raises ConfigError
-    naming the axis otherwise.
+    cross the network once per pipeline iteration — cheap next to TP's per-layer all-reduces), and the processes
+    sharing a data slice all load its rows. Processes must hold equal device counts, and pipe*tensor must divide or
+    be a multiple of that count (so no process holds part of a data slice another process also partly holds).
+    Raises ConfigError naming the axis otherwise.
     """
-    data, pipe, tensor = shape
+    _, pipe, tensor = shape
     per_process: dict[int, int] = {}
     for d in devices:
         per_process[d.process_index] = per_process.get(d.process_index, 0) + 1
-    counts, n_proc = set(per_process.values()), len(per_process)
+    counts = set(per_process.values())
     local = next(iter(counts))
     if len(counts) > 1:
         raise ConfigError("devices", per_process, "every process must hold the same number of devices",
@@ -55,11 +56,11 @@ def hybrid_device_order(devices: list, shape: tuple[int, int, int]) -> np.ndarra
         raise ConfigError("parallel.tensor", tensor, f"must divide the {local} devices of each process (a tensor "
                           "group inside one host: its per-layer all-reduces need the fast links)",
                           f"use parallel.tensor among {[k for k in range(1, local + 1) if local % k == 0]}")
-    if data % n_proc:
-        raise ConfigError("parallel.data", data, f"must be a multiple of the {n_proc} processes (each process loads "
-                          "and holds whole data slices of the batch)",
-                          f"lower parallel.pipe (pipe*tensor = {pipe * tensor} should divide the {local} devices "
-                          "per process)")
+    block = pipe * tensor  # devices of one data slice
+    if local % block and block % local:
+        raise ConfigError("parallel.pipe", pipe, f"pipe*tensor = {block} must divide, or be a multiple of, the {local} "
+                          "devices of each process (so that each process holds whole data slices, or whole shares "
+                          "of one)", f"use pipe*tensor among the divisors or multiples of {local}")
     ordered = sorted(devices, key=lambda d: (d.process_index, d.id))
     return np.array(ordered, dtype=object).reshape(shape)
 

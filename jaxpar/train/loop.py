@@ -16,6 +16,7 @@ from jax.sharding import Mesh
 
 from jaxpar import data as data_lib
 from jaxpar.config import Config
+from jaxpar.distributed import batch_rows
 from jaxpar.mesh import describe_mesh, make_mesh
 from jaxpar.train import checkpoint
 from jaxpar.train.metrics import MetricsWriter
@@ -117,13 +118,15 @@ def fit(config: Config, workdir: str | pathlib.Path, *, devices: list | None = N
     data_lib.check_vocab(tokenizer, model_cfg.vocab_size)
     train_tokens = data_lib.load_tokens(config.data, tokenizer, "train", seq_len=train.seq_len, seed=train.seed)
     eval_tokens = data_lib.load_tokens(config.data, tokenizer, "eval", seq_len=train.seq_len, seed=train.seed)
-    loader_args = dict(batch_size=train.batch_size, seq_len=train.seq_len, process_index=jax.process_index(),
-                       process_count=jax.process_count())
-    loader = data_lib.make_loader(train_tokens, seed=train.seed, **loader_args)
-
     mesh = make_mesh(config.parallel, devices)
     if jax.process_count() > 1 and jax.process_index() == 0:
         print(describe_mesh(mesh), flush=True)  # which host holds which (data, pipe, tensor) position
+    # Each process loads only the rows its devices hold: its own data slices, or a slice it shares with the other
+    # processes of a pipeline that spans hosts.
+    rows_index, rows_count = batch_rows(batch_sharding(mesh), train.batch_size)
+    loader_args = dict(batch_size=train.batch_size, seq_len=train.seq_len, process_index=rows_index,
+                       process_count=rows_count)
+    loader = data_lib.make_loader(train_tokens, seed=train.seed, **loader_args)
     trainer = build_trainer(config, mesh)
     if trainer.layout.padded_vocab != model_cfg.vocab_size and jax.process_index() == 0:
         print(f"jaxpar: vocab {model_cfg.vocab_size} padded to {trainer.layout.padded_vocab} (a multiple of "
