@@ -1,10 +1,11 @@
 """`jaxpar` command line: thin wrappers over library functions.
 
     jaxpar train    --config FILE [--workdir DIR] [--config.section.field=VALUE ...]
-    jaxpar generate --workdir DIR --prompt TEXT [--max-new-tokens N] [--temperature T] [--top-k K] [--top-p P]
+    jaxpar generate --workdir DIR|HF_DIR --prompt TEXT [--max-new-tokens N] [--temperature T] [--top-k K]
+                    [--top-p P] [--greedy] [--data D] [--tensor T]
     jaxpar analyze  --config FILE [--format json|table] [--config.section.field=VALUE ...]
     jaxpar schedule --pipe P --repeats V --microbatches M [--png FILE]
-    jaxpar convert  --from DIR --to DIR2 [--step N] [--dtype bfloat16]
+    jaxpar convert  --from DIR | --from-hf HF_DIR   --to DIR2 | --to-hf HF_DIR2   [--step N] [--dtype bfloat16]
     jaxpar launch   --processes N [--devices-per-process K] -- jaxpar train ...
 
 `train` also takes the multi-process flags `--coordinator HOST:PORT --num-processes N --process-id K
@@ -38,9 +39,16 @@ def _split_overrides(extra: list[str]) -> tuple[list[str], list[str]]:
 
 
 def _train(args, overrides: list[str]) -> int:
+    if args.profile_steps:
+        overrides = [*overrides, f"train.profile_steps={args.profile_steps}"]
     config = load_config(args.config, overrides)  # every ConfigError is raised here or in fit(), pre-compilation
-    from jaxpar import distributed
+    if args.init_from_hf:
+        from jaxpar.interop import hf
 
+        config = hf.init_config(config, args.init_from_hf)
+    from jaxpar import distributed, perf
+
+    perf.configure_gpu_flags()  # XLA's GPU performance flags, before any backend starts (a no-op off NVIDIA GPUs)
     try:  # before anything touches a JAX backend; nothing happens for a single process
         distributed.initialize(distributed.resolve(
             args.coordinator, args.num_processes, args.process_id, args.local_device_ids,
@@ -74,9 +82,9 @@ def _generate(args, overrides: list[str]) -> int:
     if overrides:
         raise ConfigError("--config." + overrides[0], None, "generate takes no config overrides",
                           "the model's config comes from WORKDIR/config.json")
-    from jaxpar.infer.text import generate_text, load_workdir
+    from jaxpar.infer.text import generate_text, load
 
-    loaded = load_workdir(args.workdir, step=args.step)
+    loaded = load(args.workdir, step=args.step, data=args.data, tensor=args.tensor)
     temperature = 0.0 if args.greedy else args.temperature
     for text in generate_text(loaded, [args.prompt] * args.num_samples, max_new_tokens=args.max_new_tokens,
                               seed=args.seed, temperature=temperature, top_k=args.top_k, top_p=args.top_p):
@@ -110,10 +118,24 @@ def _schedule(args, overrides: list[str]) -> int:
 
 
 def _convert(args, overrides: list[str]) -> int:
-    from jaxpar.train.checkpoint import convert
+    if (args.src is None) == (args.src_hf is None) or (args.dst is None) == (args.dst_hf is None):
+        raise ConfigError("convert", None, "needs exactly one of --from/--from-hf and one of --to/--to-hf",
+                          "e.g. jaxpar convert --from-hf DIR --to WORKDIR")
+    from jaxpar.interop import hf
 
-    step = convert(args.src, args.dst, step=args.step, dtype=args.dtype)
-    print(f"exported step {step} of {args.src} to {args.dst} (params only, canonical layout)")
+    if args.src_hf is not None and args.dst is not None:
+        hf.import_to_workdir(args.src_hf, args.dst, dtype=args.dtype)
+        print(f"imported {args.src_hf} into {args.dst} (params-only workdir, step 0: `jaxpar generate --model {args.dst}`)")
+    elif args.src is not None and args.dst_hf is not None:
+        step = hf.export_workdir(args.src, args.dst_hf, step=args.step, dtype=args.dtype)
+        print(f"exported step {step} of {args.src} to {args.dst_hf} (Hugging Face safetensors + config.json)")
+    elif args.src_hf is not None:
+        raise ConfigError("--to-hf", args.dst_hf, "HF to HF is not a conversion", "use --to WORKDIR")
+    else:
+        from jaxpar.train.checkpoint import convert
+
+        step = convert(args.src, args.dst, step=args.step, dtype=args.dtype)
+        print(f"exported step {step} of {args.src} to {args.dst} (params only, canonical layout)")
     return 0
 
 
@@ -139,6 +161,10 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--config", required=True, help="configs/*.py (ml_collections) or recipes/*.yaml")
     train.add_argument("--workdir", default="runs/default", help="metrics, checkpoints and config.json go here")
     train.add_argument("--no-progress", action="store_true", help="no progress bar (for logs)")
+    train.add_argument("--profile-steps", type=int, default=0, metavar="N",
+                       help="jax.profiler trace of N steps (from the second) into WORKDIR/profile")
+    train.add_argument("--init-from-hf", metavar="HF_DIR", help="start from a Hugging Face model's weights: the "
+                       "model section comes from its config.json, the tokenizer from its tokenizer.json")
     multi = train.add_argument_group("multi-process (default: one process, or what SLURM / Open MPI / JAXPAR_* say)")
     multi.add_argument("--coordinator", help="HOST:PORT of process 0's coordination service")
     multi.add_argument("--num-processes", type=int, help="number of JAX processes in the run")
@@ -148,8 +174,10 @@ def build_parser() -> argparse.ArgumentParser:
     multi.add_argument("--peer-timeout", type=int, default=60, help="seconds before a lost peer process stops the run")
     multi.add_argument("--init-timeout", type=int, default=300, help="seconds to wait for every process to connect")
     train.set_defaults(run=_train)
-    gen = sub.add_parser("generate", help="sample text from a trained workdir")
-    gen.add_argument("--workdir", required=True)
+    gen = sub.add_parser("generate", help="sample text from a trained workdir or a Hugging Face model directory")
+    gen.add_argument("--workdir", "--model", required=True, help="a jaxpar workdir or a Hugging Face model directory")
+    gen.add_argument("--data", type=int, default=1, help="data-parallel degree (independent samples)")
+    gen.add_argument("--tensor", type=int, default=None, help="tensor-parallel degree (default: as trained; 1 for HF)")
     gen.add_argument("--prompt", default="def ")
     gen.add_argument("--max-new-tokens", type=int, default=200)
     gen.add_argument("--temperature", type=float, default=0.8)
@@ -172,9 +200,12 @@ def build_parser() -> argparse.ArgumentParser:
     sch.add_argument("--microbatches", type=int, required=True)
     sch.add_argument("--png", help="also draw it to this PNG file (matplotlib)")
     sch.set_defaults(run=_schedule)
-    conv = sub.add_parser("convert", help="export a workdir's parameters (canonical layout, optional dtype)")
-    conv.add_argument("--from", dest="src", required=True, help="a jaxpar train workdir")
-    conv.add_argument("--to", dest="dst", required=True, help="the new workdir (params-only)")
+    conv = sub.add_parser("convert", help="export a workdir's parameters (params-only workdir, or Hugging Face "
+                                          "format), or import a Hugging Face model as a workdir")
+    conv.add_argument("--from", dest="src", help="a jaxpar train workdir")
+    conv.add_argument("--from-hf", dest="src_hf", help="a Hugging Face model directory (safetensors + config.json)")
+    conv.add_argument("--to", dest="dst", help="the new jaxpar workdir (params-only)")
+    conv.add_argument("--to-hf", dest="dst_hf", help="the new Hugging Face model directory")
     conv.add_argument("--step", type=int, default=None, help="checkpoint step (default: latest)")
     conv.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None)
     conv.set_defaults(run=_convert)

@@ -175,16 +175,20 @@ class TrainConfig:
     grad_accum: int = _f(1, "gradient accumulation: split each step's batch into this many sequential chunks")
     seed: int = _f(0, "seed for parameter init, data order and sampling")
     log_every: int = _f(10, "log metrics every this many steps")
+    profile_steps: int = _f(0, "trace this many steps with jax.profiler into WORKDIR/profile, from the second step "
+                            "of the run (the first compiles); 0: off")
     eval_every: int = _f(100, "evaluate held-out loss every this many steps (0: only at the end)")
     eval_batches: int = _f(4, "held-out batches per evaluation")
     max_bad_steps: int = _f(5, "stop after this many consecutive steps with a non-finite loss, gradient or update "
                                "(each such step is skipped: parameters and optimizer state are left as they were)")
+    init_from_hf: str = _f("", "a Hugging Face model directory whose weights start the run (the model section must "
+                           "match it: `jaxpar train --init-from-hf DIR` fills it in); '' starts from random weights")
 
     def __post_init__(self):
         _check_fields(self, "train")
         for name in ("batch_size", "seq_len", "steps", "lr", "grad_accum", "log_every", "eval_batches", "max_bad_steps"):
             _check_positive(f"train.{name}", getattr(self, name))
-        for name in ("warmup_steps", "weight_decay", "grad_clip", "eval_every", "seed"):
+        for name in ("warmup_steps", "weight_decay", "grad_clip", "eval_every", "seed", "profile_steps"):
             _check_positive(f"train.{name}", getattr(self, name), allow_zero="allowed")
         for name in ("min_lr_ratio", "b1", "b2"):
             value = getattr(self, name)
@@ -282,9 +286,11 @@ class Config:
         return resolved
 
     def to_dict(self) -> dict:
+        """The config as nested plain dicts (what config.json and checkpoints store)."""
         return dataclasses.asdict(self)
 
     def to_json(self) -> str:
+        """The config as sorted, indented JSON (config.json); `config_from_dict` reads it back."""
         return json.dumps(self.to_dict(), indent=2, sort_keys=True)
 
 

@@ -116,14 +116,27 @@ def run_layers(stacked: dict[str, Array], x: Array, positions: Array, mask: Arra
 def run_layers_cached(stacked: dict[str, Array], x: Array, positions: Array, mask: Array, cfg: ModelConfig,
                       k_cache: Array, v_cache: Array, slot: Array) -> tuple[Array, Array, Array]:
     """`run_layers` for decoding: layer l also writes its new keys/values into k_cache[l], v_cache[l] [L, B, S, K, E]
-    at slots slot … slot+T-1 and attends over the whole cache. Returns (x, k_cache, v_cache)."""
+    at slots slot … slot+T-1 and attends over the whole cache. Returns (x, k_cache, v_cache).
 
-    def body(x, xs):
-        layer, k, v = xs
+    The caches ride in the scan's carry and each layer writes only its T new slots into them (an in-place
+    `dynamic_update_slice`): scanning them as inputs/outputs instead would copy every layer's whole cache out and
+    back in on every decode step.
+    """
+
+    def body(carry, xs):
+        x, k_all, v_all = carry
+        layer, l = xs
+        k, v = k_all[l], v_all[l]  # [B, S, K, E]: this layer's cache, read by its attention
         x, (k, v) = block(layer, x, positions, mask, cfg, kv_cache=(k, v, slot))
-        return x, (k, v)
+        T = x.shape[1]
+        new_k = jax.lax.dynamic_slice_in_dim(k, slot, T, axis=1)[None]  # [1, B, T, K, E]: just the new slots
+        new_v = jax.lax.dynamic_slice_in_dim(v, slot, T, axis=1)[None]
+        k_all = jax.lax.dynamic_update_slice(k_all, new_k, (l, 0, slot, 0, 0))
+        v_all = jax.lax.dynamic_update_slice(v_all, new_v, (l, 0, slot, 0, 0))
+        return (x, k_all, v_all), None
 
-    x, (k_cache, v_cache) = jax.lax.scan(body, x, (stacked, k_cache, v_cache))
+    L = k_cache.shape[0]
+    (x, k_cache, v_cache), _ = jax.lax.scan(body, (x, k_cache, v_cache), (stacked, jnp.arange(L)))
     return x, k_cache, v_cache
 
 
@@ -378,6 +391,7 @@ def rope(x: Array, positions: Array, inv_freq: np.ndarray | Array) -> Array:
 
 
 def default_positions(B: int, T: int) -> Array:
+    """Positions 0..T-1 for every row: int32 [B, T]."""
     return jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
 
 

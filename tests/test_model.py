@@ -69,15 +69,17 @@ def numpy_forward(model: Transformer, toks: np.ndarray) -> np.ndarray:
         q = np.einsum("btd,dhe->bthe", h, lp["wq"])
         k = np.einsum("btd,dhe->bthe", h, lp["wk"])
         v = np.einsum("btd,dhe->bthe", h, lp["wv"])
-        if cfg.family == "gpt2":
+        if "bq" in lp:  # gpt2; llama with qkv_bias (Qwen2)
             q, k, v = q + lp["bq"], k + lp["bk"], v + lp["bv"]
-        else:
+        if cfg.family != "gpt2":
             q, k = rope(q), rope(k)
         out = np.zeros_like(q)
         for head in range(H):
             kv = head // (H // K)  # query head -> its kv group
             s = q[:, :, head] @ k[:, :, kv].transpose(0, 2, 1) / np.sqrt(q.shape[-1])  # [B, T, S]
-            s = np.where(np.tril(np.ones((T, T), bool)), s, -np.inf)
+            t_, s_ = np.arange(T)[:, None], np.arange(T)[None, :]
+            visible = (s_ <= t_) & ((t_ - s_ < cfg.sliding_window) if cfg.sliding_window else True)
+            s = np.where(visible, s, -np.inf)
             w = np.exp(s - s.max(-1, keepdims=True))
             out[:, :, head] = (w / w.sum(-1, keepdims=True)) @ v[:, :, kv]
         x = x + np.einsum("bthe,hed->btd", out, lp["wo"]) + lp.get("bo", 0)
@@ -101,6 +103,46 @@ def test_forward_matches_numpy_reference(family, tie):
     got = np.asarray(model(toks))
     want = numpy_forward(model, np.asarray(toks))
     np.testing.assert_allclose(got, want, rtol=2e-4, atol=2e-4)
+
+
+@pytest.mark.parametrize("kw", [dict(sliding_window=4), dict(qkv_bias=True), dict(sliding_window=1)])
+def test_window_and_qkv_bias_match_numpy_reference(kw):
+    """Sliding window (the kernel's local_window_size) and Qwen2-style q/k/v biases against the NumPy forward."""
+    model = make("llama", init_std=0.2, **kw)
+    if "qkv_bias" in kw:
+        for name in ("bq", "bk", "bv"):
+            param = getattr(model.blocks, name)
+            param[...] = 0.3 * jax.random.normal(jax.random.key(len(name)), param.shape)
+    toks = tokens()
+    np.testing.assert_allclose(np.asarray(model(toks)), numpy_forward(model, np.asarray(toks)), rtol=2e-4, atol=2e-4)
+
+
+@pytest.mark.parametrize("family,window", [("llama", 0), ("llama", 3), ("gpt2", 0)])
+def test_kv_cache_decode_equals_full_forward(family, window):
+    """Prefill left-padded prompts of different lengths, then decode one token at a time: every row's logits equal
+    the full causal forward over that row's tokens alone."""
+    from jaxpar.model import KVCache
+
+    model = make(family, sliding_window=window)
+    lengths, T = (4, 7), 11  # real prompt lengths (row 0 is left-padded by 3), total tokens per row
+    rows = np.asarray(tokens(seed=4))
+    P = max(lengths)
+    prompt = np.zeros((2, P), np.int32)
+    for b, n in enumerate(lengths):
+        prompt[b, P - n:] = rows[b, :n]
+    cache = KVCache.empty(model.cfg, 2, P + 4, jnp.asarray([P - n for n in lengths]))
+    decode = jax.jit(lambda m, t, c: m.decode(t, c))  # one compilation per token count (prefill, then 1)
+    logits, cache = decode(model, jnp.asarray(prompt), cache)
+    got = [[np.asarray(logits[b, P - 1])] for b in range(2)]
+    for step in range(3):  # feed the next real token of each row
+        nxt = jnp.asarray([[rows[b, n + step]] for b, n in enumerate(lengths)])
+        logits, cache = decode(model, nxt, cache)
+        for b in range(2):
+            got[b].append(np.asarray(logits[b, 0]))
+    for b, n in enumerate(lengths):
+        full = np.asarray(jax.jit(lambda m, t: m(t))(model, jnp.asarray(rows[b:b + 1, :n + 3])))[0]  # [n+3, V]
+        np.testing.assert_allclose(np.stack(got[b]), full[n - 1:n + 3], rtol=1e-5, atol=1e-5)
+    assert int(cache.end) == P + 3
 
 
 @pytest.mark.parametrize("family", ["llama", "gpt2"])

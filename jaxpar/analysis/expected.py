@@ -129,4 +129,5 @@ def activation_bytes_per_layer(config: Config) -> dict[str, float]:
 
 
 def ratio(measured: float, expected: float) -> float | None:
+    """measured / expected, or None when nothing is expected."""
     return None if not expected else measured / expected

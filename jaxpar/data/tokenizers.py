@@ -25,9 +25,13 @@ class Tokenizer(Protocol):
     vocab_size: int
     eos_id: int | None
 
-    def encode(self, text: str) -> list[int]: ...
+    def encode(self, text: str) -> list[int]:
+        """text → token ids (no special tokens added)."""
+        ...
 
-    def decode(self, ids: Sequence[int]) -> str: ...
+    def decode(self, ids: Sequence[int]) -> str:
+        """token ids → text."""
+        ...
 
 
 class ByteTokenizer:
@@ -41,9 +45,11 @@ class ByteTokenizer:
     eos_id: int | None = None
 
     def encode(self, text: str) -> list[int]:
+        """The UTF-8 bytes of `text`."""
         return list(text.encode("utf-8"))
 
     def decode(self, ids: Sequence[int]) -> str:
+        """Bytes → text (invalid UTF-8 replaced)."""
         return bytes(int(i) for i in ids).decode("utf-8", errors="replace")
 
     def __eq__(self, other) -> bool:
@@ -75,6 +81,7 @@ class HFTokenizer:
         self.eos_id = next((vocab[t] for t in EOS_CANDIDATES if t in vocab), None)
 
     def encode(self, text: str) -> list[int]:
+        """text → ids, without the post-processor's special tokens."""
         return self._tok.encode(text, add_special_tokens=False).ids
 
     def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
@@ -82,6 +89,7 @@ class HFTokenizer:
         return [e.ids for e in self._tok.encode_batch(list(texts), add_special_tokens=False)]
 
     def decode(self, ids: Sequence[int]) -> str:
+        """ids → text, special tokens included."""
         return self._tok.decode([int(i) for i in ids], skip_special_tokens=False)
 
     def __eq__(self, other) -> bool:

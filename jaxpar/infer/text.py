@@ -1,18 +1,26 @@
-"""Text in, text out: load a trained workdir onto a mesh and sample from it (the `jaxpar generate` command)."""
+"""Load a model for inference — a `jaxpar train` workdir or a Hugging Face directory — onto a (data, tensor) mesh,
+and generate: token ids in and out (`LoadedModel.generate`, shaped like Hugging Face's), or text through the
+tokenizer (`generate_text`, the `jaxpar generate` command).
+
+Inference uses `data` for independent prompts and `tensor` for the Megatron split of each layer; there is no
+pipeline (pipe = 1). Parameters are placed straight onto that layout (checkpoints and HF files are layout-free).
+"""
 
 from __future__ import annotations
 
 import dataclasses
 import json
 import pathlib
+from typing import Sequence
 
 import jax
 import numpy as np
 from flax import nnx
 
 from jaxpar import data as data_lib
-from jaxpar.config import Config, config_from_dict
-from jaxpar.infer.sampling import generate
+from jaxpar.config import Config, ConfigError, DataConfig, ParallelConfig, config_from_dict
+from jaxpar.infer import decode
+from jaxpar.interop import hf
 from jaxpar.mesh import make_mesh
 from jaxpar.sharding import model_layout, param_shardings
 from jaxpar.train import checkpoint
@@ -21,55 +29,108 @@ from jaxpar.train.state import abstract_model
 
 @dataclasses.dataclass
 class LoadedModel:
+    """A model placed on its inference mesh, with its tokenizer (None when the directory has none)."""
+
     config: Config
     model: nnx.Module  # params placed on `mesh`
     mesh: jax.sharding.Mesh
-    tokenizer: data_lib.Tokenizer
-    step: int
+    tokenizer: data_lib.Tokenizer | None
+    step: int | None  # the checkpoint step (None for a Hugging Face directory)
+    eos_token_id: tuple[int, ...] = ()  # the default stop tokens
+    hf_config: dict | None = None  # the imported config.json, kept for export
+
+    def generate(self, input_ids: Sequence[Sequence[int]] | np.ndarray, **kwargs) -> np.ndarray:
+        """`jaxpar.infer.decode.generate` on this model and mesh; eos_token_id defaults to the model's."""
+        kwargs.setdefault("eos_token_id", self.eos_token_id or None)
+        return decode.generate(self.model, input_ids, mesh=self.mesh, **kwargs)
 
 
-def load_workdir(workdir: str | pathlib.Path, *, devices: list | None = None, step: int | None = None) -> LoadedModel:
-    """The trained model of a `jaxpar train` workdir, tensor-sharded as it was trained (data=1, pipe=1: one copy)."""
-    workdir = pathlib.Path(workdir)
-    config = config_from_dict(json.loads((workdir / "config.json").read_text()))
+def load(path: str | pathlib.Path, *, data: int = 1, tensor: int | None = None, devices: list | None = None,
+         step: int | None = None, dtype: str | None = None) -> LoadedModel:
+    """Load a `jaxpar train` workdir (checkpoint `step`, default latest) or a Hugging Face model directory onto a
+    (data, pipe=1, tensor) mesh of the first data·tensor `devices`. tensor=None: the training run's tensor degree
+    (1 for an HF directory) when there are devices for it. dtype: compute and parameter dtype (default: as saved).
+    A layout the model cannot take (heads not divisible by tensor, …) is a ConfigError naming the field.
+    """
+    path = pathlib.Path(path)
     devices = list(jax.devices() if devices is None else devices)
-    tensor = config.parallel.tensor if len(devices) >= config.parallel.tensor else 1
-    parallel = dataclasses.replace(config.parallel, data=1, pipe=1, tensor=tensor, repeats=1, microbatches=1,
-                                   sequence_parallel=False)
-    mesh = make_mesh(parallel, devices[:tensor])
-    # Generation runs the plain model under jit on the sharded params (GSPMD inserts the collectives).
-    layout = model_layout(config.model, parallel, mesh, explicit=False)
-    graphdef, abstract = abstract_model(config.model, layout.padded_vocab)
-    params, step = checkpoint.restore_params(workdir, abstract, layout, config.model.vocab_size,
-                                             param_shardings(abstract, mesh, layout.rules), step=step)
-    tokenizer = data_lib.make_tokenizer(config.data.tokenizer)
-    return LoadedModel(config, nnx.merge(graphdef, params), mesh, tokenizer, step)
+    hf_cfg = None
+    if hf.is_hf_dir(path):
+        hf_cfg = hf.read_config(path)
+        overrides = {"dtype": dtype, "param_dtype": dtype} if dtype else {}
+        model_cfg = hf.model_config(hf_cfg, path, **overrides)
+        tokenizer_spec = str(path) if (path / "tokenizer.json").is_file() else "bytes"
+        saved = Config(model=model_cfg, data=DataConfig(tokenizer=tokenizer_spec))
+        default_tensor = 1
+    else:
+        if not (path / "config.json").is_file():
+            raise FileNotFoundError(f"{path}: neither a jaxpar workdir (config.json + checkpoints/) nor a Hugging Face "
+                                    "model directory (config.json + *.safetensors)")
+        saved = config_from_dict(json.loads((path / "config.json").read_text()))
+        if dtype:
+            saved = dataclasses.replace(saved, model=dataclasses.replace(saved.model, dtype=dtype, param_dtype=dtype))
+        model_cfg = saved.model
+        default_tensor = saved.parallel.tensor
+    if tensor is None:
+        tensor = default_tensor if len(devices) >= data * default_tensor else 1
+    if data * tensor > len(devices):
+        raise ConfigError("parallel.tensor", tensor, f"data*tensor = {data}*{tensor} needs more than the "
+                          f"{len(devices)} available devices", f"use data*tensor <= {len(devices)}")
+    parallel = ParallelConfig(data=data, pipe=1, tensor=tensor)
+    train = dataclasses.replace(saved.train, batch_size=data, grad_accum=1,
+                                seq_len=min(saved.train.seq_len, model_cfg.max_seq_len))
+    config = Config(model=model_cfg, parallel=parallel, train=train, data=saved.data)  # validates the layout
+    mesh = make_mesh(parallel, devices[:data * tensor])
+    layout = model_layout(model_cfg, parallel, mesh, explicit=False)  # GSPMD partitions the inference programs
+    graphdef, abstract = abstract_model(model_cfg, layout.padded_vocab)
+    shardings = param_shardings(abstract, mesh, layout.rules)
+    if hf_cfg is not None:
+        params, at_step = hf.load_params(path, model_cfg, abstract, layout, shardings), None
+    else:
+        params, at_step = checkpoint.restore_params(path, abstract, layout, model_cfg.vocab_size, shardings, step=step)
+    tokenizer = data_lib.make_tokenizer(config.data.tokenizer) if config.data.tokenizer else None
+    return LoadedModel(config, nnx.merge(graphdef, params), mesh, tokenizer, at_step, _stop_ids(path, hf_cfg, tokenizer),
+                       hf_cfg)
+
+
+def _stop_ids(path: pathlib.Path, hf_cfg: dict | None, tokenizer) -> tuple[int, ...]:
+    """Default stop tokens: generation_config.json / config.json's eos_token_id, else the tokenizer's eos."""
+    for source in (path / "generation_config.json", path / "config.json"):
+        if hf_cfg is not None and source.is_file():
+            eos = json.loads(source.read_text()).get("eos_token_id")
+            if eos is not None:
+                return tuple(int(i) for i in np.atleast_1d(eos))
+    eos = getattr(tokenizer, "eos_id", None)
+    return () if eos is None else (int(eos),)
+
+
+load_workdir = load  # the name earlier releases used
 
 
 def generate_text(loaded: LoadedModel, prompts: list[str], *, max_new_tokens: int, seed: int = 0,
-                  temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0) -> list[str]:
-    """Sample a continuation of each prompt (prompts are encoded to the same length; left-truncated if longer)."""
+                  temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
+                  stop: Sequence[int] | None = None) -> list[str]:
+    """Continue each prompt (any lengths) and return the new text. temperature 0 is greedy; `stop` overrides the
+    model's stop tokens (an empty list: none), whose text is not included."""
+    if loaded.tokenizer is None:
+        raise ValueError("this model directory has no tokenizer.json: pass token ids to LoadedModel.generate")
     encoded = [loaded.tokenizer.encode(p) for p in prompts]
-    length = min(len(e) for e in encoded)
-    if length == 0:
+    if any(len(e) == 0 for e in encoded):
         raise ValueError("prompt is empty: give at least one character")
-    prompt = np.array([e[len(e) - length:] for e in encoded], np.int32)  # [B, P]
-    new = generate_tokens(loaded, prompt, max_new_tokens=max_new_tokens, seed=seed, temperature=temperature,
-                          top_k=top_k, top_p=top_p)
-    return [loaded.tokenizer.decode(row.tolist()) for row in new]
+    stop_ids = tuple(loaded.eos_token_id if stop is None else stop)
+    new = loaded.generate(encoded, max_new_tokens=max_new_tokens, do_sample=temperature > 0,
+                          temperature=temperature or 1.0, top_k=top_k, top_p=top_p, eos_token_id=stop_ids or None,
+                          seed=seed, return_prompt=False)
+    texts = []
+    for row in new.tolist():
+        cut = next((i for i, t in enumerate(row) if t in stop_ids), len(row))
+        texts.append(loaded.tokenizer.decode(row[:cut]))
+    return texts
 
 
 def generate_tokens(loaded: LoadedModel, prompt: np.ndarray, *, max_new_tokens: int, seed: int = 0,
                     temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0) -> np.ndarray:
-    """prompt int32 [B, P] → new tokens int32 [B, n], n = max_new_tokens unless every row stopped at eos."""
-    graphdef, params = nnx.split(loaded.model)
-
-    @jax.jit
-    def logits_fn(tokens):  # [B, max_len] -> [B, max_len, V]
-        return nnx.merge(graphdef, params)(tokens)
-
-    with jax.set_mesh(loaded.mesh):
-        new = generate(logits_fn, prompt, max_new_tokens=max_new_tokens, max_len=loaded.config.model.max_seq_len,
-                       rng=jax.random.key(seed), temperature=temperature, top_k=top_k, top_p=top_p,
-                       eos_id=loaded.tokenizer.eos_id)
-    return new
+    """prompt int32 [B, P] → new tokens int32 [B, n] (KV-cache decoding; n = max_new_tokens unless every row
+    stopped at the model's eos)."""
+    return loaded.generate(np.asarray(prompt), max_new_tokens=max_new_tokens, do_sample=temperature > 0,
+                           temperature=temperature or 1.0, top_k=top_k, top_p=top_p, seed=seed, return_prompt=False)

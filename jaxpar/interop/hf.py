@@ -62,7 +62,7 @@ def _get(hf: dict, key: str, path: pathlib.Path, default: Any = ...) -> Any:
     if key in hf and hf[key] is not None:
         return hf[key]
     if default is ...:
-        raise HFError(f"{path}: config.json has no {key!r}, which a {hf.get('model_type', '?')} model needs")
+        raise HFError(f"{path}: no {key!r}, which a {hf.get('model_type', '?')} model needs")
     return default
 
 
@@ -76,7 +76,10 @@ def architecture(hf: dict, path: pathlib.Path) -> str:
 
 
 def model_config(hf: dict, path: pathlib.Path, **overrides: Any) -> ModelConfig:
-    """The jaxpar ModelConfig of a Hugging Face config.json dict. `overrides` (e.g. dtype) are applied on top."""
+    """The jaxpar ModelConfig of a Hugging Face config.json dict read from `path` (the directory or the file, for
+    messages). `overrides` (e.g. dtype) are applied on top."""
+    path = pathlib.Path(path)
+    path = path / "config.json" if path.suffix != ".json" else path
     arch = architecture(hf, path)
     family, model_type = ARCHITECTURES[arch]
     if family == "gpt2":
@@ -314,6 +317,7 @@ class SafetensorsDir:
         return self._files[file]
 
     def names(self) -> set[str]:
+        """Every tensor name in the checkpoint."""
         return set(self.where)
 
     def get(self, name: str, shape: tuple[int, ...] | None = None) -> np.ndarray:
@@ -519,3 +523,87 @@ def checkpoint_names(path: str | pathlib.Path) -> set[str]:
     """The tensor names of a Hugging Face directory (to keep its naming when exporting)."""
     return SafetensorsDir(pathlib.Path(path)).names()
 
+
+
+# -----------------------------------------------------------------------------------------------------------------
+# Workdirs: import, export, and starting a training run from Hugging Face weights
+
+SOURCE = "hf_source.json"  # written into an imported workdir: the HF config.json and tensor names, for export
+_NUMERICS = ("dtype", "param_dtype", "attention")  # a run's own choices, not properties of the checkpoint
+
+
+def init_config(config, path: str | pathlib.Path):
+    """`config` with its model section taken from the Hugging Face directory `path` (keeping the run's dtype,
+    param_dtype and attention kernel), `train.init_from_hf` set, and the directory's tokenizer.json as the
+    tokenizer when the config uses the byte tokenizer. Validated like any config (e.g. heads vs tensor)."""
+    path = pathlib.Path(path)
+    model = model_config(read_config(path), path, **{k: getattr(config.model, k) for k in _NUMERICS})
+    data = config.data
+    if data.tokenizer == "bytes" and (path / "tokenizer.json").is_file():
+        data = dataclasses.replace(data, tokenizer=str(path.absolute() / "tokenizer.json"))
+    train = dataclasses.replace(config.train, init_from_hf=str(path.absolute()))
+    return dataclasses.replace(config, model=model, data=data, train=train)
+
+
+def check_matches(cfg: ModelConfig, path: str | pathlib.Path) -> None:
+    """Raise ConfigError naming the first model field where `cfg` differs from the HF directory's config.json."""
+    from jaxpar.config import ConfigError
+
+    path = pathlib.Path(path)
+    want = model_config(read_config(path), path, **{k: getattr(cfg, k) for k in _NUMERICS})
+    for field in dataclasses.fields(ModelConfig):
+        if field.name != "init_std" and getattr(cfg, field.name) != getattr(want, field.name):
+            raise ConfigError(f"model.{field.name}", getattr(cfg, field.name),
+                              f"differs from {path}/config.json, which implies {getattr(want, field.name)!r}",
+                              "use `jaxpar train --init-from-hf DIR`, which takes the model section from DIR")
+
+
+def import_to_workdir(src: str | pathlib.Path, dst: str | pathlib.Path, *, dtype: str | None = None) -> pathlib.Path:
+    """Write the Hugging Face model `src` as a params-only jaxpar workdir `dst` (step 0): config.json, the
+    checkpoint, its tokenizer.json, and hf_source.json (so that export reproduces the original names and config)."""
+    import orbax.checkpoint as ocp
+
+    from jaxpar.config import Config, DataConfig
+    from jaxpar.train import checkpoint
+    from jaxpar.train.state import abstract_model
+
+    src, dst = pathlib.Path(src), pathlib.Path(dst)
+    hf_cfg = read_config(src)
+    cfg = model_config(hf_cfg, src, **({"dtype": dtype, "param_dtype": dtype} if dtype else {}))
+    _, abstract = abstract_model(cfg)
+    params = load_params(src, cfg, abstract)
+    dst.mkdir(parents=True, exist_ok=True)
+    tokenizer = "bytes"
+    if (src / "tokenizer.json").is_file():
+        shutil.copyfile(src / "tokenizer.json", dst / "tokenizer.json")
+        tokenizer = str(dst.absolute() / "tokenizer.json")
+    seq_len = min(128, cfg.max_seq_len)
+    config = Config(model=cfg, data=DataConfig(tokenizer=tokenizer))
+    config = dataclasses.replace(config, train=dataclasses.replace(config.train, seq_len=seq_len))
+    (dst / "config.json").write_text(config.to_json())
+    (dst / SOURCE).write_text(json.dumps({"config": hf_cfg, "tensor_names": sorted(checkpoint_names(src))}, indent=1))
+    mngr = checkpoint.manager(dst)
+    mngr.save(0, args=ocp.args.Composite(params=ocp.args.StandardSave(nnx.to_pure_dict(params))))
+    mngr.wait_until_finished()
+    return dst
+
+
+def export_workdir(src: str | pathlib.Path, dst: str | pathlib.Path, *, step: int | None = None,
+                   dtype: str | None = None, max_shard_bytes: int = 2 << 30) -> int:
+    """Write checkpoint `step` (default: latest) of jaxpar workdir `src` as a Hugging Face directory `dst`.
+    Returns the step. An imported workdir keeps its original config.json fields and tensor names."""
+    from jaxpar.config import config_from_dict
+    from jaxpar.train import checkpoint
+    from jaxpar.train.state import abstract_model
+
+    src = pathlib.Path(src)
+    config = config_from_dict(json.loads((src / "config.json").read_text()))
+    _, abstract = abstract_model(config.model)
+    params, step = checkpoint.restore_params(src, abstract, ModelLayout(padded_vocab=config.model.vocab_size),
+                                             config.model.vocab_size, step=step)
+    source = json.loads((src / SOURCE).read_text()) if (src / SOURCE).is_file() else {}
+    tokenizer = pathlib.Path(config.data.tokenizer)
+    save_params(params, config.model, dst, base_config=source.get("config"), dtype=dtype,
+                tokenizer=(tokenizer if tokenizer.is_dir() else tokenizer.parent) if tokenizer.exists() else None,
+                max_shard_bytes=max_shard_bytes, names=set(source.get("tensor_names", ())) or None)
+    return step

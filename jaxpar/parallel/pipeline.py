@@ -42,10 +42,12 @@ Array = jax.Array
 
 
 def iterations(stages: int, repeats: int, microbatches: int) -> int:
+    """Loop iterations of the circular schedule: v·m to push every microbatch through v passes, p − 1 to fill."""
     return repeats * microbatches + stages - 1
 
 
 def bubble_fraction(stages: int, repeats: int, microbatches: int) -> float:
+    """Idle share of a stage's iterations: (p − 1) / (v·m + p − 1)."""
     return (stages - 1) / iterations(stages, repeats, microbatches)
 
 

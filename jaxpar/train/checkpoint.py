@@ -52,6 +52,7 @@ ITEMS = ("params", "train", "data", "config")
 
 
 def manager(workdir: str | pathlib.Path, keep: int = 3, permanent_every: int = 0) -> ocp.CheckpointManager:
+    """The orbax CheckpointManager of WORKDIR/checkpoints: newest `keep` kept, plus multiples of `permanent_every`."""
     path = pathlib.Path(workdir).absolute() / "checkpoints"
     options = ocp.CheckpointManagerOptions(max_to_keep=keep, keep_period=permanent_every or None, create=True)
     return ocp.CheckpointManager(path, options=options, item_names=ITEMS)

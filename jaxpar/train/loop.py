@@ -15,11 +15,12 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from jaxpar import data as data_lib
+from jaxpar.analysis import flops
 from jaxpar.config import Config
 from jaxpar.distributed import batch_rows
 from jaxpar.mesh import describe_mesh, make_mesh
 from jaxpar.train import checkpoint
-from jaxpar.train.metrics import MetricsWriter
+from jaxpar.train.metrics import MetricsWriter, StepProfiler
 from jaxpar.sharding import ModelLayout, model_layout, param_specs
 from jaxpar.train.state import TrainState, create_state, lr_schedule, make_optimizer
 from jaxpar.train.step import (batch_sharding, compile_steps, make_eval_step, make_train_step,
@@ -114,6 +115,10 @@ def fit(config: Config, workdir: str | pathlib.Path, *, devices: list | None = N
     workdir = pathlib.Path(workdir)
     train, model_cfg = config.train, config.model
 
+    if train.init_from_hf:
+        from jaxpar.interop import hf
+
+        hf.check_matches(model_cfg, train.init_from_hf)  # before anything compiles
     tokenizer = data_lib.make_tokenizer(config.data.tokenizer)
     data_lib.check_vocab(tokenizer, model_cfg.vocab_size)
     train_tokens = data_lib.load_tokens(config.data, tokenizer, "train", seq_len=train.seq_len, seed=train.seed)
@@ -142,6 +147,9 @@ def fit(config: Config, workdir: str | pathlib.Path, *, devices: list | None = N
     if mngr.all_steps():
         state, data_state = checkpoint.restore_train(mngr, state, shardings, trainer.layout, model_cfg.vocab_size)
         loader.set_state(data_state)
+    elif train.init_from_hf:  # a fresh run that starts from Hugging Face weights (Adam's moments start at zero)
+        state = state.replace(params=hf.load_params(train.init_from_hf, model_cfg, state.params, trainer.layout,
+                                                    None if shardings is None else shardings.params))
     workdir.mkdir(parents=True, exist_ok=True)
     if jax.process_index() == 0:
         (workdir / "config.json").write_text(config.to_json())
@@ -153,13 +161,18 @@ def fit(config: Config, workdir: str | pathlib.Path, *, devices: list | None = N
     writer = MetricsWriter(workdir, train.steps, start, progress=progress)
     history: list[dict] = []
     tokens_per_step = train.batch_size * train.seq_len
+    flops_per_step = flops.train_flops_per_token(model_cfg, train.seq_len) * tokens_per_step  # model FLOPs (MFU's)
+    peak = flops.device_peak(devices[0], model_cfg.dtype)  # None on CPUs: tflops_per_device is logged, mfu is not
+    profiler = StepProfiler(workdir, start + 2, train.profile_steps)  # the run's first step compiles: skip it
     last_time, last_step = time.perf_counter(), start
     bad_streak = skipped_total = 0
     preemption = Preemption()
     try:
         with preemption:
             for step in range(start + 1, train.steps + 1):
+                profiler.before(step)
                 state, metrics = train_step(state, to_device(next(loader)))
+                profiler.after(step, state)
                 writer.advance()
                 skipped = int(metrics["skipped"])  # a scalar per step: consecutive bad steps must be counted exactly
                 skipped_total += skipped
@@ -175,7 +188,8 @@ def fit(config: Config, workdir: str | pathlib.Path, *, devices: list | None = N
                     now = time.perf_counter()
                     dt = (now - last_time) / (step - last_step)
                     record = {**metrics, "skipped_steps": skipped_total, "step_time_s": dt,
-                              "tokens_per_sec": tokens_per_step / dt}
+                              "tokens_per_sec": tokens_per_step / dt,
+                              **flops.utilisation(flops_per_step, dt, len(devices), peak)}
                     last_time, last_step = now, step
                 if (train.eval_every and step % train.eval_every == 0) or step == train.steps:
                     record = {**(record or {}), "eval_loss": evaluate(state.params)}
@@ -190,6 +204,7 @@ def fit(config: Config, workdir: str | pathlib.Path, *, devices: list | None = N
             if int(jax.device_get(state.step)) > start or mngr.latest_step() is None:
                 save(wait=True)  # at the end, or on preemption: before returning
     finally:
+        profiler.close()
         mngr.wait_until_finished()
         writer.close()
     return FitResult(config=config, mesh=mesh, graphdef=trainer.graphdef, state=state, history=history,

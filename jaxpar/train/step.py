@@ -206,6 +206,7 @@ def batch_spec() -> P:
 
 
 def batch_sharding(mesh: Mesh) -> NamedSharding:
+    """Where a global batch [B, T+1] lives: rows over ('data', 'pipe'), tokens whole."""
     return NamedSharding(mesh, batch_spec())
 
 
