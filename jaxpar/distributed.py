@@ -237,7 +237,10 @@ class Watchdog:
         self.armed = True
         self._conns: dict[int, socket.socket] = {}
         if process_id == 0:
-            server = socket.create_server(("", 0), backlog=num_processes)
+            # All interfaces, IPv6 too where the host has it (a coordinator name may resolve to either family).
+            dual = socket.has_dualstack_ipv6()
+            server = socket.create_server(("", 0), family=socket.AF_INET6 if dual else socket.AF_INET,
+                                          backlog=num_processes, dualstack_ipv6=dual)
             _client().key_value_set(self.KEY, str(server.getsockname()[1]))
             server.settimeout(timeout_s)
             for _ in range(num_processes - 1):  # everyone connects right after jax.distributed.initialize

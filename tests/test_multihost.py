@@ -78,6 +78,13 @@ def test_slurm_one_task_per_gpu():
     assert distributed.resolve(env=bound).local_device_ids == (0,)
 
 
+def test_open_mpi_one_process_per_node_sees_all_its_gpus():
+    env = {"OMPI_COMM_WORLD_SIZE": "4", "OMPI_COMM_WORLD_RANK": "1", "OMPI_COMM_WORLD_LOCAL_SIZE": "1",
+           "OMPI_COMM_WORLD_LOCAL_RANK": "0", "CUDA_VISIBLE_DEVICES": "0,1,2,3,4,5,6,7"}
+    s = distributed.resolve(env=env)
+    assert (s.source, s.num_processes, s.process_id, s.local_device_ids) == ("ompi", 4, 1, tuple(range(8)))
+
+
 def fake_devices(processes, per_process):
     return [types.SimpleNamespace(process_index=p, id=p * 2048 + i)  # CPU ids of process p start at p * 2048
             for p in reversed(range(processes)) for i in range(per_process)]
