@@ -93,5 +93,6 @@ def make_step(model, train) -> tuple[Callable, optax.GradientTransformation]:
 
 def params_from_jaxpar(params) -> Params:
     """A jaxpar single-device `nnx.State` of parameters → the plain dict (fresh buffers, so donation is safe)."""
-    pure = params.to_pure_dict()
-    return jax.tree.map(jnp.copy, {**{k: v for k, v in pure.items() if k != "blocks"}, "blocks": pure["blocks"]})
+    from flax import nnx
+
+    return jax.tree.map(jnp.copy, dict(nnx.to_pure_dict(params)))
