@@ -68,8 +68,9 @@ def loss_fn(params: Params, batch: jax.Array, *, dtype, eps: float, theta: float
 
 def optimizer(train) -> optax.GradientTransformation:
     """Clip, then AdamW with warmup + cosine decay; decay on matrices and embeddings only (`train`: TrainConfig)."""
-    schedule = optax.warmup_cosine_decay_schedule(0.0, train.lr, train.warmup_steps,
-                                                  max(train.steps, train.warmup_steps + 1), train.lr * train.min_lr_ratio)
+    decay_steps = max(train.steps, train.warmup_steps + 1)
+    schedule = optax.warmup_cosine_decay_schedule(0.0, train.lr, train.warmup_steps, decay_steps,
+                                                  train.lr * train.min_lr_ratio)
     mask = lambda params: jax.tree_util.tree_map_with_path(
         lambda path, _: "norm" not in str(path[-1].key), params)
     adamw = optax.adamw(schedule, b1=train.b1, b2=train.b2, weight_decay=train.weight_decay, mask=mask)

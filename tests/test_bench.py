@@ -46,7 +46,8 @@ def test_plain_step_matches_jaxpar_step():
         state, metrics = trainer.train_step(state, batch)
         params, opt_state, loss = step(params, opt_state, batch)
         np.testing.assert_allclose(loss, metrics["loss"], rtol=1e-5)
-    np.testing.assert_allclose(params["blocks"]["wq"], state.params["blocks"]["wq"][...], rtol=1e-3, atol=1e-5)  # Adam magnifies rounding
+    # Adam divides by the gradients' own scale, so rounding differences in tiny gradients show in the update.
+    np.testing.assert_allclose(params["blocks"]["wq"], state.params["blocks"]["wq"][...], rtol=1e-3, atol=1e-5)
 
 
 def test_fit_logs_flops_and_writes_a_profile(tmp_path):

@@ -31,7 +31,8 @@ square on XLA's attention path, and the recomputation of `parallel.remat` —
     'dots': matmul outputs without batch dimensions are saved (projections, MLP), but the attention score and
             probability·value products have batch dimensions (batch, heads), so they are recomputed
             (+1 forward of the attention term only).
-The pipeline's bubble is not counted in either (it is idle time, and it lowers both).
+The circular pipeline's bubble iterations are counted in neither: their stages run on filler data (the executed
+over useful ratio of `jaxpar.analysis.expected.step_flops` and `jaxpar analyze`), time that lowers both.
 
 **Peak FLOP/s** come from the NVIDIA datasheets, dense (the "with sparsity" figures are twice these), per GPU. With
 JAX's default matmul precision a float32 matmul on Ampere and later runs on TF32 tensor cores, so float32 compute is
@@ -102,8 +103,8 @@ def attended_keys(seq_len: int, *, causal: bool = True, window: int = 0) -> floa
 @dataclasses.dataclass(frozen=True)
 class ForwardFlops:
     """Matmul FLOPs of one forward pass per token, whole model (divide by devices for a share): `layers_dense`
-    (projections and MLP, all L layers; `down_projection` is its MLP-down part), `attention` (scores and probabilities·values, all L layers, for the
-    keys counted), `head` (the LM head)."""
+    (projections and MLP, all L layers; `down_projection` is the MLP-down part of it), `attention` (scores and
+    probabilities·values, all L layers, for the keys counted), `head` (the LM head)."""
 
     layers_dense: float
     attention: float
