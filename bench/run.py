@@ -5,8 +5,9 @@
 Sections (each device count runs in its own subprocess: the simulated device count is fixed when jax starts):
 1. single device — jaxpar's train step against a plain hand-written `jax.jit` step of the same math
    (`bench/plain.py`), timed interleaved (R rounds of N steps of each, the same batch, medians). The ratio is
-   plain time / jaxpar time (goal ≥ 0.95). A second row drives jaxpar's step the way `fit` does (one host read of
-   the step's `skipped` flag after every step) to show what that sync costs.
+   plain time / jaxpar time (goal ≥ 0.95), by wall clock and, on a CPU, by process CPU seconds (which other
+   processes' load barely moves). A last row drives jaxpar's step the way `fit` does (one host read of the step's
+   `skipped` flag after every step) to show what that sync costs.
 2. 8 simulated CPU devices — the tiny model's step time per (data, pipe, tensor) layout, with model FLOP/s per
    device (`jaxpar.analysis.flops`; a CPU has no peak, so no MFU); beside each, from `jaxpar.analysis.report`:
    tensor-axis bytes against Megatron's analytic count and, with a pipeline, executed/useful FLOPs against
