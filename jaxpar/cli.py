@@ -155,6 +155,7 @@ def _launch(args, overrides: list[str]) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The argparse tree of every subcommand (the README's CLI reference lists the same)."""
     parser = argparse.ArgumentParser(prog="jaxpar", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
     train = sub.add_parser("train", help="train a model; overrides as --config.section.field=value")
@@ -221,6 +222,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run one command; returns the exit status (2 for a config error, printed as one line on stderr)."""
     parser = build_parser()
     args, extra = parser.parse_known_args(sys.argv[1:] if argv is None else argv)
     overrides, rest = _split_overrides(extra)

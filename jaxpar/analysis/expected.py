@@ -32,6 +32,7 @@ hold is the scaling: with SP everything per layer divides by t.
 from __future__ import annotations
 
 from jaxpar.config import Config
+from jaxpar.analysis import flops
 
 
 def _dims(config: Config, padded_vocab: int) -> dict:
@@ -91,18 +92,16 @@ def layer_forward_flops_per_token(config: Config) -> float:
 
 def step_flops(config: Config, padded_vocab: int) -> dict[str, float]:
     """Expected matmul FLOPs per device per train step (no recomputation): `executed` counts the pipeline's bubble
-    iterations, `useful` does not; `model_flops_per_device` is the 6N + 12·L·h·s rule over this device's share."""
+    iterations, `useful` does not; `model_flops_per_device` is `flops.train_flops_per_token` (the MFU numerator:
+    causal attention pairs, no recomputation) over this device's share of the tokens."""
     d = _dims(config, padded_vocab)
     layer = layer_forward_flops_per_token(config)
     head = d["rows"] * d["s"] * 2 * d["h"] * d["V"] / d["t"]  # LM head on this device's own rows only
     executed = 3 * (d["layer_execs"] * d["tokens_per_exec"] * layer + head)
     useful = 3 * (d["L"] / config.parallel.pipe * d["b"] * d["s"] * layer + head)  # each stage: its L/p layers, all b
-    m = config.model
-    attn = m.d_model * m.head_dim * (m.n_heads * 2 + 2 * m.n_kv_heads)
-    mlp = (3 if m.family == "llama" else 2) * m.d_model * m.d_ff
-    n_matmul = m.n_layers * (attn + mlp) + m.d_model * m.vocab_size
     tokens = d["b"] * d["s"] / config.parallel.pipe  # the device's share of the step's tokens
-    model = tokens * (6 * n_matmul + 12 * m.n_layers * m.n_heads * m.head_dim * d["s"]) / d["t"]
+    # The MFU numerator, one definition for `analyze` and the training logs (causal pairs only, no recomputation).
+    model = tokens * flops.train_flops_per_token(config.model, d["s"]) / d["t"]
     return {"executed": executed, "useful": useful, "model_flops_per_device": model}
 
 

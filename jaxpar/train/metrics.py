@@ -12,6 +12,9 @@ from tqdm import tqdm  # plain text bar: works in terminals, logs and notebooks 
 
 
 class MetricsWriter:
+    """Process 0's metrics: one JSON object per logged step in WORKDIR/metrics.jsonl, TensorBoard scalars, and the
+    progress bar. Other processes write nothing."""
+
     def __init__(self, workdir: str | pathlib.Path, total_steps: int, initial_step: int = 0, progress: bool = True):
         self.active = jax.process_index() == 0
         self.workdir = pathlib.Path(workdir)
@@ -41,10 +44,12 @@ class MetricsWriter:
             self._bar.set_postfix(shown, refresh=False)
 
     def advance(self, n: int = 1) -> None:
+        """Move the progress bar by n steps."""
         if self._bar is not None:
             self._bar.update(n)
 
     def close(self) -> None:
+        """Flush and close the files and the bar."""
         if not self.active:
             return
         if self._bar is not None:
@@ -64,16 +69,19 @@ class StepProfiler:
         self.enabled = count > 0
 
     def before(self, step: int) -> None:
+        """Start the trace when `step` is the first traced one."""
         if self.enabled and step == self.first:
             jax.profiler.start_trace(str(self.dir))
             self.active = True
 
     def after(self, step: int, state) -> None:
+        """Stop the trace after the last traced step, once its work has finished."""
         if self.active and step >= self.last:
             jax.block_until_ready(state)
             self.close()
 
     def close(self) -> None:
+        """Stop a trace still running (the run ended inside the traced steps)."""
         if self.active:
             jax.profiler.stop_trace()
             self.active = False
