@@ -28,8 +28,10 @@ demo: setup
 	$(DEVICES) $(VENV)/bin/jaxpar train --config configs/tiny.py --workdir $(DEMO_DIR) $(DEMO_ARGS)
 	$(DEVICES) $(VENV)/bin/jaxpar generate --workdir $(DEMO_DIR) --prompt "def " --max-new-tokens 200
 
+# Two pytest workers (pytest-xdist), whole files per worker so module fixtures run once: the suite is compile-bound
+# and one process leaves a core idle much of the time. PYTEST_ARGS="-n 0" runs it in one process.
 test: setup
-	$(VENV)/bin/python -m pytest -q $(PYTEST_ARGS)
+	$(VENV)/bin/python -m pytest -q -n 2 --dist loadfile $(PYTEST_ARGS)
 
 clean:
 	rm -rf $(VENV) .cache runs
