@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import pathlib
 import statistics
 import sys
@@ -62,14 +61,13 @@ def main(argv: list[str] | None = None) -> int:
 
     import jax
     import jax.numpy as jnp
-    import numpy as np
 
     from jaxpar.analysis import flops
     from jaxpar.analysis.hlo import memory
     from jaxpar.config import load_config
     from jaxpar.mesh import make_mesh
     from jaxpar.train import build_trainer
-    from jaxpar.train.state import abstract_model
+    from jaxpar.model import count_params
 
     devices = jax.devices()
     kind = devices[0].device_kind
@@ -97,9 +95,7 @@ def main(argv: list[str] | None = None) -> int:
                                                           f"train.steps={steps + 1}"] + extra
         config = load_config(preset, overrides).resolve_for_devices(len(devices))
         trainer = build_trainer(config, make_mesh(config.parallel, devices))
-        t = config.train
-        rows = np.random.default_rng(0).integers(0, config.model.vocab_size, (t.batch_size, t.seq_len + 1))
-        batch = trainer.put(rows.astype(np.int32))
+        batch = trainer.random_batch(config)
         start = time.perf_counter()
         step = trainer.train_step.lower(trainer.state, batch).compile()
         compile_s = time.perf_counter() - start
@@ -128,10 +124,10 @@ def main(argv: list[str] | None = None) -> int:
             else:
                 raise
     m, t = config.model, config.train
-    n_params = sum(math.prod(x.shape) for x in jax.tree.leaves(abstract_model(m)[1]))
+    n_params = count_params(m)
 
     tokens = t.batch_size * t.seq_len
-    attention = getattr(m, "attention", "xla")
+    attention = m.attention
     peak = flops.device_peak(devices[0], m.dtype)
     util = flops.utilisation(flops.train_flops_per_token(m, t.seq_len) * tokens, step_s, len(devices), peak)
     full = flops.executes_full_attention(attention, devices[0].platform)

@@ -21,7 +21,6 @@ os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
 
 from jaxpar.analysis.report import analyze  # noqa: E402
 from jaxpar.config import load_config  # noqa: E402
@@ -43,9 +42,7 @@ def timed_steps(config, steps: int, *, keep=None) -> tuple[float, float]:
     under "compiled" (to analyse it without compiling it again)."""
     config = config.resolve_for_devices(8)
     trainer = build_trainer(config, make_mesh(config.parallel))
-    t = config.train
-    rows = np.random.default_rng(0).integers(0, config.model.vocab_size, (t.batch_size, t.seq_len + 1))
-    batch = trainer.put(rows.astype(np.int32))
+    batch = trainer.random_batch(config)
     start = time.perf_counter()
     step = trainer.train_step.lower(trainer.state, batch).compile()
     compile_s = time.perf_counter() - start

@@ -20,7 +20,6 @@ import time
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 
 import jax  # noqa: E402
-import numpy as np  # noqa: E402
 
 from jaxpar.analysis import collectives, memory  # noqa: E402
 from jaxpar.analysis.report import activation_bytes_per_layer, analyze  # noqa: E402
@@ -34,10 +33,8 @@ DEFAULTS = ["model.n_heads=8", "model.n_kv_heads=8", "model.d_ff=384", "train.ba
 def step_time(config, mesh, explicit: bool, steps: int) -> tuple[float, float, float]:
     """(median step seconds, tensor-axis bytes sent per step, temp bytes) for the real step."""
     trainer = build_trainer(config, mesh, explicit=explicit)
-    t = config.train
-    rng = np.random.default_rng(0)
     state = trainer.state
-    batch = trainer.put(rng.integers(0, config.model.vocab_size, (t.batch_size, t.seq_len + 1)).astype(np.int32))
+    batch = trainer.random_batch(config)
     compiled = trainer.train_step.lower(state, batch).compile()
     sent = sum(c.sent_bytes * c.count for c in collectives(compiled, mesh) if c.axes == ("tensor",))
     times = []

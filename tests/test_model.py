@@ -124,7 +124,7 @@ def test_kv_cache_decode_equals_full_forward(family, window):
     from jaxpar.model import KVCache
 
     model = make(family, sliding_window=window)
-    lengths, T = (4, 7), 11  # real prompt lengths (row 0 is left-padded by 3), total tokens per row
+    lengths = (4, 7)  # real prompt lengths (row 0 is left-padded by 3); tokens() rows have 11
     rows = np.asarray(tokens(seed=4))
     P = max(lengths)
     prompt = np.zeros((2, P), np.int32)

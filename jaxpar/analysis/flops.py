@@ -121,7 +121,7 @@ def forward_flops_per_token(cfg: ModelConfig, seq_len: int, *, keys: float | Non
     `attended_keys`, honouring `cfg.sliding_window`) is how many keys each query's attention costs."""
     h, a, K, E, F, L = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.d_ff, cfg.n_layers
     if keys is None:
-        keys = attended_keys(seq_len, window=getattr(cfg, "sliding_window", 0))
+        keys = attended_keys(seq_len, window=cfg.sliding_window)
     dense = 2 * h * E * (a + 2 * K) + 2 * a * E * h + 2 * h * F * (3 if cfg.family == "llama" else 2)
     return ForwardFlops(layers_dense=L * dense, attention=L * 4 * a * E * keys, head=2 * h * cfg.vocab_size,
                         down_projection=L * 2 * F * h)
@@ -158,7 +158,7 @@ def prefill_flops_per_token(cfg: ModelConfig, prompt_len: int) -> float:
 def decode_flops_per_token(cfg: ModelConfig, context_len: int) -> float:
     """Inference: FLOPs of generating one token with `context_len` positions in the KV cache (its own included):
     the projections, MLP and head for one token, and attention over min(context_len, window) cached keys."""
-    window = getattr(cfg, "sliding_window", 0)
+    window = cfg.sliding_window
     keys = min(context_len, window) if window else context_len
     return forward_flops_per_token(cfg, 1, keys=float(keys)).total
 

@@ -45,7 +45,7 @@ def left_pad(input_ids: Sequence[Sequence[int]] | np.ndarray, attention_mask: np
         if ids.shape != mask.shape:
             raise ValueError(f"attention_mask shape {mask.shape} != input_ids shape {ids.shape}")
         rows = [row[m].tolist() for row, m in zip(ids, mask)]
-    elif isinstance(input_ids, np.ndarray) or hasattr(input_ids, "shape"):
+    elif hasattr(input_ids, "shape"):  # a NumPy or JAX array [B, T], all of it real
         rows = np.asarray(input_ids).tolist()
     else:
         rows = [list(r) for r in input_ids]

@@ -94,12 +94,14 @@ def load(path: str | pathlib.Path, *, data: int = 1, tensor: int | None = None, 
 
 
 def _stop_ids(path: pathlib.Path, hf_cfg: dict | None, tokenizer) -> tuple[int, ...]:
-    """Default stop tokens: generation_config.json / config.json's eos_token_id, else the tokenizer's eos."""
-    for source in (path / "generation_config.json", path / "config.json"):
-        if hf_cfg is not None and source.is_file():
-            eos = json.loads(source.read_text()).get("eos_token_id")
-            if eos is not None:
-                return tuple(int(i) for i in np.atleast_1d(eos))
+    """Default stop tokens: an HF directory's generation_config.json / config.json eos_token_id, else the
+    tokenizer's eos."""
+    if hf_cfg is not None:
+        generation = path / "generation_config.json"
+        eos = json.loads(generation.read_text()).get("eos_token_id") if generation.is_file() else None
+        eos = hf_cfg.get("eos_token_id") if eos is None else eos
+        if eos is not None:
+            return tuple(int(i) for i in np.atleast_1d(eos))
     eos = getattr(tokenizer, "eos_id", None)
     return () if eos is None else (int(eos),)
 

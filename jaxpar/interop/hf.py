@@ -450,35 +450,28 @@ def load_params(path: str | pathlib.Path, cfg: ModelConfig, abstract: nnx.State,
 # Writing
 
 
-def save_params(params: nnx.State, cfg: ModelConfig, path: str | pathlib.Path, *, layout: ModelLayout = ModelLayout(),
-                base_config: dict | None = None, dtype: str | None = None, tokenizer: str | pathlib.Path | None = None,
-                max_shard_bytes: int = 2 << 30, names: set[str] | None = None) -> pathlib.Path:
-    """Write `params` (runtime layout `layout`) as a Hugging Face directory `path`: config.json, safetensors
-    shards of at most `max_shard_bytes` (one `model.safetensors` when it fits, else shards plus the index), and
-    tokenizer.json when given. `dtype`: the tensors' dtype (default: the params'). `names`: the imported
-    checkpoint's tensor names, to keep GPT-2's prefix. Parameters are fetched one layer at a time."""
+def save_params(params: nnx.State, cfg: ModelConfig, path: str | pathlib.Path, *, base_config: dict | None = None,
+                dtype: str | None = None, tokenizer: str | pathlib.Path | None = None, max_shard_bytes: int = 2 << 30,
+                names: set[str] | None = None) -> pathlib.Path:
+    """Write canonical `params` (layers in model order, as `jaxpar.train.checkpoint.read_canonical` gives them) as a
+    Hugging Face directory `path`: config.json, safetensors shards of at most `max_shard_bytes` (one
+    `model.safetensors` when it fits, else shards plus the index), and tokenizer.json when given. `dtype`: the
+    tensors' dtype (default: the params'). `names`: the imported checkpoint's tensor names, to keep GPT-2's prefix.
+    Parameters are fetched one layer at a time."""
     path = pathlib.Path(path)
     path.mkdir(parents=True, exist_ok=True)
     flat: dict[str, Any] = {}
     jax.tree_util.tree_map_with_path(lambda kp, x: flat.__setitem__(".".join(str(k.key) for k in kp), x),
                                      nnx.to_pure_dict(params))
-    order = layout.layer_order
-    position = None if order is None else {int(layer): i for i, layer in enumerate(order)}
-    by_name: dict[str, list[Rule]] = {}
+    by_name: dict[str, list[tuple[Rule, int | None]]] = {}  # HF tensor → the (rule, layer) pieces that make it
     for rule in _rules(cfg, names):
-        if rule.stacked:
-            for layer in range(cfg.n_layers):
-                by_name.setdefault(rule.name.format(l=layer), []).append(dataclasses.replace(rule, name=str(layer)))
-        else:
-            by_name.setdefault(rule.name, []).append(rule)
+        for layer in (range(cfg.n_layers) if rule.stacked else (None,)):
+            by_name.setdefault(rule.name.format(l=layer), []).append((rule, layer))
 
     def tensor(name: str) -> np.ndarray:
         parts = []
-        for rule in sorted(by_name[name], key=lambda r: r.part):
-            x = flat[rule.param]
-            if rule.name.isdigit():  # a stacked param: this layer, at its position in the runtime stack
-                layer = int(rule.name)
-                x = x[layer if position is None else position[layer]]
+        for rule, layer in sorted(by_name[name], key=lambda piece: piece[0].part):
+            x = flat[rule.param] if layer is None else flat[rule.param][layer]
             x = np.asarray(jax.device_get(x))
             if rule.param in ("embed", "lm_head"):
                 x = x[:cfg.vocab_size] if rule.param == "embed" else x[:, :cfg.vocab_size]
@@ -488,7 +481,7 @@ def save_params(params: nnx.State, cfg: ModelConfig, path: str | pathlib.Path, *
 
     shards: list[dict[str, np.ndarray]] = [{}]
     size = 0
-    for name in by_name:  # table order: embeddings, then layer by layer
+    for name in by_name:  # table order: one parameter after another, each layer by layer
         x = tensor(name)
         if shards[-1] and size + x.nbytes > max_shard_bytes:
             shards.append({})
@@ -561,8 +554,6 @@ def check_matches(cfg: ModelConfig, path: str | pathlib.Path) -> None:
 def import_to_workdir(src: str | pathlib.Path, dst: str | pathlib.Path, *, dtype: str | None = None) -> pathlib.Path:
     """Write the Hugging Face model `src` as a params-only jaxpar workdir `dst` (step 0): config.json, the
     checkpoint, its tokenizer.json, and hf_source.json (so that export reproduces the original names and config)."""
-    import orbax.checkpoint as ocp
-
     from jaxpar.config import Config, DataConfig
     from jaxpar.train import checkpoint
     from jaxpar.train.state import abstract_model
@@ -577,14 +568,10 @@ def import_to_workdir(src: str | pathlib.Path, dst: str | pathlib.Path, *, dtype
     if (src / "tokenizer.json").is_file():
         shutil.copyfile(src / "tokenizer.json", dst / "tokenizer.json")
         tokenizer = str(dst.absolute() / "tokenizer.json")
-    seq_len = min(128, cfg.max_seq_len)
     config = Config(model=cfg, data=DataConfig(tokenizer=tokenizer))
-    config = dataclasses.replace(config, train=dataclasses.replace(config.train, seq_len=seq_len))
-    (dst / "config.json").write_text(config.to_json())
+    config = dataclasses.replace(config, train=dataclasses.replace(config.train, seq_len=min(128, cfg.max_seq_len)))
     (dst / SOURCE).write_text(json.dumps({"config": hf_cfg, "tensor_names": sorted(checkpoint_names(src))}, indent=1))
-    mngr = checkpoint.manager(dst)
-    mngr.save(0, args=ocp.args.Composite(params=ocp.args.StandardSave(nnx.to_pure_dict(params))))
-    mngr.wait_until_finished()
+    checkpoint.write_params_only(dst, config, params, step=0)
     return dst
 
 
@@ -592,15 +579,10 @@ def export_workdir(src: str | pathlib.Path, dst: str | pathlib.Path, *, step: in
                    dtype: str | None = None, max_shard_bytes: int = 2 << 30) -> int:
     """Write checkpoint `step` (default: latest) of jaxpar workdir `src` as a Hugging Face directory `dst`.
     Returns the step. An imported workdir keeps its original config.json fields and tensor names."""
-    from jaxpar.config import config_from_dict
     from jaxpar.train import checkpoint
-    from jaxpar.train.state import abstract_model
 
     src = pathlib.Path(src)
-    config = config_from_dict(json.loads((src / "config.json").read_text()))
-    _, abstract = abstract_model(config.model)
-    params, step = checkpoint.restore_params(src, abstract, ModelLayout(padded_vocab=config.model.vocab_size),
-                                             config.model.vocab_size, step=step)
+    config, params, step = checkpoint.read_canonical(src, step)
     source = json.loads((src / SOURCE).read_text()) if (src / SOURCE).is_file() else {}
     tokenizer = pathlib.Path(config.data.tokenizer)
     save_params(params, config.model, dst, base_config=source.get("config"), dtype=dtype,

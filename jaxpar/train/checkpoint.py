@@ -27,7 +27,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxpar.model import pad_vocab, permute_layers
 from jaxpar.sharding import ModelLayout
-from jaxpar.config import config_from_dict
+from jaxpar.config import Config, config_from_dict
 from jaxpar.train.state import TrainState, abstract_model
 
 VOCAB_PARAMS = ("embed", "lm_head")
@@ -173,23 +173,36 @@ def _restore_train_step(mngr, step, like: TrainState, shardings: TrainState, lay
     return TrainState(step=restored["train"]["step"], params=params, opt_state=opt_state), restored["data"]
 
 
+def read_canonical(workdir: str | pathlib.Path, step: int | None = None) -> tuple[Config, nnx.State, int]:
+    """(config, canonical params on the default device, step) of checkpoint `step` (default: latest) of `workdir`."""
+    workdir = pathlib.Path(workdir)
+    config = config_from_dict(json.loads((workdir / "config.json").read_text()))
+    _, abstract = abstract_model(config.model)
+    params, step = restore_params(workdir, abstract, ModelLayout(padded_vocab=config.model.vocab_size),
+                                  config.model.vocab_size, step=step)
+    return config, params, step
+
+
+def write_params_only(workdir: str | pathlib.Path, config: Config, params: nnx.State, step: int) -> None:
+    """A params-only workdir: config.json and one checkpoint holding canonical `params` (what `jaxpar generate`,
+    `restore_params` and the Hugging Face export read)."""
+    workdir = pathlib.Path(workdir)
+    workdir.mkdir(parents=True, exist_ok=True)
+    (workdir / "config.json").write_text(config.to_json())
+    mngr = manager(workdir)
+    mngr.save(step, args=ocp.args.Composite(params=ocp.args.StandardSave(nnx.to_pure_dict(params))))
+    mngr.wait_until_finished()
+
+
 def convert(src: str | pathlib.Path, dst: str | pathlib.Path, *, step: int | None = None,
             dtype: str | None = None) -> int:
     """Write a params-only export of checkpoint `step` (default: latest) of workdir `src` as workdir `dst`:
     canonical params, optionally cast to `dtype`, and its config.json. A layout change needs no conversion — any
     layout restores these — so this is for handing a model on (to `jaxpar generate`, to a finetune). Returns the
     step exported."""
-    src, dst = pathlib.Path(src), pathlib.Path(dst)
-    config = config_from_dict(json.loads((src / "config.json").read_text()))
-    _, abstract = abstract_model(config.model)
-    params, step = restore_params(src, abstract, ModelLayout(padded_vocab=config.model.vocab_size),
-                                  config.model.vocab_size, step=step)
+    config, params, step = read_canonical(src, step)
     if dtype is not None:
         params = jax.tree.map(lambda x: x.astype(dtype), params)
         config = dataclasses.replace(config, model=dataclasses.replace(config.model, param_dtype=dtype))
-    dst.mkdir(parents=True, exist_ok=True)
-    (dst / "config.json").write_text(config.to_json())
-    mngr = manager(dst)
-    mngr.save(step, args=ocp.args.Composite(params=ocp.args.StandardSave(nnx.to_pure_dict(params))))
-    mngr.wait_until_finished()
+    write_params_only(dst, config, params, step)
     return step

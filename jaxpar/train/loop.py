@@ -46,6 +46,13 @@ class Trainer:
             return jax.device_put(rows)
         return jax.make_array_from_process_local_data(batch_sharding(self.mesh), rows)
 
+    def random_batch(self, config: Config, seed: int = 0) -> jax.Array:
+        """A global batch int32 [batch_size, seq_len + 1] of uniform random token ids, laid out for the step
+        (benchmarks and analyses that need real arrays but not real text). One process's view: all rows."""
+        t = config.train
+        rows = np.random.default_rng(seed).integers(0, config.model.vocab_size, (t.batch_size, t.seq_len + 1))
+        return self.put(rows.astype(np.int32))
+
 
 def build_trainer(config: Config, mesh: Mesh | None, *, explicit: bool = True, abstract: bool = False) -> Trainer:
     """Optimizer, born-sharded state and the compiled steps for `config` on `mesh` (None: one device, no mesh).
