@@ -20,6 +20,7 @@ import argparse
 import sys
 
 from jaxpar.config import ConfigError, load_config
+from jaxpar.errors import JaxparError
 
 
 def _split_overrides(extra: list[str]) -> tuple[list[str], list[str]]:
@@ -65,7 +66,7 @@ def _train(args, overrides: list[str]) -> int:
     except TrainingDiverged as e:
         print(f"jaxpar: training stopped: {e}", file=sys.stderr)
         return 1
-    except ConfigError:
+    except JaxparError:
         raise
     except Exception as e:
         distributed.fail(e)  # multi-process: name a lost peer, or exit 1 without waiting on the dead one
@@ -222,7 +223,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run one command; returns the exit status (2 for a config error, printed as one line on stderr)."""
+    """Run one command; returns the exit status: 2 for any user error (`jaxpar.errors.JaxparError`: a config, a
+    checkpoint, a Hugging Face directory, a locked workdir, a generation request), printed as one line on stderr."""
     parser = build_parser()
     args, extra = parser.parse_known_args(sys.argv[1:] if argv is None else argv)
     overrides, rest = _split_overrides(extra)
@@ -230,9 +232,13 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
     try:
         return args.run(args, overrides)
-    except ConfigError as e:
-        print(f"jaxpar: config error: {e}", file=sys.stderr)
+    except JaxparError as e:  # bad input, not a bug: one line naming it, no traceback
+        print(f"jaxpar: {e.kind}: {_one_line(e)}", file=sys.stderr)
         return 2
+
+
+def _one_line(e: Exception) -> str:
+    return " ".join(str(e).split())
 
 
 if __name__ == "__main__":

@@ -23,9 +23,13 @@ from typing import Any
 
 import yaml
 
+from jaxpar.errors import JaxparError
 
-class ConfigError(ValueError):
+
+class ConfigError(JaxparError, ValueError):
     """A configuration that cannot run. `str(err)` is one line: field, value, rule and fix."""
+
+    kind = "config error"
 
     def __init__(self, field: str, value: Any, rule: str, fix: str):
         self.field, self.value, self.rule, self.fix = field, value, rule, fix

@@ -37,6 +37,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.numpy import save_file
 
 from jaxpar.config import ModelConfig
+from jaxpar.errors import JaxparError
 from jaxpar.sharding import ModelLayout
 
 ARCHITECTURES = {  # Hugging Face class → (jaxpar family, model_type)
@@ -50,8 +51,10 @@ SINGLE = "model.safetensors"
 _DTYPES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}
 
 
-class HFError(ValueError):
+class HFError(JaxparError, ValueError):
     """A Hugging Face directory that cannot be imported, with the file (and tensor) at fault and what to do."""
+
+    kind = "Hugging Face error"
 
 
 # -----------------------------------------------------------------------------------------------------------------
