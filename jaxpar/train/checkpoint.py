@@ -5,17 +5,30 @@ One format, used by training and generation alike. Each checkpoint holds three i
   vocab unpadded — whatever pipeline order or vocab padding the run used (`to_canonical` / `from_canonical`), so
   params restore onto any layout;
 - `train`: step and optimizer state, its parameter-shaped parts (Adam's moments) canonical in the same way;
-- `data`: the data loader's position (JSON), so a continued run sees the batches an uninterrupted one would.
+- `data`: the data loader's position (JSON), so a continued run sees the batches an uninterrupted one would;
+- `config`: the resolved config that wrote it (a resumed run must be compatible: `check_resumable`);
+- `checksums`: a layout-independent 64-bit fingerprint of every array above (`jaxpar.train.fingerprint`) and a
+  SHA-256 of each JSON item, computed from the values being written.
 Orbax writes each step to a temporary directory and renames it when complete, so a crash mid-save never leaves a
 half-written step that looks finished. A checkpoint written at one (data, pipe, tensor, repeats, SP) layout restores
-onto any other. (Preemption, corruption handling and ZeRO are the checkpoint issue's.)
+onto any other.
+
+Damage is anything that stops a step from restoring exactly: missing or truncated files, undecodable data, or
+values whose fingerprint differs from the stored one (bit rot that still decodes). Training falls back to the
+newest step that restores exactly and moves each damaged step aside to WORKDIR/damaged-checkpoints/ (kept for
+inspection, never deleted), so the step is trained again and saved again; readers (generate, convert, export) fall
+back the same way but leave the workdir as it is. Every fallback is a warning naming the step and the array.
+A save that orbax does not perform is an error, never a silent no-op.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import pathlib
+import shutil
+import time
 import warnings
 from typing import Callable
 
@@ -25,9 +38,12 @@ import orbax.checkpoint as ocp
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from jaxpar.config import Config, ConfigError, config_from_dict
+from jaxpar.errors import CheckpointError, InputNotFound
 from jaxpar.model import pad_vocab, permute_layers
 from jaxpar.sharding import ModelLayout
-from jaxpar.config import Config, config_from_dict
+from jaxpar.train.fingerprint import fingerprints, leaf_path
+from jaxpar.train.lock import WorkdirLock
 from jaxpar.train.state import TrainState, abstract_model
 
 VOCAB_PARAMS = ("embed", "lm_head")
@@ -48,7 +64,8 @@ def from_canonical(params: nnx.State, layout: ModelLayout) -> nnx.State:
     return params
 
 
-ITEMS = ("params", "train", "data", "config")
+ITEMS = ("params", "train", "data", "config", "checksums")
+DAMAGED = "damaged-checkpoints"  # WORKDIR/damaged-checkpoints/<step>-<time>: steps that failed to restore exactly
 
 
 def manager(workdir: str | pathlib.Path, keep: int = 3, permanent_every: int = 0) -> ocp.CheckpointManager:
@@ -58,37 +75,177 @@ def manager(workdir: str | pathlib.Path, keep: int = 3, permanent_every: int = 0
     return ocp.CheckpointManager(path, options=options, item_names=ITEMS)
 
 
-def restore_latest_good(mngr: ocp.CheckpointManager, restore: Callable[[int], object]) -> tuple[object, int]:
-    """restore(step) for the newest step that restores; a damaged one (truncated or corrupt files) is reported with
-    a warning naming its step, and the one before it is tried. Steps still being written are never listed: orbax
-    writes into a temporary directory and renames it only when complete."""
+class Damaged(Exception):
+    """A step whose restored values differ from the checksums stored with it."""
+
+
+def restore_latest_good(mngr: ocp.CheckpointManager, restore: Callable[[int], object], *,
+                        quarantine: bool = False) -> tuple[object, int]:
+    """restore(step) for the newest step that restores exactly; a damaged one (missing, truncated or undecodable
+    files, or values that fail their checksums) is reported with a warning naming its step and what failed, moved
+    aside to WORKDIR/damaged-checkpoints/ when `quarantine` (the training run, which will save that step again),
+    and the one before it is tried. Steps still being written are never listed: orbax writes into a temporary
+    directory and renames it only when complete. Every process sees the same outcome."""
     steps = sorted(mngr.all_steps(), reverse=True)
     if not steps:
-        raise FileNotFoundError(f"no checkpoint under {mngr.directory}; run `jaxpar train` first")
+        raise CheckpointError(f"no checkpoint under {mngr.directory}; run `jaxpar train` first")
     for step in steps:
         try:
-            return restore(step), step
+            result, problem = restore(step), ""
         except Exception as e:  # noqa: BLE001 — any failure to read a step means: use the previous one
-            warnings.warn(f"checkpoint step {step} under {mngr.directory} is unreadable ({type(e).__name__}: "
-                          f"{str(e).splitlines()[0][:200]}); falling back to the previous checkpoint", stacklevel=2)
-    raise RuntimeError(f"no readable checkpoint under {mngr.directory} (tried steps {steps})")
+            detail = " ".join(str(e).split())[:300]
+            result, problem = None, detail if isinstance(e, Damaged) else f"{type(e).__name__}: {detail}"
+        if _all_processes_ok(not problem):
+            return result, step
+        problem = problem or "damaged on another process"
+        where = f"; moved to {_quarantine(mngr, step)}" if quarantine else ""
+        warnings.warn(f"checkpoint step {step} under {mngr.directory} is damaged ({problem}){where}; falling back "
+                      "to the previous checkpoint", stacklevel=2)
+    raise CheckpointError(f"no readable checkpoint under {mngr.directory} (tried steps {steps}; every one is "
+                          "damaged — see the warnings above); start a new --workdir")
+
+
+def _all_processes_ok(ok: bool) -> bool:
+    if jax.process_count() == 1:
+        return ok
+    from jax.experimental import multihost_utils
+
+    return bool(np.min(multihost_utils.process_allgather(np.int32(ok))))
+
+
+def _quarantine(mngr: ocp.CheckpointManager, step: int) -> pathlib.Path:
+    """Move step `step` out of the manager's view (process 0 moves it; everyone reloads)."""
+    src = pathlib.Path(mngr.directory) / str(step)
+    dst = pathlib.Path(mngr.directory).parent / DAMAGED / f"{step}-{time.strftime('%Y%m%dT%H%M%S')}"
+    if jax.process_index() == 0 and src.exists():
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        shutil.move(str(src), str(dst))
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+
+        multihost_utils.sync_global_devices(f"jaxpar quarantine {step}")
+    mngr.reload()
+    return dst
+
+
+def _json_digest(obj) -> str:
+    return hashlib.sha256(json.dumps(obj, sort_keys=True).encode()).hexdigest()
+
+
+def _array_sums(tree) -> dict:
+    """{path: {"fp": fingerprint, "dtype": dtype}} of every array in the pytree `tree`."""
+    dtypes = {leaf_path(path): str(np.dtype(x.dtype)) for path, x in jax.tree_util.tree_flatten_with_path(tree)[0]}
+    return {path: {"fp": fp, "dtype": dtypes[path]} for path, fp in fingerprints(tree).items()}
+
+
+def _with_saved_dtypes(target, sums: dict | None):
+    """Restore targets at the dtype each array was saved in (so it can be verified bit for bit; `_into_layout`
+    then casts to the run's dtype). Without stored checksums the targets stay as they are."""
+    if not sums:
+        return target
+
+    def retype(path, t):
+        entry = sums.get(leaf_path(path))
+        return jax.ShapeDtypeStruct(t.shape, np.dtype(entry["dtype"]), sharding=t.sharding) if entry else t
+
+    return jax.tree_util.tree_map_with_path(retype, target)
+
+
+def _verify(step: int, item: str, restored, stored: dict) -> None:
+    """Raise Damaged naming the arrays of `item` whose fingerprints differ from the stored ones."""
+    found = fingerprints(restored)
+    bad = sorted(p for p in stored if found.get(p) != stored[p]["fp"])
+    missing = sorted(set(found) - set(stored))
+    if bad or missing:
+        names = ", ".join(f"{item}/{p}" for p in (bad or missing)[:4])
+        raise Damaged(f"{names} {'fail their checksums' if bad else 'have no stored checksum'}"
+                      f"{f' (and {len(bad) - 4} more)' if len(bad) > 4 else ''}")
+
+
+def _read_checksums(mngr: ocp.CheckpointManager, step: int) -> dict | None:
+    """The step's stored checksums, or None for a checkpoint written before jaxpar stored them (not verified)."""
+    if not (pathlib.Path(mngr.directory) / str(step) / "checksums").exists():
+        warnings.warn(f"checkpoint step {step} under {mngr.directory} has no checksums (written by an older jaxpar): "
+                      "its values cannot be verified", stacklevel=3)
+        return None
+    return mngr.restore(step, args=ocp.args.Composite(checksums=ocp.args.JsonRestore()))["checksums"]
 
 
 def save(mngr: ocp.CheckpointManager, state: TrainState, data_state: dict, layout: ModelLayout, config: dict, *,
          wait: bool = True) -> None:
-    """Save asynchronously (orbax copies device arrays to host first, then writes in the background). `config` is
-    the resolved config as a dict (stored beside the arrays; WORKDIR/config.json holds the newest)."""
+    """Save asynchronously (orbax copies device arrays to host first, then writes in the background), with the
+    checksums of the exact values written. `config` is the resolved config as a dict (stored beside the arrays;
+    WORKDIR/config.json holds the newest). Raises CheckpointError if orbax declines to save the step."""
     step = int(jax.device_get(state.step))
     vocab_size = config["model"]["vocab_size"]
     canonical = lambda p: nnx.to_pure_dict(to_canonical(p, layout, vocab_size))  # noqa: E731
+    params = canonical(state.params)
+    train = {"step": state.step, "opt_state": _map_states(canonical, state.opt_state)}
+    checksums = {"params": _array_sums(params), "train": _array_sums(train), "data": _json_digest(data_state),
+                 "config": _json_digest(config)}
     args = ocp.args.Composite(
-        params=ocp.args.StandardSave(canonical(state.params)),
-        train=ocp.args.StandardSave({"step": state.step, "opt_state": _map_states(canonical, state.opt_state)}),
+        params=ocp.args.StandardSave(params),
+        train=ocp.args.StandardSave(train),
         data=ocp.args.JsonSave(data_state),
-        config=ocp.args.JsonSave(config))
-    mngr.save(step, args=args)
+        config=ocp.args.JsonSave(config),
+        checksums=ocp.args.JsonSave(checksums))
+    _save(mngr, step, args)
     if wait:
         mngr.wait_until_finished()
+
+
+def _save(mngr: ocp.CheckpointManager, step: int, args) -> None:
+    if not mngr.save(step, args=args):
+        raise CheckpointError(f"checkpoint step {step} under {mngr.directory} was not saved: orbax declined it "
+                              f"(the newest saved step is {mngr.latest_step()}); nothing was overwritten")
+
+
+def stored_config(mngr: ocp.CheckpointManager, workdir: str | pathlib.Path) -> dict | None:
+    """The config (as a dict) that wrote the newest checkpoint: its `config` item, else WORKDIR/config.json."""
+    step = mngr.latest_step()
+    if step is not None:
+        try:
+            return mngr.restore(step, args=ocp.args.Composite(config=ocp.args.JsonRestore()))["config"]
+        except Exception:  # noqa: BLE001 — a damaged item: config.json is the next best witness
+            pass
+    file = pathlib.Path(workdir) / "config.json"
+    try:
+        return json.loads(file.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+# Fields a resumed run may change: numerics of the forward pass, layout, schedule, budget and cadence. Everything
+# else in `model` changes the weights' shapes or the function they compute; `train.{batch_size, seq_len, seed}` and
+# `data` define the batch stream whose position the checkpoint holds.
+_RESUMABLE_MODEL = ("dtype", "param_dtype", "attention", "init_std")
+_STREAM = {"train": ("batch_size", "seq_len", "seed"), "data": ("source", "path", "tokenizer")}
+
+
+def check_resumable(saved: dict, config: Config, workdir: str | pathlib.Path) -> None:
+    """Raise ConfigError naming every field in which `config` differs from the config that wrote the workdir's
+    checkpoints in a way that resuming cannot honour (the model's architecture, the data stream), and how to
+    proceed: restore the value, or start a new workdir (keeping the weights through a Hugging Face export when
+    only the data stream changed)."""
+    now = config.to_dict()
+    model = [f for f in now["model"] if f not in _RESUMABLE_MODEL and saved.get("model", {}).get(f) != now["model"][f]]
+    stream = [f"{section}.{f}" for section, fields in _STREAM.items() for f in fields
+              if saved.get(section, {}).get(f) != now[section][f]]
+    changed = [f"model.{f}" for f in model] + stream
+    if not changed:
+        return
+    first = changed[0]
+    section, name = first.split(".")
+    diffs = ", ".join(f"{f} {saved.get(f.split('.')[0], {}).get(f.split('.')[1])!r} → "
+                      f"{now[f.split('.')[0]][f.split('.')[1]]!r}" for f in changed)
+    if model:
+        rule = f"differs from the checkpoints in {workdir}, which were written with other weights' shapes or math"
+        fix = "restore the checkpoint's values, or pass a new --workdir to start a different model from scratch"
+    else:
+        rule = f"differs from the checkpoints in {workdir}, whose saved data position counts batches of the old stream"
+        fix = ("restore the checkpoint's values; or keep the weights in a new run: `jaxpar convert --from "
+               f"{workdir} --to-hf DIR`, then `jaxpar train --init-from-hf DIR --workdir NEW`")
+    raise ConfigError(first, now[section][name], f"{rule} (changed: {diffs})", fix)
 
 
 def _canonical_target(like: nnx.State, shardings: nnx.State | None, vocab_size: int) -> dict:
@@ -119,23 +276,48 @@ def _lookup(tree, path):
 
 def restore_params(workdir: str | pathlib.Path, abstract_params: nnx.State, layout: ModelLayout, vocab_size: int,
                    shardings: nnx.State | None = None, step: int | None = None) -> tuple[nnx.State, int]:
-    """Load the params of checkpoint `step` (default: latest) into the runtime layout of `abstract_params`, placed
-    with `shardings` when given. Returns (params, step)."""
+    """Load the params of checkpoint `step` (default: the newest that restores exactly) into the runtime layout of
+    `abstract_params`, placed with `shardings` when given, verified against their checksums. Returns (params,
+    step). A named step that is missing or damaged is a CheckpointError; read-only: nothing in the workdir moves."""
+    read_saved_config(workdir)  # a clear error for a path that is not a workdir (before orbax creates anything)
     mngr = manager(workdir)
-    target = _canonical_target(abstract_params, shardings, vocab_size)
-    read = lambda s: mngr.restore(s, args=ocp.args.Composite(params=ocp.args.StandardRestore(target)))  # noqa: E731
-    if step is not None:
-        restored = read(step)
-    else:
-        restored, step = restore_latest_good(mngr, read)
-    return _into_layout(restored["params"], abstract_params, layout, shardings), step
+
+    def read(s: int) -> dict:
+        sums = _read_checksums(mngr, s)
+        target = _with_saved_dtypes(_canonical_target(abstract_params, shardings, vocab_size), sums and sums["params"])
+        restored = mngr.restore(s, args=ocp.args.Composite(params=ocp.args.StandardRestore(target)))["params"]
+        if sums is not None:
+            _verify(s, "params", restored, sums["params"])
+        return restored
+
+    try:
+        if step is not None:
+            if step not in mngr.all_steps():
+                raise CheckpointError(f"checkpoint step {step} is not in {mngr.directory} (it holds steps "
+                                      f"{sorted(mngr.all_steps())}); pass one of those, or none for the newest")
+            try:
+                restored = read(step)
+            except (Damaged, OSError, ValueError) as e:
+                raise CheckpointError(f"checkpoint step {step} under {mngr.directory} is damaged "
+                                      f"({' '.join(str(e).split())[:300]}); pass another step") from None
+        else:
+            restored, step = restore_latest_good(mngr, read)
+    finally:
+        mngr.close()
+    return _into_layout(restored, abstract_params, layout, shardings), step
 
 
 def _into_layout(canonical: dict, like: nnx.State, layout: ModelLayout, shardings: nnx.State | None) -> nnx.State:
-    """Canonical arrays (as restored) → a State in the runtime layout, resharded like the training state."""
+    """Canonical arrays (as restored) → a State in the runtime layout and dtypes of `like`, resharded like the
+    training state."""
     params = jax.tree.map(lambda x: x, like)  # the State structure and metadata; values replaced next
     nnx.replace_by_pure_dict(params, canonical)
-    return jax.jit(lambda p: from_canonical(p, layout), out_shardings=shardings)(params)
+    dtypes = jax.tree.map(lambda x: x.dtype, like)
+
+    def place(p):
+        return jax.tree.map(lambda x, d: x.astype(d), from_canonical(p, layout), dtypes)
+
+    return jax.jit(place, out_shardings=shardings)(params)
 
 
 def _is_state(x) -> bool:
@@ -149,34 +331,66 @@ def _map_states(fn, opt_state):
 
 def restore_train(mngr: ocp.CheckpointManager, like: TrainState, shardings: TrainState, layout: ModelLayout,
                   vocab_size: int) -> tuple[TrainState, dict]:
-    """Restore the latest readable (state, data loader state) into the layout of `like`, placed with `shardings` —
-    whatever layout wrote it."""
+    """Restore the newest exactly-restorable (state, data loader state) into the layout of `like`, placed with
+    `shardings` — whatever layout wrote it. Damaged steps are moved aside (this run will save them again)."""
+    newest = mngr.latest_step()
+    if newest is not None and not (pathlib.Path(mngr.directory) / str(newest) / "train").exists():
+        workdir = pathlib.Path(mngr.directory).parent
+        raise CheckpointError(f"{workdir} holds a params-only export (no optimizer state or data position), which "
+                              "training cannot resume; pass a new --workdir (to start from these weights: `jaxpar "
+                              f"convert --from {workdir} --to-hf DIR`, then `jaxpar train --init-from-hf DIR`)")
     restored, _ = restore_latest_good(mngr, lambda step: _restore_train_step(mngr, step, like, shardings, layout,
-                                                                             vocab_size))
+                                                                             vocab_size), quarantine=True)
     return restored
 
 
 def _restore_train_step(mngr, step, like: TrainState, shardings: TrainState, layout: ModelLayout, vocab_size: int):
+    sums = _read_checksums(mngr, step)
+
     def target(x, s):  # canonical targets for parameter-shaped States, plain ones for the rest (Adam's count, …)
         if _is_state(x):
             return _canonical_target(x, s, vocab_size)
         return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s)
 
-    opt_target = jax.tree.map(target, like.opt_state, shardings.opt_state, is_leaf=_is_state)
+    train_target = {"step": target(like.step, shardings.step),
+                    "opt_state": jax.tree.map(target, like.opt_state, shardings.opt_state, is_leaf=_is_state)}
+    params_target = _canonical_target(like.params, shardings.params, vocab_size)
     restored = mngr.restore(step, args=ocp.args.Composite(
-        params=ocp.args.StandardRestore(_canonical_target(like.params, shardings.params, vocab_size)),
-        train=ocp.args.StandardRestore({"step": target(like.step, shardings.step), "opt_state": opt_target}),
+        params=ocp.args.StandardRestore(_with_saved_dtypes(params_target, sums and sums["params"])),
+        train=ocp.args.StandardRestore(_with_saved_dtypes(train_target, sums and sums["train"])),
         data=ocp.args.JsonRestore()))
+    if sums is not None:
+        _verify(step, "params", restored["params"], sums["params"])
+        _verify(step, "train", restored["train"], sums["train"])
+        if _json_digest(restored["data"]) != sums["data"]:
+            raise Damaged("data (the loader position) fails its checksum")
     params = _into_layout(restored["params"], like.params, layout, shardings.params)
     opt_state = jax.tree.map(lambda x, canon, s: _into_layout(canon, x, layout, s) if _is_state(x) else canon,
                              like.opt_state, restored["train"]["opt_state"], shardings.opt_state, is_leaf=_is_state)
     return TrainState(step=restored["train"]["step"], params=params, opt_state=opt_state), restored["data"]
 
 
+def read_saved_config(workdir: str | pathlib.Path) -> Config:
+    """The resolved config of a jaxpar workdir (WORKDIR/config.json); InputNotFound / CheckpointError when `workdir`
+    is not one."""
+    workdir = pathlib.Path(workdir)
+    file = workdir / "config.json"
+    if not file.is_file():
+        what = "does not exist" if not workdir.exists() else "is not a jaxpar workdir (no config.json)"
+        raise InputNotFound(f"{workdir} {what}; pass a directory written by `jaxpar train` or `jaxpar convert`")
+    try:
+        saved = json.loads(file.read_text())
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"{file} cannot be read ({e}); restore it from a checkpoint's config item") from None
+    try:
+        return config_from_dict(saved)
+    except ConfigError as e:
+        raise CheckpointError(f"{file} is not a valid jaxpar config ({e})") from None
+
+
 def read_canonical(workdir: str | pathlib.Path, step: int | None = None) -> tuple[Config, nnx.State, int]:
     """(config, canonical params on the default device, step) of checkpoint `step` (default: latest) of `workdir`."""
-    workdir = pathlib.Path(workdir)
-    config = config_from_dict(json.loads((workdir / "config.json").read_text()))
+    config = read_saved_config(workdir)
     _, abstract = abstract_model(config.model)
     params, step = restore_params(workdir, abstract, ModelLayout(padded_vocab=config.model.vocab_size),
                                   config.model.vocab_size, step=step)
@@ -184,14 +398,23 @@ def read_canonical(workdir: str | pathlib.Path, step: int | None = None) -> tupl
 
 
 def write_params_only(workdir: str | pathlib.Path, config: Config, params: nnx.State, step: int) -> None:
-    """A params-only workdir: config.json and one checkpoint holding canonical `params` (what `jaxpar generate`,
-    `restore_params` and the Hugging Face export read)."""
+    """A params-only workdir: config.json and one checkpoint holding canonical `params` with their checksums (what
+    `jaxpar generate`, `restore_params` and the Hugging Face export read). `workdir` must not hold checkpoints
+    already (CheckpointError: nothing is overwritten); it is locked while written."""
     workdir = pathlib.Path(workdir)
-    workdir.mkdir(parents=True, exist_ok=True)
-    (workdir / "config.json").write_text(config.to_json())
-    mngr = manager(workdir)
-    mngr.save(step, args=ocp.args.Composite(params=ocp.args.StandardSave(nnx.to_pure_dict(params))))
-    mngr.wait_until_finished()
+    with WorkdirLock(workdir, purpose="convert"):
+        if (workdir / "checkpoints").is_dir() and any((workdir / "checkpoints").iterdir()):
+            raise CheckpointError(f"{workdir} already holds checkpoints; pass a new directory to write to (nothing "
+                                  "was overwritten)")
+        (workdir / "config.json").write_text(config.to_json())
+        mngr = manager(workdir)
+        pure = nnx.to_pure_dict(params)
+        try:
+            _save(mngr, step, ocp.args.Composite(params=ocp.args.StandardSave(pure),
+                                                 checksums=ocp.args.JsonSave({"params": _array_sums(pure)})))
+            mngr.wait_until_finished()
+        finally:
+            mngr.close()
 
 
 def convert(src: str | pathlib.Path, dst: str | pathlib.Path, *, step: int | None = None,

@@ -18,8 +18,10 @@ from jaxpar import data as data_lib
 from jaxpar.analysis import flops
 from jaxpar.config import Config
 from jaxpar.distributed import batch_rows
+from jaxpar.errors import CheckpointError
 from jaxpar.mesh import describe_mesh, make_mesh
 from jaxpar.train import checkpoint
+from jaxpar.train.lock import WorkdirLock
 from jaxpar.train.metrics import MetricsWriter, StepProfiler
 from jaxpar.sharding import ModelLayout, model_layout, param_specs
 from jaxpar.train.state import TrainState, create_state, lr_schedule, make_optimizer
@@ -116,12 +118,28 @@ class Preemption:
 def fit(config: Config, workdir: str | pathlib.Path, *, devices: list | None = None, progress: bool = True) -> FitResult:
     """Train `config` on `devices` (default: all), writing metrics, TensorBoard events, config.json and orbax
     checkpoints under `workdir`. If `workdir` already holds a checkpoint, training continues from it (parameters,
-    optimizer state, step and data order)."""
+    optimizer state, step and data order) — provided `config` is compatible with the one that wrote it
+    (`checkpoint.check_resumable`). The workdir is locked for the run: a second writer gets `WorkdirLocked`."""
     devices = list(jax.devices() if devices is None else devices)
     config = config.resolve_for_devices(len(devices))
-    workdir = pathlib.Path(workdir)
-    train, model_cfg = config.train, config.model
+    with WorkdirLock(workdir):
+        return _fit(config, pathlib.Path(workdir), devices, progress)
 
+
+def _fit(config: Config, workdir: pathlib.Path, devices: list, progress: bool) -> FitResult:
+    mngr = checkpoint.manager(workdir, keep=config.checkpoint.keep, permanent_every=config.checkpoint.permanent_every)
+    try:
+        if mngr.all_steps():  # before anything loads or compiles: a changed model is a config error, not "damage"
+            saved = checkpoint.stored_config(mngr, workdir)
+            if saved is not None:
+                checkpoint.check_resumable(saved, config, workdir)
+        return _prepare(config, workdir, devices, progress, mngr)
+    finally:
+        mngr.close()  # also on errors: orbax's background threads end here, not in interpreter shutdown
+
+
+def _prepare(config: Config, workdir: pathlib.Path, devices: list, progress: bool, mngr) -> FitResult:
+    train, model_cfg = config.train, config.model
     if train.init_from_hf:
         from jaxpar.interop import hf
 
@@ -143,6 +161,12 @@ def fit(config: Config, workdir: str | pathlib.Path, *, devices: list | None = N
     if trainer.layout.padded_vocab != model_cfg.vocab_size and jax.process_index() == 0:
         print(f"jaxpar: vocab {model_cfg.vocab_size} padded to {trainer.layout.padded_vocab} (a multiple of "
               f"parallel.tensor={config.parallel.tensor}); the pad rows are zero and their logits masked")
+    return _run(config, workdir, devices, progress, trainer, mngr, loader, eval_tokens, loader_args)
+
+
+def _run(config: Config, workdir: pathlib.Path, devices: list, progress: bool, trainer: Trainer, mngr, loader,
+         eval_tokens, loader_args: dict) -> FitResult:
+    train, model_cfg = config.train, config.model
     state, shardings, train_step, to_device = trainer.state, trainer.shardings, trainer.train_step, trainer.put
 
     def evaluate(params) -> float:
@@ -150,11 +174,16 @@ def fit(config: Config, workdir: str | pathlib.Path, *, devices: list | None = N
         losses = [trainer.eval_step(params, to_device(next(eval_loader))) for _ in range(train.eval_batches)]
         return float(np.mean(jax.device_get(losses)))
 
-    mngr = checkpoint.manager(workdir, keep=config.checkpoint.keep, permanent_every=config.checkpoint.permanent_every)
     if mngr.all_steps():
         state, data_state = checkpoint.restore_train(mngr, state, shardings, trainer.layout, model_cfg.vocab_size)
-        loader.set_state(data_state)
+        try:
+            loader.set_state(data_state)
+        except ValueError as e:
+            raise CheckpointError(f"the data stream differs from the one {workdir}'s checkpoints were saved from "
+                                  f"({e}); restore the data files, or start a new --workdir") from None
     elif train.init_from_hf:  # a fresh run that starts from Hugging Face weights (Adam's moments start at zero)
+        from jaxpar.interop import hf
+
         state = state.replace(params=hf.load_params(train.init_from_hf, model_cfg, state.params, trainer.layout,
                                                     None if shardings is None else shardings.params))
     workdir.mkdir(parents=True, exist_ok=True)
@@ -208,11 +237,17 @@ def fit(config: Config, workdir: str | pathlib.Path, *, devices: list | None = N
                     break
                 if config.checkpoint.every and step % config.checkpoint.every == 0 and step != train.steps:
                     save(wait=False)
-            if int(jax.device_get(state.step)) > start or mngr.latest_step() is None:
+            ran = int(jax.device_get(state.step)) - start
+            if ran and skipped_total == ran:  # nothing was learnt: say so rather than save and report "done"
+                raise TrainingDiverged(
+                    f"every step of this run ({start + 1}..{start + ran}) had a non-finite loss, gradient or update "
+                    f"and was skipped; nothing was saved after step {mngr.latest_step()}. Lower train.lr, raise "
+                    "train.warmup_steps or check the data.")
+            if ran or mngr.latest_step() is None:
                 save(wait=True)  # at the end, or on preemption: before returning
     finally:
         profiler.close()
         mngr.wait_until_finished()
         writer.close()
-    return FitResult(config=config, mesh=mesh, graphdef=trainer.graphdef, state=state, history=history,
+    return FitResult(config=config, mesh=trainer.mesh, graphdef=trainer.graphdef, state=state, history=history,
                      preempted=preemption.requested)
