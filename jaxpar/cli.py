@@ -17,10 +17,18 @@ A configuration that cannot run is reported as one line on stderr (exit status 2
 from __future__ import annotations
 
 import argparse
+import pathlib
 import sys
 
-from jaxpar.config import ConfigError, load_config
-from jaxpar.errors import JaxparError
+from jaxpar.config import load_config
+from jaxpar.errors import JaxparError, OutputError, UsageError
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse whose usage errors are one line on stderr (exit 2), like every other user error."""
+
+    def error(self, message: str):
+        self.exit(2, f"jaxpar: usage error: {self.prog}: {message} (see `{self.prog} --help`)\n")
 
 
 def _split_overrides(extra: list[str]) -> tuple[list[str], list[str]]:
@@ -42,7 +50,7 @@ def _split_overrides(extra: list[str]) -> tuple[list[str], list[str]]:
 def _train(args, overrides: list[str]) -> int:
     if args.profile_steps:
         overrides = [*overrides, f"train.profile_steps={args.profile_steps}"]
-    config = load_config(args.config, overrides)  # every ConfigError is raised here or in fit(), pre-compilation
+    config = load_config(args.config, overrides, args.config_root)  # every ConfigError: here or in fit()
     if args.init_from_hf:
         from jaxpar.interop import hf
 
@@ -64,7 +72,7 @@ def _train(args, overrides: list[str]) -> int:
     try:
         result = fit(config, args.workdir, progress=not args.no_progress)
     except TrainingDiverged as e:
-        print(f"jaxpar: training stopped: {e}", file=sys.stderr)
+        print(f"jaxpar: training stopped: {_one_line(e)}", file=sys.stderr)
         return 1
     except JaxparError:
         raise
@@ -74,17 +82,24 @@ def _train(args, overrides: list[str]) -> int:
     if result.preempted:
         print(f"preempted at step {int(result.state.step)}: checkpoint saved; run the same command to resume")
         return 0
-    last = {k: round(v, 4) for k, v in result.history[-1].items()} if result.history else {}
-    print(f"done: {last}")
+    if not result.history:
+        print(f"done: nothing to do, the workdir is already at step {int(result.state.step)} (train.steps = "
+              f"{result.config.train.steps}); raise train.steps to train further")
+        return 0
+    print(f"done: { {k: round(v, 4) for k, v in result.history[-1].items()} }")
     return 0
 
 
 def _generate(args, overrides: list[str]) -> int:
     if overrides:
-        raise ConfigError("--config." + overrides[0], None, "generate takes no config overrides",
-                          "the model's config comes from WORKDIR/config.json")
+        raise UsageError(f"--config.{overrides[0]}: generate takes no config overrides (the model's config comes "
+                         "from the workdir's config.json; --data and --tensor choose the layout)")
+    from jaxpar.errors import GenerateError
     from jaxpar.infer.text import generate_text, load
 
+    for flag, value in (("--num-samples", args.num_samples), ("--max-new-tokens", args.max_new_tokens)):
+        if value < 1:
+            raise GenerateError(f"{flag} {value}: must be >= 1")
     loaded = load(args.workdir, step=args.step, data=args.data, tensor=args.tensor)
     temperature = 0.0 if args.greedy else args.temperature
     for text in generate_text(loaded, [args.prompt] * args.num_samples, max_new_tokens=args.max_new_tokens,
@@ -95,7 +110,7 @@ def _generate(args, overrides: list[str]) -> int:
 
 
 def _analyze(args, overrides: list[str]) -> int:
-    config = load_config(args.config, overrides)
+    config = load_config(args.config, overrides, args.config_root)
     import json
 
     from jaxpar.analysis.report import analyze, format_table
@@ -113,17 +128,24 @@ def _schedule(args, overrides: list[str]) -> int:
     ParallelConfig(pipe=args.pipe, repeats=args.repeats, microbatches=args.microbatches)
     print(pipeline.format_schedule(args.pipe, args.repeats, args.microbatches))
     if args.png:
-        pipeline.draw_schedule(args.pipe, args.repeats, args.microbatches, args.png)
+        try:
+            pipeline.draw_schedule(args.pipe, args.repeats, args.microbatches, args.png)
+        except OSError as e:
+            raise OutputError(f"--png {args.png}: cannot be written ({e.strerror or e})") from None
         print(f"drawn to {args.png}")
     return 0
 
 
 def _convert(args, overrides: list[str]) -> int:
     if (args.src is None) == (args.src_hf is None) or (args.dst is None) == (args.dst_hf is None):
-        raise ConfigError("convert", None, "needs exactly one of --from/--from-hf and one of --to/--to-hf",
-                          "e.g. jaxpar convert --from-hf DIR --to WORKDIR")
+        raise UsageError("convert needs exactly one of --from/--from-hf and one of --to/--to-hf, e.g. "
+                         "`jaxpar convert --from-hf DIR --to WORKDIR`")
     from jaxpar.interop import hf
 
+    dst_hf = pathlib.Path(args.dst_hf) if args.dst_hf else None
+    if dst_hf is not None and dst_hf.exists() and (not dst_hf.is_dir() or any(dst_hf.iterdir())):
+        raise OutputError(f"--to-hf {dst_hf}: {'already holds files' if dst_hf.is_dir() else 'is not a directory'}; "
+                          "pass a new directory (nothing was overwritten)")
     if args.src_hf is not None and args.dst is not None:
         hf.import_to_workdir(args.src_hf, args.dst, dtype=args.dtype)
         print(f"imported {args.src_hf} into {args.dst} (params-only workdir, step 0: `jaxpar generate --model {args.dst}`)")
@@ -131,7 +153,7 @@ def _convert(args, overrides: list[str]) -> int:
         step = hf.export_workdir(args.src, args.dst_hf, step=args.step, dtype=args.dtype)
         print(f"exported step {step} of {args.src} to {args.dst_hf} (Hugging Face safetensors + config.json)")
     elif args.src_hf is not None:
-        raise ConfigError("--to-hf", args.dst_hf, "HF to HF is not a conversion", "use --to WORKDIR")
+        raise UsageError(f"--to-hf {args.dst_hf}: Hugging Face to Hugging Face is not a conversion; use --to WORKDIR")
     else:
         from jaxpar.train.checkpoint import convert
 
@@ -157,11 +179,14 @@ def _launch(args, overrides: list[str]) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     """The argparse tree of every subcommand (the README's CLI reference lists the same)."""
-    parser = argparse.ArgumentParser(prog="jaxpar", description=__doc__.split("\n")[0])
-    sub = parser.add_subparsers(dest="command", required=True)
+    parser = _Parser(prog="jaxpar", description=__doc__.split("\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    roots = dict(action="append", default=[], metavar="DIR",
+                 help="also trust config files under DIR as a YAML recipe's base: (a base is code and runs)")
     train = sub.add_parser("train", help="train a model; overrides as --config.section.field=value")
     train.add_argument("--config", required=True, help="configs/*.py (ml_collections) or recipes/*.yaml")
     train.add_argument("--workdir", default="runs/default", help="metrics, checkpoints and config.json go here")
+    train.add_argument("--config-root", **roots)
     train.add_argument("--no-progress", action="store_true", help="no progress bar (for logs)")
     train.add_argument("--profile-steps", type=int, default=0, metavar="N",
                        help="jax.profiler trace of N steps (from the second) into WORKDIR/profile")
@@ -193,6 +218,7 @@ def build_parser() -> argparse.ArgumentParser:
     ana = sub.add_parser("analyze", help="compile the train step and compare collectives, FLOPs and memory with "
                                          "the analytic formulas")
     ana.add_argument("--config", required=True)
+    ana.add_argument("--config-root", **roots)
     ana.add_argument("--format", choices=("json", "table"), default="json")
     ana.add_argument("--no-activations", action="store_true", help="skip the per-layer activation measurement")
     ana.set_defaults(run=_analyze)

@@ -341,19 +341,32 @@ def config_from_dict(d: dict) -> Config:
     return Config(**sections)
 
 
-def load_config(path: str | None = None, overrides: typing.Sequence[str] = ()) -> Config:
+def load_config(path: str | None = None, overrides: typing.Sequence[str] = (),
+                config_roots: typing.Sequence[str | pathlib.Path] = ()) -> Config:
     """Load a `.py` (ml_collections `get_config()`) or `.yaml` config, apply `a.b=v` overrides, validate.
 
     A YAML recipe may name `base: path/to/config.py` (relative to the YAML file, or the working directory); its own
-    keys then override the base's.
+    keys then override the base's. A base is code (a `.py` base runs), so it must lie inside the recipe's tree —
+    the project that holds the top-level recipe (its nearest ancestor with `.git` or `pyproject.toml`, else the
+    recipe's own directory) — or inside one of `config_roots` given explicitly (`jaxpar train --config-root DIR`).
     """
-    d = _load_file(path) if path else {}
+    allowed = tuple(pathlib.Path(r).resolve() for r in config_roots)
+    d = _load_file(path, allowed=allowed + (_tree_of(pathlib.Path(path)),)) if path else {}
     for item in overrides:
         key, sep, raw = item.partition("=")
         if not sep:
             raise ConfigError(item, None, "an override must look like section.field=value", f"write {item}=VALUE")
         _apply_override(d, key.strip().removeprefix("config."), raw.strip())
     return config_from_dict(d)
+
+
+def _tree_of(recipe: pathlib.Path) -> pathlib.Path:
+    """The directory a recipe's `base:` may reach into: its project (nearest ancestor with .git or pyproject.toml),
+    else the recipe's own directory."""
+    for parent in recipe.resolve().parents:
+        if (parent / ".git").exists() or (parent / "pyproject.toml").is_file():
+            return parent
+    return recipe.resolve().parent
 
 
 class _YamlLoader(yaml.SafeLoader):
@@ -365,26 +378,20 @@ _YamlLoader.add_implicit_resolver(
     __import__("re").compile(r"^[-+]?(?:[0-9][0-9_]*)?(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"), list("-+0123456789."))
 
 
-def _load_file(path: str, seen: frozenset = frozenset()) -> dict:
+def _load_file(path: str, seen: frozenset = frozenset(), allowed: tuple[pathlib.Path, ...] = ()) -> dict:
     p = pathlib.Path(path)
     if not p.exists():
         raise ConfigError("--config", path, "file not found", "pass a path to configs/*.py or recipes/*.yaml")
+    if not p.is_file():
+        raise ConfigError("--config", path, "is not a file", "pass a path to configs/*.py or recipes/*.yaml")
     if p.resolve() in seen:
         raise ConfigError("base", path, "recipes name each other as base in a cycle", "break the cycle of base: keys")
     if p.suffix == ".py":
-        try:
-            spec = importlib.util.spec_from_file_location(f"jaxpar_config_{p.stem}", p)
-            module = importlib.util.module_from_spec(spec)
-            spec.loader.exec_module(module)
-            cfg = module.get_config()
-        except Exception as e:  # a broken config file is a config error, reported in one line
-            raise ConfigError("--config", path, f"failed to load: {type(e).__name__}: {e}",
-                              "fix the file (it must define get_config() returning a ConfigDict)") from None
-        d = cfg.to_dict() if hasattr(cfg, "to_dict") else dict(cfg)
+        d = _run_config_py(p, path)
     elif p.suffix in (".yaml", ".yml"):
         try:
             d = yaml.load(p.read_text(), Loader=_YamlLoader) or {}
-        except yaml.YAMLError as e:
+        except (yaml.YAMLError, UnicodeDecodeError) as e:
             mark = getattr(e, "problem_mark", None)
             where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark else ""
             raise ConfigError("--config", path, f"is not valid YAML ({where}{getattr(e, 'problem', None) or e})",
@@ -397,8 +404,40 @@ def _load_file(path: str, seen: frozenset = frozenset()) -> dict:
     base = d.pop("base", None)
     if base is None:
         return d
+    if not isinstance(base, str) or not base:
+        raise ConfigError("base", base, "must be a path to a .py or .yaml config", "write base: ../configs/tiny.py")
     base_path = p.parent / base if (p.parent / base).exists() else pathlib.Path(base)
-    return _deep_merge(_load_file(str(base_path), seen | {p.resolve()}), d)
+    if base_path.exists() and not any(base_path.resolve().is_relative_to(r) for r in allowed):
+        raise ConfigError("base", base, f"resolves to {base_path.resolve()}, outside the recipe's tree "
+                          f"{allowed[-1]} (a base is code: a .py base runs when loaded)",
+                          "move the base inside that tree, or trust its directory explicitly with --config-root DIR")
+    return _deep_merge(_load_file(str(base_path), seen | {p.resolve()}, allowed), d)
+
+
+def _run_config_py(p: pathlib.Path, path: str) -> dict:
+    """Run a `.py` config's get_config() and return it as a dict; anything wrong is one ConfigError."""
+    try:
+        spec = importlib.util.spec_from_file_location(f"jaxpar_config_{p.stem}", p)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        if not callable(getattr(module, "get_config", None)):
+            raise ConfigError("--config", path, "defines no get_config()",
+                              "define get_config() returning an ml_collections.ConfigDict")
+        cfg = module.get_config()
+    except ConfigError:
+        raise
+    except SystemExit as e:  # a config that exits must not pass for a successful run
+        raise ConfigError("--config", path, f"called sys.exit({e.code!r}) while loading",
+                          "remove the exit; get_config() must return a ConfigDict") from None
+    except Exception as e:  # a broken config file is a config error, reported in one line
+        raise ConfigError("--config", path, f"failed to load: {type(e).__name__}: {e}",
+                          "fix the file (it must define get_config() returning a ConfigDict)") from None
+    if hasattr(cfg, "to_dict"):
+        cfg = cfg.to_dict()
+    if not isinstance(cfg, dict):
+        raise ConfigError("--config", path, f"get_config() returned {type(cfg).__name__}, not a mapping of sections",
+                          "return an ml_collections.ConfigDict (or a dict) with model/parallel/train/... sections")
+    return dict(cfg)
 
 
 def _deep_merge(base: dict, top: dict) -> dict:
@@ -437,7 +476,8 @@ def _parse_scalar(key: str, raw: str, kind: type) -> Any:
         if kind is float:
             return float(raw)
     except ValueError:
-        raise ConfigError(key, raw, f"must be {kind.__name__}", f"pass a {kind.__name__} value") from None
+        word = {int: "an integer", float: "a number", bool: "true or false"}[kind]
+        raise ConfigError(key, raw, f"must be {word}", f"pass {word}") from None
     return raw
 
 

@@ -42,4 +42,16 @@ class InputNotFound(JaxparError, FileNotFoundError):
     kind = "not found"
 
 
-__all__ = ["CheckpointError", "GenerateError", "InputNotFound", "JaxparError", "WorkdirLocked"]
+class UsageError(JaxparError, ValueError):
+    """Flags that do not go together (or a flag's value that argparse cannot check)."""
+
+    kind = "usage error"
+
+
+class OutputError(JaxparError):
+    """A path to write to cannot be written (not a directory, no permission, already holds something)."""
+
+    kind = "cannot write"
+
+
+__all__ = ["CheckpointError", "GenerateError", "InputNotFound", "JaxparError", "OutputError", "UsageError", "WorkdirLocked"]

@@ -121,12 +121,35 @@ def test_recipe_base_deep_merges(tmp_path):
     """A base given by absolute path; siblings of an overridden key survive."""
     recipe = tmp_path / "r.yaml"
     recipe.write_text(f"base: {TINY}\nmodel:\n  n_layers: 8\ntrain:\n  steps: 7\n")
-    cfg, base = load_config(str(recipe)), load_config(TINY)
+    trusted = [pathlib.Path(TINY).parent]  # a base outside the recipe's tree must be trusted explicitly
+    cfg, base = load_config(str(recipe), config_roots=trusted), load_config(TINY)
     assert (cfg.model.n_layers, cfg.train.steps) == (8, 7)
     assert (cfg.model.n_heads, cfg.model.n_kv_heads, cfg.train.lr) == (base.model.n_heads, base.model.n_kv_heads,
                                                                       base.train.lr)
     # Command-line overrides apply on top of the recipe.
-    assert load_config(str(recipe), ["train.steps=3"]).train.steps == 3
+    assert load_config(str(recipe), ["train.steps=3"], trusted).train.steps == 3
+
+
+def test_recipe_base_outside_its_tree_is_refused_unless_trusted(tmp_path):
+    """A base is code (a .py base runs), so a recipe may reach only into its own tree — the project holding it —
+    unless the caller trusts another directory; a chain of bases is held to the same roots."""
+    outside = tmp_path / "elsewhere"
+    outside.mkdir()
+    (outside / "evil.py").write_text("raise SystemExit('ran')\n")
+    project = tmp_path / "project"
+    (project / "recipes").mkdir(parents=True)
+    (project / "pyproject.toml").write_text("")
+    (project / "configs").mkdir()
+    (project / "configs" / "mid.yaml").write_text(f"base: {outside / 'evil.py'}\n")
+    (project / "recipes" / "ok.yaml").write_text(f"base: ../configs/mid.yaml\n")
+    (project / "recipes" / "sibling.yaml").write_text(f"base: {TINY}\n")
+    with pytest.raises(ConfigError, match=r"^base = .*evil.py.*outside the recipe's tree .*project.*--config-root"):
+        load_config(str(project / "recipes" / "ok.yaml"))  # reaches the project's configs/, whose base leaves it
+    with pytest.raises(ConfigError, match="outside the recipe's tree"):
+        load_config(str(project / "recipes" / "sibling.yaml"))
+    assert load_config(str(project / "recipes" / "sibling.yaml"), config_roots=[pathlib.Path(TINY).parent])
+    with pytest.raises(ConfigError, match=r"sys.exit\('ran'\)"):  # trusted: it runs (and exiting is an error)
+        load_config(str(project / "recipes" / "ok.yaml"), config_roots=[outside])
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -397,7 +420,7 @@ def test_recipe_with_empty_section_keeps_base(tmp_path):
     # `model:` whose keys are all commented out is YAML null; it must not wipe the base's model section.
     recipe = tmp_path / "r.yaml"
     recipe.write_text(f"base: {TINY}\nmodel:\n  # family: gpt2\n")
-    assert load_config(str(recipe)).model.n_kv_heads == 2
+    assert load_config(str(recipe), config_roots=[pathlib.Path(TINY).parent]).model.n_kv_heads == 2
 
 
 def test_override_into_empty_section(tmp_path):

@@ -26,7 +26,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxpar.infer.sampling import _check_sampling_args, sample_logits
+from jaxpar.infer.sampling import check_sampling_args, sample_logits
+from jaxpar.errors import GenerateError
 from jaxpar.model import KVCache
 from jaxpar.sharding import constrain
 
@@ -43,14 +44,14 @@ def left_pad(input_ids: Sequence[Sequence[int]] | np.ndarray, attention_mask: np
     if attention_mask is not None:
         ids, mask = np.asarray(input_ids), np.asarray(attention_mask).astype(bool)
         if ids.shape != mask.shape:
-            raise ValueError(f"attention_mask shape {mask.shape} != input_ids shape {ids.shape}")
+            raise GenerateError(f"attention_mask shape {mask.shape} != input_ids shape {ids.shape}")
         rows = [row[m].tolist() for row, m in zip(ids, mask)]
     elif hasattr(input_ids, "shape"):  # a NumPy or JAX array [B, T], all of it real
         rows = np.asarray(input_ids).tolist()
     else:
         rows = [list(r) for r in input_ids]
     if not rows or any(len(r) == 0 for r in rows):
-        raise ValueError("every prompt needs at least one token")
+        raise GenerateError("every prompt needs at least one token (and there must be at least one prompt)")
     P = -(-max(len(r) for r in rows) // multiple) * multiple
     tokens = np.full((len(rows), P), pad_token_id, np.int32)
     start = np.array([P - len(r) for r in rows], np.int32)
@@ -109,15 +110,19 @@ def generate(model: nnx.Module, input_ids: Sequence[Sequence[int]] | np.ndarray,
     """
     cfg = model.cfg
     temperature = temperature if do_sample else 0.0
-    _check_sampling_args(temperature, top_k, top_p)
-    if max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens = {max_new_tokens!r}: must be >= 1")
+    check_sampling_args(temperature, top_k, top_p)
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens < 1:
+        raise GenerateError(f"max_new_tokens = {max_new_tokens!r}: must be an integer >= 1")
     stop = () if eos_token_id is None else tuple(int(i) for i in np.atleast_1d(eos_token_id))
     pad = pad_token_id if pad_token_id is not None else (stop[0] if stop else 0)
     tokens, start = left_pad(input_ids, attention_mask, pad_token_id=pad)
+    real = tokens[np.arange(tokens.shape[1])[None, :] >= start[:, None]]
+    if real.size and (real.min() < 0 or real.max() >= cfg.vocab_size):
+        bad = int(real.min() if real.min() < 0 else real.max())
+        raise GenerateError(f"token id {bad} in the prompt is outside the model's vocabulary [0, {cfg.vocab_size})")
     longest = tokens.shape[1] - int(start.min())
     if longest + max_new_tokens > cfg.max_seq_len:
-        raise ValueError(f"prompt of {longest} tokens + max_new_tokens = {max_new_tokens} exceeds the model's "
+        raise GenerateError(f"prompt of {longest} tokens + max_new_tokens = {max_new_tokens} exceeds the model's "
                          f"max_seq_len = {cfg.max_seq_len}; shorten the prompt or lower max_new_tokens")
     graphdef, params = nnx.split(model)
     rng = jax.random.key(seed)

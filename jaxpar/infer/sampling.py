@@ -17,25 +17,29 @@ compiles once per (shape, sampling settings).
 from __future__ import annotations
 
 import functools
+import math
 from typing import Callable
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxpar.errors import GenerateError
+
 # Probability masses within this of `top_p` count as reaching it: softmax and cumsum in float32 round by ~1e-7, and
 # a nucleus that should stop exactly at top_p (e.g. 0.5 + 0.3 >= 0.8) must not pick up an extra token from rounding.
 _TOP_P_TOL = 1e-6
 
 
-def _check_sampling_args(temperature: float, top_k: int, top_p: float) -> None:
-    """Raise ValueError for settings that have no meaning (negative temperature, top_p outside (0, 1])."""
-    if temperature < 0:
-        raise ValueError(f"temperature = {temperature!r}: must be >= 0 (0 means greedy)")
-    if top_k < 0:
-        raise ValueError(f"top_k = {top_k!r}: must be >= 0 (0 means off)")
-    if not 0.0 < top_p <= 1.0:
-        raise ValueError(f"top_p = {top_p!r}: must be in (0, 1] (1.0 means off)")
+def check_sampling_args(temperature: float, top_k: int, top_p: float) -> None:
+    """Raise GenerateError (a ValueError) for settings that have no meaning: a temperature that is negative, NaN
+    or infinite, a negative or non-integer top_k, top_p outside (0, 1]."""
+    if not (isinstance(temperature, (int, float)) and math.isfinite(temperature) and temperature >= 0):
+        raise GenerateError(f"temperature = {temperature!r}: must be a finite number >= 0 (0 means greedy)")
+    if isinstance(top_k, bool) or not isinstance(top_k, (int, np.integer)) or top_k < 0:
+        raise GenerateError(f"top_k = {top_k!r}: must be an integer >= 0 (0 means off)")
+    if not (isinstance(top_p, (int, float)) and 0.0 < top_p <= 1.0):
+        raise GenerateError(f"top_p = {top_p!r}: must be in (0, 1] (1.0 means off)")
 
 
 def _mask_top_k(logits: jax.Array, k: int) -> jax.Array:
@@ -90,9 +94,9 @@ def sample_logits(
 
     Under `jax.jit`, `temperature`, `top_k` and `top_p` must be static (`static_argnames=("temperature", "top_k",
     "top_p")`): they choose Python branches and `top_k` is a shape. `logits` and `rng` may be traced.
-    Raises ValueError for temperature < 0, top_k < 0, or top_p outside (0, 1].
+    Raises GenerateError (a ValueError) for temperature < 0 or not finite, top_k < 0, or top_p outside (0, 1].
     """
-    _check_sampling_args(temperature, top_k, top_p)
+    check_sampling_args(temperature, top_k, top_p)
     logits = logits.astype(jnp.float32)  # [B, V]
     if temperature == 0:
         return jnp.argmax(logits, axis=-1).astype(jnp.int32)
@@ -170,14 +174,14 @@ def generate(
     Returns the new tokens only: int32 numpy [B, n_new], n_new == max_new_tokens unless every row hit eos first
     (then n_new is the step at which the last row did, inclusive).
     """
-    _check_sampling_args(temperature, top_k, top_p)
+    check_sampling_args(temperature, top_k, top_p)
     if max_new_tokens < 0:
-        raise ValueError(f"max_new_tokens = {max_new_tokens!r}: must be >= 0")
+        raise GenerateError(f"max_new_tokens = {max_new_tokens!r}: must be >= 0")
     if max_len < 1:
-        raise ValueError(f"max_len = {max_len!r}: must be >= 1")
+        raise GenerateError(f"max_len = {max_len!r}: must be >= 1")
     prompt = np.asarray(prompt)
     if prompt.ndim != 2 or prompt.shape[1] < 1:
-        raise ValueError(f"prompt shape = {prompt.shape}: must be [B, P] with P >= 1 (one equal-length row per sample)")
+        raise GenerateError(f"prompt shape = {prompt.shape}: must be [B, P] with P >= 1 (one equal-length row per sample)")
     B, P = prompt.shape
 
     window = prompt[:, -max_len:].astype(np.int32)  # [B, min(P, max_len)]

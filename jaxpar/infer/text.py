@@ -18,8 +18,10 @@ import numpy as np
 from flax import nnx
 
 from jaxpar import data as data_lib
-from jaxpar.config import Config, ConfigError, DataConfig, ParallelConfig, config_from_dict
+from jaxpar.config import Config, ConfigError, DataConfig, ParallelConfig
+from jaxpar.errors import GenerateError, InputNotFound
 from jaxpar.infer import decode
+from jaxpar.infer.sampling import check_sampling_args
 from jaxpar.interop import hf
 from jaxpar.mesh import make_mesh
 from jaxpar.sharding import model_layout, param_shardings
@@ -64,17 +66,22 @@ def load(path: str | pathlib.Path, *, data: int = 1, tensor: int | None = None, 
         default_tensor = 1
     else:
         if not (path / "config.json").is_file():
-            raise FileNotFoundError(f"{path}: neither a jaxpar workdir (config.json + checkpoints/) nor a Hugging Face "
-                                    "model directory (config.json + *.safetensors)")
-        saved = config_from_dict(json.loads((path / "config.json").read_text()))
+            what = "does not exist" if not path.exists() else "holds no config.json"
+            raise InputNotFound(f"{path} {what}: pass a jaxpar workdir (config.json + checkpoints/) or a Hugging Face "
+                                "model directory (config.json + *.safetensors)")
+        saved = checkpoint.read_saved_config(path)
         if dtype:
             saved = dataclasses.replace(saved, model=dataclasses.replace(saved.model, dtype=dtype, param_dtype=dtype))
         model_cfg = saved.model
         default_tensor = saved.parallel.tensor
     if tensor is None:
         tensor = default_tensor if len(devices) >= data * default_tensor else 1
+    for name, value in (("data", data), ("tensor", tensor)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ConfigError(f"parallel.{name}", value, "must be a positive integer", f"pass --{name} 1 or more")
     if data * tensor > len(devices):
-        raise ConfigError("parallel.tensor", tensor, f"data*tensor = {data}*{tensor} needs more than the "
+        name, value = ("parallel.data", data) if data > len(devices) else ("parallel.tensor", tensor)
+        raise ConfigError(name, value, f"data*tensor = {data}*{tensor} needs more than the "
                           f"{len(devices)} available devices", f"use data*tensor <= {len(devices)}")
     parallel = ParallelConfig(data=data, pipe=1, tensor=tensor)
     train = dataclasses.replace(saved.train, batch_size=data, grad_accum=1,
@@ -113,12 +120,22 @@ def generate_text(loaded: LoadedModel, prompts: list[str], *, max_new_tokens: in
                   temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
                   stop: Sequence[int] | None = None) -> list[str]:
     """Continue each prompt (any lengths) and return the new text. temperature 0 is greedy; `stop` overrides the
-    model's stop tokens (an empty list: none), whose text is not included."""
+    model's stop tokens (an empty list: none), whose text is not included. A request without meaning (no prompts,
+    an empty or non-UTF-8 prompt, a negative or NaN temperature, …) is a GenerateError."""
     if loaded.tokenizer is None:
-        raise ValueError("this model directory has no tokenizer.json: pass token ids to LoadedModel.generate")
-    encoded = [loaded.tokenizer.encode(p) for p in prompts]
-    if any(len(e) == 0 for e in encoded):
-        raise ValueError("prompt is empty: give at least one character")
+        raise GenerateError("this model directory has no tokenizer.json: pass token ids to LoadedModel.generate")
+    if isinstance(prompts, str) or not prompts:
+        raise GenerateError(f"prompts = {prompts!r}: must be a non-empty list of strings (one per sample)")
+    check_sampling_args(temperature, top_k, top_p)  # before temperature > 0 picks sampling: NaN/negative refused
+    encoded = []
+    for i, prompt in enumerate(prompts):
+        try:
+            encoded.append(loaded.tokenizer.encode(prompt))
+        except UnicodeEncodeError as e:
+            raise GenerateError(f"prompt {i} is not valid UTF-8 text (character {e.start}: "
+                                f"{prompt[e.start:e.end]!r}); pass UTF-8 text") from None
+        if len(encoded[-1]) == 0:
+            raise GenerateError(f"prompt {i} is empty: give at least one character")
     stop_ids = tuple(loaded.eos_token_id if stop is None else stop)
     new = loaded.generate(encoded, max_new_tokens=max_new_tokens, do_sample=temperature > 0,
                           temperature=temperature or 1.0, top_k=top_k, top_p=top_p, eos_token_id=stop_ids or None,
@@ -134,5 +151,6 @@ def generate_tokens(loaded: LoadedModel, prompt: np.ndarray, *, max_new_tokens: 
                     temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0) -> np.ndarray:
     """prompt int32 [B, P] → new tokens int32 [B, n] (KV-cache decoding; n = max_new_tokens unless every row
     stopped at the model's eos)."""
+    check_sampling_args(temperature, top_k, top_p)
     return loaded.generate(np.asarray(prompt), max_new_tokens=max_new_tokens, do_sample=temperature > 0,
                            temperature=temperature or 1.0, top_k=top_k, top_p=top_p, seed=seed, return_prompt=False)

@@ -31,7 +31,7 @@ import warnings
 import jax
 import numpy as np
 
-from jaxpar.errors import WorkdirLocked
+from jaxpar.errors import OutputError, WorkdirLocked
 
 LOCK_FILE = ".lock"
 
@@ -45,15 +45,15 @@ class WorkdirLock:
         self._fd: int | None = None
 
     def __enter__(self) -> "WorkdirLock":
-        message = self._acquire() if jax.process_index() == 0 else ""
+        error, message = self._acquire() if jax.process_index() == 0 else (None, "")
         if jax.process_count() > 1:  # every process learns process 0's outcome, so none starts alone
             from jax.experimental import multihost_utils
 
             refused = int(multihost_utils.broadcast_one_to_all(np.int32(bool(message))))
             if refused and not message:
-                message = f"{self.workdir} is locked by another run (process 0 was refused the lock)"
+                error, message = WorkdirLocked, f"{self.workdir}: process 0 could not take the workdir's lock"
         if message:
-            raise WorkdirLocked(message)
+            raise error(message)
         return self
 
     def __exit__(self, *exc) -> None:
@@ -65,37 +65,38 @@ class WorkdirLock:
                 os.close(self._fd)
                 self._fd = None
 
-    def _acquire(self) -> str:
-        """Take the lock; return '' on success, else the one-line refusal naming the holder."""
+    def _acquire(self) -> tuple[type | None, str]:
+        """Take the lock; return (None, '') on success, else the error type and its one-line message."""
         try:
             self.workdir.mkdir(parents=True, exist_ok=True)
         except (FileExistsError, NotADirectoryError):
-            return f"--workdir {self.workdir} is not a directory; pass a directory (it is created if missing)"
-        except PermissionError as e:
-            return f"--workdir {self.workdir} cannot be created ({e.strerror}); pass a writable directory"
+            return OutputError, f"workdir {self.workdir} is not a directory; pass a directory (created if missing)"
+        except OSError as e:
+            return OutputError, f"workdir {self.workdir} cannot be created ({e.strerror}); pass a writable directory"
         path = self.workdir / LOCK_FILE
         try:
             fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
         except OSError as e:
-            return f"{path} cannot be opened ({e.strerror}); pass a writable --workdir"
+            return OutputError, f"{path} cannot be opened ({e.strerror}); pass a writable workdir"
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError as e:
             if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
                 holder = _describe(_read_holder(fd))
                 os.close(fd)
-                return (f"{self.workdir} is in use by {holder}; wait for that run to finish or stop it, or pass "
-                        "another --workdir (two writers would overwrite each other's checkpoints and metrics)")
+                return WorkdirLocked, (f"{self.workdir} is in use by {holder}; wait for that run to finish or stop "
+                                       "it, or pass another --workdir (two writers would overwrite each other's "
+                                       "checkpoints and metrics)")
             warnings.warn(f"cannot lock {path} ({e.strerror}: the filesystem does not support flock); a second run "
                           "on this workdir would not be detected", stacklevel=3)
             os.close(fd)
-            return ""
+            return None, ""
         holder = {"pid": os.getpid(), "host": socket.gethostname(), "purpose": self.purpose,
                   "since": time.strftime("%Y-%m-%d %H:%M:%S"), "command": " ".join(sys.argv)[:500]}
         os.ftruncate(fd, 0)
         os.pwrite(fd, (json.dumps(holder) + "\n").encode(), 0)
         self._fd = fd
-        return ""
+        return None, ""
 
 
 def _read_holder(fd: int) -> dict:

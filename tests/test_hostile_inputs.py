@@ -1,0 +1,389 @@
+"""Every command × bad input: exit status 2, one line on stderr naming the input, no traceback — and the same input
+through the Python API raises a typed `JaxparError` (ConfigError, HFError, CheckpointError, …), never a bare
+KeyError / ZeroDivisionError / AttributeError.
+
+The table runs the CLI in-process (`jaxpar.cli.main`, stderr captured): that is the same code a shell runs, minus
+interpreter start-up, so the ~70 rows cost seconds rather than minutes. A few rows also run as real processes
+(`test_real_process_*`) to cover what only a real process shows (argv bytes that are not UTF-8, Python's own
+traceback printing).
+
+To add a command, flag or config field: add its rows here.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import io
+import json
+import os
+import pathlib
+import shutil
+import struct
+import subprocess
+import sys
+from typing import Callable
+
+import jax
+import pytest
+
+from jaxpar.cli import main
+from jaxpar.config import ConfigError, load_config
+from jaxpar.errors import JaxparError
+from jaxpar.train import checkpoint, fit
+from jaxpar.train.lock import WorkdirLock
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+FIXTURES = ROOT / "tests" / "fixtures" / "hf"
+ONE = ["parallel.data=1", "parallel.pipe=1", "parallel.tensor=1", "parallel.repeats=1", "parallel.microbatches=1",
+       "model.d_model=40", "model.n_heads=4", "model.n_kv_heads=2", "model.n_layers=2", "train.batch_size=8",
+       "train.seq_len=24", "train.eval_every=0", "train.eval_batches=1", "train.warmup_steps=1",
+       "data.source=synthetic"]
+
+
+class Paths:
+    """Inputs built once for the whole table (module fixture `ctx`)."""
+
+    def __init__(self, root: pathlib.Path):
+        self.root = root
+        self.workdir = root / "trained"  # a real 2-step run at ONE
+        fit(load_config("configs/tiny.py", ONE + ["train.steps=2"]), self.workdir, devices=jax.devices()[:1],
+            progress=False)
+        self.export = root / "export"  # its params-only export
+        assert main(["convert", "--from", str(self.workdir), "--to", str(self.export)]) == 0
+        self.file = root / "a_file"
+        self.file.write_text("not a directory\n")
+        self.empty = root / "empty"
+        self.empty.mkdir()
+        self.full = root / "full"
+        self.full.mkdir()
+        (self.full / "keep.txt").write_text("precious\n")
+        self.configs = root / "configs"
+        self.configs.mkdir()
+        for name, body in {
+            "exits.py": "import sys\ndef get_config():\n    sys.exit(0)\n",
+            "none.py": "def get_config():\n    return None\n",
+            "raises.py": "def get_config():\n    raise RuntimeError('boom')\n",
+            "no_get_config.py": "x = 1\n",
+            "bad.yaml": "model: {d_model: [1, 2\n",
+            "list.yaml": "- 1\n- 2\n",
+            "outside.yaml": f"base: {ROOT / 'configs' / 'tiny.py'}\n",
+        }.items():
+            (self.configs / name).write_text(body)
+        self.hf = {kind: self._bad_hf(kind) for kind in HF_DAMAGE}
+
+    def _bad_hf(self, kind: str) -> pathlib.Path:
+        dst = self.root / f"hf_{kind}"
+        shutil.copytree(FIXTURES / ("qwen2" if kind == "i32_tensor" else "llama"), dst)
+        HF_DAMAGE[kind](dst)
+        return dst
+
+
+def _edit_config(edit: Callable[[dict], object]) -> Callable[[pathlib.Path], None]:
+    def apply(d: pathlib.Path) -> None:
+        cfg = json.loads((d / "config.json").read_text())
+        out = edit(cfg)
+        (d / "config.json").write_text(json.dumps(cfg if out is None else out))
+    return apply
+
+
+def _i32_header(d: pathlib.Path) -> None:
+    """One tensor's header dtype F32 → I32 (same byte size): the bytes decode, as garbage integers."""
+    f = d / "model.safetensors"
+    raw = f.read_bytes()
+    n = struct.unpack("<Q", raw[:8])[0]
+    header = json.loads(raw[8:8 + n])
+    name = next(k for k in sorted(header) if k != "__metadata__" and header[k]["dtype"] == "F32")
+    header[name]["dtype"] = "I32"
+    new = json.dumps(header, separators=(",", ":")).encode()
+    new += b" " * (n - len(new))  # keep the header's length so the data offsets stay valid
+    assert len(new) == n
+    f.write_bytes(raw[:8] + new + raw[8 + n:])
+
+
+def _outside_index(d: pathlib.Path) -> None:
+    index = json.loads((d / "model.safetensors.index.json").read_text())
+    first = sorted(index["weight_map"])[0]
+    shutil.copy(d / index["weight_map"][first], d.parent / "outside.safetensors")
+    index["weight_map"][first] = "../outside.safetensors"
+    (d / "model.safetensors.index.json").write_text(json.dumps(index))
+
+
+def _only_pickles(d: pathlib.Path) -> None:
+    for f in d.glob("model*.safetensors*"):
+        f.unlink()
+    (d / "pytorch_model.bin").write_bytes(b"\x80\x04not really a pickle")
+
+
+def _rope_without_low(cfg: dict) -> None:
+    del cfg["rope_parameters"]["low_freq_factor"]
+
+
+HF_DAMAGE: dict[str, Callable[[pathlib.Path], None]] = {
+    "i32_tensor": _i32_header,
+    "config_list": _edit_config(lambda cfg: [cfg]),
+    "zero_heads": _edit_config(lambda cfg: cfg.update(num_attention_heads=0)),
+    "string_heads": _edit_config(lambda cfg: cfg.update(num_attention_heads="four")),
+    "rope_no_low": _edit_config(_rope_without_low),
+    "outside_index": _outside_index,
+    "only_pickles": _only_pickles,
+    "no_config": lambda d: (d / "config.json").unlink(),
+}
+
+
+@pytest.fixture(scope="module")
+def ctx(tmp_path_factory) -> Paths:
+    return Paths(tmp_path_factory.mktemp("hostile"))
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    """argv (with {workdir}, {export}, {file}, {empty}, {full}, {configs}, {hf_KIND}, {tmp} filled in), the text the
+    one stderr line must contain, and the API call that must raise a typed JaxparError (None: CLI-only input)."""
+
+    id: str
+    argv: str
+    needle: str
+    api: Callable[[Paths, pathlib.Path], object] | None = None
+
+
+def _train_api(*overrides, workdir=None):
+    def call(c: Paths, tmp: pathlib.Path):
+        return fit(load_config("configs/tiny.py", ONE + list(overrides)), workdir(c) if workdir else tmp / "w",
+                   devices=jax.devices()[:1], progress=False)
+    return call
+
+
+def _gen_api(path, **kwargs):
+    def call(c: Paths, tmp: pathlib.Path):
+        from jaxpar.infer.text import generate_text, load
+
+        step = kwargs.pop("step", None)
+        loaded = load(path(c), step=step, data=kwargs.pop("data", 1), tensor=kwargs.pop("tensor", None))
+        return generate_text(loaded, kwargs.pop("prompts", ["def "]), max_new_tokens=kwargs.pop("n", 4), **kwargs)
+    return call
+
+
+def _hf_import(kind):
+    def call(c: Paths, tmp: pathlib.Path):
+        from jaxpar.interop import hf
+
+        return hf.import_to_workdir(c.hf[kind], tmp / "imported")
+    return call
+
+
+TRAIN = "train --no-progress --config configs/tiny.py --workdir {tmp}/w "
+SMALL = " ".join(f"--config.{o}" for o in ONE + ["parallel.data=-1"])  # the same run on all 8 devices
+CASES = [
+    # train: the config
+    Case("train-unknown-key", TRAIN + "--config.model.d_modle=64", "model.d_modle",
+         lambda c, t: load_config("configs/tiny.py", ["model.d_modle=64"])),
+    Case("train-bad-int", TRAIN + "--config.train.steps=abc", "train.steps",
+         lambda c, t: load_config("configs/tiny.py", ["train.steps=abc"])),
+    Case("train-float-for-int", TRAIN + "--config.train.steps=2.5", "train.steps"),
+    Case("train-nan-float", TRAIN + "--config.train.lr=nan", "train.lr",
+         lambda c, t: load_config("configs/tiny.py", ["train.lr=nan"])),
+    Case("train-negative-steps", TRAIN + "--config.train.steps=-3", "train.steps"),
+    Case("train-heads-vs-tensor", TRAIN + "--config.parallel.tensor=3", "parallel.tensor",
+         lambda c, t: load_config("configs/tiny.py", ["parallel.tensor=3"])),
+    Case("train-layers-vs-stages", TRAIN + "--config.parallel.repeats=3", "model.n_layers"),
+    Case("train-mesh-product", TRAIN + "--config.parallel.data=3", "parallel.data",
+         lambda c, t: load_config("configs/tiny.py", ["parallel.data=3"]).resolve_for_devices(8)),
+    Case("train-batch-vs-data", TRAIN + "--config.train.batch_size=30", "train.batch_size"),
+    Case("train-unknown-choice", TRAIN + "--config.parallel.remat=sometimes", "parallel.remat"),
+    Case("train-override-without-field", TRAIN + "--config.train=3", "train"),
+    Case("train-unknown-section", TRAIN + "--config.optim.lr=3", "optim"),
+    Case("train-negative-profile", TRAIN.replace("--config configs", "--profile-steps -1 --config configs"),
+         "train.profile_steps"),
+    Case("train-missing-config", "train --config nope.py --workdir {tmp}/w", "nope.py",
+         lambda c, t: load_config("nope.py")),
+    Case("train-config-is-dir", "train --config {empty} --workdir {tmp}/w", "not a file",
+         lambda c, t: load_config(str(c.empty))),
+    Case("train-config-exits", "train --config {configs}/exits.py --workdir {tmp}/w", "sys.exit(0)",
+         lambda c, t: load_config(str(c.configs / "exits.py"))),
+    Case("train-config-returns-none", "train --config {configs}/none.py --workdir {tmp}/w", "get_config() returned",
+         lambda c, t: load_config(str(c.configs / "none.py"))),
+    Case("train-config-raises", "train --config {configs}/raises.py --workdir {tmp}/w", "RuntimeError: boom",
+         lambda c, t: load_config(str(c.configs / "raises.py"))),
+    Case("train-config-no-get-config", "train --config {configs}/no_get_config.py --workdir {tmp}/w",
+         "no get_config()", lambda c, t: load_config(str(c.configs / "no_get_config.py"))),
+    Case("train-bad-yaml", "train --config {configs}/bad.yaml --workdir {tmp}/w", "not valid YAML",
+         lambda c, t: load_config(str(c.configs / "bad.yaml"))),
+    Case("train-yaml-list", "train --config {configs}/list.yaml --workdir {tmp}/w", "mapping of sections",
+         lambda c, t: load_config(str(c.configs / "list.yaml"))),
+    Case("train-yaml-base-outside-tree", "train --config {configs}/outside.yaml --workdir {tmp}/w",
+         "outside the recipe's tree", lambda c, t: load_config(str(c.configs / "outside.yaml"))),
+    Case("train-data-path-missing", TRAIN + "--config.data.source=text --config.data.path={tmp}/nothing",
+         "data.path"),
+    Case("train-tokenizer-missing", TRAIN + "--config.data.tokenizer={tmp}/tok.json", "data.tokenizer"),
+    # train: the workdir
+    Case("train-workdir-is-file", "train --no-progress --config configs/tiny.py --workdir {file} " + SMALL,
+         "not a directory", _train_api(workdir=lambda c: c.file)),
+    Case("train-workdir-locked", "train --no-progress --config configs/tiny.py --workdir {workdir} " + SMALL,
+         "in use by pid", _train_api(workdir=lambda c: c.workdir)),  # the test holds the lock
+    Case("train-resume-other-model", "train --no-progress --config configs/tiny.py --workdir {workdir} " + SMALL
+         + " --config.model.d_model=48", "model.d_model", _train_api("model.d_model=48", workdir=lambda c: c.workdir)),
+    Case("train-resume-other-seq-len", "train --no-progress --config configs/tiny.py --workdir {workdir} " + SMALL
+         + " --config.train.seq_len=16", "train.seq_len", _train_api("train.seq_len=16", workdir=lambda c: c.workdir)),
+    Case("train-params-only-workdir", "train --no-progress --config configs/tiny.py --workdir {export} " + SMALL
+         + " --config.train.steps=3", "params-only export",
+         _train_api("train.steps=3", workdir=lambda c: c.export)),
+    Case("train-init-from-missing-hf", TRAIN + "--init-from-hf {tmp}/no_such_model", "no_such_model"),
+    Case("train-init-from-hf-config-list", TRAIN + "--init-from-hf {hf_config_list}", "config.json"),
+    Case("train-unknown-flag", TRAIN + "--bogus", "unrecognized arguments"),
+    Case("train-no-config-flag", "train --workdir {tmp}/w", "--config"),
+    # generate
+    Case("generate-missing-workdir", "generate --workdir {tmp}/nothing --max-new-tokens 4", "does not exist",
+         _gen_api(lambda c: c.root / "nothing")),
+    Case("generate-not-a-workdir", "generate --workdir {empty} --max-new-tokens 4", "no config.json",
+         _gen_api(lambda c: c.empty)),
+    Case("generate-missing-step", "generate --workdir {workdir} --step 99 --max-new-tokens 4", "step 99",
+         _gen_api(lambda c: c.workdir, step=99)),
+    Case("generate-no-samples", "generate --workdir {workdir} --num-samples 0", "--num-samples",
+         _gen_api(lambda c: c.workdir, prompts=[])),
+    Case("generate-no-new-tokens", "generate --workdir {workdir} --max-new-tokens 0", "--max-new-tokens",
+         _gen_api(lambda c: c.workdir, n=0)),
+    Case("generate-empty-prompt", "generate --workdir {workdir} --prompt= --max-new-tokens 4", "empty",
+         _gen_api(lambda c: c.workdir, prompts=[""])),
+    Case("generate-non-utf8-prompt", "generate --workdir {workdir} --max-new-tokens 4 --prompt=\udcffdef", "UTF-8",
+         _gen_api(lambda c: c.workdir, prompts=["\udcffdef"])),
+    Case("generate-negative-temperature", "generate --workdir {workdir} --max-new-tokens 4 --temperature -1",
+         "temperature", _gen_api(lambda c: c.workdir, temperature=-1.0)),
+    Case("generate-nan-temperature", "generate --workdir {workdir} --max-new-tokens 4 --temperature nan",
+         "temperature", _gen_api(lambda c: c.workdir, temperature=float("nan"))),
+    Case("generate-inf-temperature", "generate --workdir {workdir} --max-new-tokens 4 --temperature inf",
+         "temperature", _gen_api(lambda c: c.workdir, temperature=float("inf"))),
+    Case("generate-top-p-zero", "generate --workdir {workdir} --max-new-tokens 4 --top-p 0", "top_p",
+         _gen_api(lambda c: c.workdir, top_p=0.0)),
+    Case("generate-negative-top-k", "generate --workdir {workdir} --max-new-tokens 4 --top-k -1", "top_k",
+         _gen_api(lambda c: c.workdir, top_k=-1)),
+    Case("generate-tensor-vs-heads", "generate --workdir {workdir} --max-new-tokens 4 --tensor 3", "parallel.tensor",
+         _gen_api(lambda c: c.workdir, tensor=3)),
+    Case("generate-zero-data", "generate --workdir {workdir} --max-new-tokens 4 --data 0", "parallel.data",
+         _gen_api(lambda c: c.workdir, data=0)),
+    Case("generate-too-many-devices", "generate --workdir {workdir} --max-new-tokens 4 --data 64", "devices",
+         _gen_api(lambda c: c.workdir, data=64)),
+    Case("generate-too-long", "generate --workdir {workdir} --max-new-tokens 100000", "max_seq_len",
+         _gen_api(lambda c: c.workdir, n=100000)),
+    Case("generate-config-override", "generate --workdir {workdir} --config.model.d_model=3", "no config overrides"),
+    Case("generate-bad-float", "generate --workdir {workdir} --temperature warm", "--temperature"),
+    Case("generate-hf-config-list", "generate --model {hf_config_list} --max-new-tokens 4", "config.json",
+         _gen_api(lambda c: c.hf["config_list"])),
+    Case("generate-hf-zero-heads", "generate --model {hf_zero_heads} --max-new-tokens 4", "num_attention_heads",
+         _gen_api(lambda c: c.hf["zero_heads"])),
+    # convert
+    Case("convert-missing-source", "convert --from {tmp}/nothing --to {tmp}/out", "does not exist",
+         lambda c, t: checkpoint.convert(t / "nothing", t / "out")),
+    Case("convert-source-without-checkpoints", "convert --from {empty} --to {tmp}/out", "no config.json"),
+    Case("convert-missing-step", "convert --from {workdir} --step 99 --to {tmp}/out", "step 99",
+         lambda c, t: checkpoint.convert(c.workdir, t / "o", step=99)),
+    Case("convert-into-a-workdir", "convert --from {workdir} --to {export}", "already holds checkpoints",
+         lambda c, t: checkpoint.convert(c.workdir, c.export)),
+    Case("convert-to-hf-non-empty", "convert --from {workdir} --to-hf {full}", "already holds files"),
+    Case("convert-to-hf-file", "convert --from {workdir} --to-hf {file}", "not a directory"),
+    Case("convert-needs-one-source", "convert --to {tmp}/out", "exactly one"),
+    Case("convert-bad-dtype", "convert --from {workdir} --to {tmp}/out --dtype int8", "--dtype"),
+    Case("convert-hf-missing", "convert --from-hf {tmp}/no_model --to {tmp}/out", "no_model",
+         lambda c, t: __import__("jaxpar.interop.hf").interop.hf.import_to_workdir(t / "no_model", t / "out")),
+    Case("convert-hf-no-config", "convert --from-hf {hf_no_config} --to {tmp}/out", "config.json",
+         _hf_import("no_config")),
+    Case("convert-hf-i32-tensor", "convert --from-hf {hf_i32_tensor} --to {tmp}/out", "I32", _hf_import("i32_tensor")),
+    Case("convert-hf-config-list", "convert --from-hf {hf_config_list} --to {tmp}/out", "config.json",
+         _hf_import("config_list")),
+    Case("convert-hf-zero-heads", "convert --from-hf {hf_zero_heads} --to {tmp}/out", "num_attention_heads",
+         _hf_import("zero_heads")),
+    Case("convert-hf-string-heads", "convert --from-hf {hf_string_heads} --to {tmp}/out", "num_attention_heads",
+         _hf_import("string_heads")),
+    Case("convert-hf-rope-missing-key", "convert --from-hf {hf_rope_no_low} --to {tmp}/out", "low_freq_factor",
+         _hf_import("rope_no_low")),
+    Case("convert-hf-index-leaves-dir", "convert --from-hf {hf_outside_index} --to {tmp}/out", "outside",
+         _hf_import("outside_index")),
+    Case("convert-hf-only-pickles", "convert --from-hf {hf_only_pickles} --to {tmp}/out", "pickle",
+         _hf_import("only_pickles")),
+    # analyze, schedule, launch
+    Case("analyze-missing-config", "analyze --config nope.py", "nope.py"),
+    Case("analyze-heads-vs-tensor", "analyze --config configs/tiny.py --config.parallel.tensor=3", "parallel.tensor"),
+    Case("schedule-zero-pipe", "schedule --pipe 0 --microbatches 4", "parallel.pipe"),
+    Case("schedule-microbatches", "schedule --pipe 2 --microbatches 3", "parallel.microbatches"),
+    Case("schedule-unwritable-png", "schedule --pipe 2 --microbatches 4 --png {file}/x.png", "--png"),
+    Case("schedule-missing-flag", "schedule --pipe 2", "--microbatches"),
+    Case("launch-zero-processes", "launch --processes 0 -- jaxpar train --config configs/tiny.py", "processes"),
+    Case("launch-no-command", "launch --processes 2", "command"),
+    Case("no-command", "", "command"),
+    Case("unknown-command", "fly", "fly"),
+]
+
+
+def _argv(case: Case, c: Paths, tmp: pathlib.Path) -> list[str]:
+    fill = {"workdir": c.workdir, "export": c.export, "file": c.file, "empty": c.empty, "full": c.full,
+            "configs": c.configs, "tmp": tmp, **{f"hf_{k}": v for k, v in c.hf.items()}}
+    return [a.format(**fill) for a in case.argv.split()]
+
+
+def _holding_lock(case: Case, c: Paths):
+    return WorkdirLock(c.workdir) if "locked" in case.id else contextlib.nullcontext()
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
+def test_cli_bad_input_is_one_line_with_exit_2(case, ctx, tmp_path, monkeypatch):
+    monkeypatch.chdir(ROOT)
+    err = io.StringIO()
+    with _holding_lock(case, ctx), contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+        try:
+            status = main(_argv(case, ctx, tmp_path))
+        except SystemExit as e:  # argparse's usage errors exit from inside parse_args
+            status = e.code
+    lines = err.getvalue().strip().splitlines()
+    lines = [line for line in lines if "Warning" not in line]  # e.g. a fallback warning is not the error line
+    assert status == 2, err.getvalue()
+    assert len(lines) == 1, err.getvalue()
+    assert lines[0].startswith("jaxpar: ") and case.needle in lines[0], lines[0]
+    assert (ctx.full / "keep.txt").read_text() == "precious\n"  # nothing was overwritten
+
+
+API_CASES = [c for c in CASES if c.api is not None]
+
+
+@pytest.mark.parametrize("case", API_CASES, ids=[c.id for c in API_CASES])
+def test_api_bad_input_raises_a_typed_error(case, ctx, tmp_path, monkeypatch):
+    monkeypatch.chdir(ROOT)
+    with _holding_lock(case, ctx), pytest.raises(JaxparError) as err:
+        case.api(ctx, tmp_path)
+    assert "\n" not in str(err.value).strip() and str(err.value), str(err.value)
+
+
+def test_error_types_keep_their_builtin_bases():
+    """Callers that caught ValueError / FileNotFoundError before these types existed still catch them."""
+    from jaxpar.errors import GenerateError, InputNotFound
+    from jaxpar.interop.hf import HFError
+
+    assert issubclass(ConfigError, ValueError) and issubclass(HFError, ValueError)
+    assert issubclass(GenerateError, ValueError) and issubclass(InputNotFound, FileNotFoundError)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Real processes: what only an interpreter shows
+
+
+ENV = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=1"}
+
+
+def _run(args: list, cwd=ROOT) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "jaxpar.cli", *args], cwd=cwd, env=ENV, capture_output=True,
+                          timeout=300)
+
+
+def test_real_process_non_utf8_prompt_and_missing_step(ctx):
+    """argv bytes that are not UTF-8 reach the prompt as surrogates; both errors are one line, no traceback."""
+    for args in ([b"generate", str(ctx.workdir).encode(), b"--prompt", b"\xff\xfedef", b"--max-new-tokens", b"2"],
+                 [b"generate", str(ctx.workdir).encode(), b"--step", b"99"]):
+        args = [args[0], b"--workdir", *args[1:]]
+        out = _run(args)
+        stderr = out.stderr.decode(errors="replace")
+        assert out.returncode == 2 and "Traceback" not in stderr, stderr
+        assert len([line for line in stderr.strip().splitlines() if "Warning" not in line]) == 1, stderr
+
+
+def test_real_process_config_that_exits_zero_does_not_pass_for_a_run(ctx, tmp_path):
+    out = _run(["train", "--config", str(ctx.configs / "exits.py"), "--workdir", str(tmp_path / "w")])
+    assert out.returncode == 2 and b"sys.exit(0)" in out.stderr and b"Traceback" not in out.stderr, out.stderr
