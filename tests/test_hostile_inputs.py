@@ -51,6 +51,9 @@ class Paths:
             progress=False)
         self.export = root / "export"  # its params-only export
         assert main(["convert", "--from", str(self.workdir), "--to", str(self.export)]) == 0
+        self.broken = root / "broken"  # the same run, its config.json cut short by hand
+        shutil.copytree(self.workdir, self.broken)
+        (self.broken / "config.json").write_text('{"model": {"d_model": ')
         self.file = root / "a_file"
         self.file.write_text("not a directory\n")
         self.empty = root / "empty"
@@ -265,6 +268,10 @@ CASES = [
          _gen_api(lambda c: c.workdir, data=64)),
     Case("generate-too-long", "generate --workdir {workdir} --max-new-tokens 100000", "max_seq_len",
          _gen_api(lambda c: c.workdir, n=100000)),
+    Case("generate-broken-config-json", "generate --workdir {broken} --max-new-tokens 4", "cannot be read",
+         _gen_api(lambda c: c.broken)),
+    Case("convert-broken-config-json", "convert --from {broken} --to {tmp}/out", "cannot be read",
+         lambda c, t: checkpoint.convert(c.broken, t / "out")),
     Case("generate-config-override", "generate --workdir {workdir} --config.model.d_model=3", "no config overrides"),
     Case("generate-bad-float", "generate --workdir {workdir} --temperature warm", "--temperature"),
     Case("generate-hf-config-list", "generate --model {hf_config_list} --max-new-tokens 4", "config.json",
@@ -315,7 +322,7 @@ CASES = [
 
 
 def _argv(case: Case, c: Paths, tmp: pathlib.Path) -> list[str]:
-    fill = {"workdir": c.workdir, "export": c.export, "file": c.file, "empty": c.empty, "full": c.full,
+    fill = {"workdir": c.workdir, "export": c.export, "broken": c.broken, "file": c.file, "empty": c.empty, "full": c.full,
             "configs": c.configs, "tmp": tmp, **{f"hf_{k}": v for k, v in c.hf.items()}}
     return [a.format(**fill) for a in case.argv.split()]
 
@@ -350,6 +357,29 @@ def test_api_bad_input_raises_a_typed_error(case, ctx, tmp_path, monkeypatch):
     with _holding_lock(case, ctx), pytest.raises(JaxparError) as err:
         case.api(ctx, tmp_path)
     assert "\n" not in str(err.value).strip() and str(err.value), str(err.value)
+
+
+@pytest.mark.parametrize("ids, kwargs, needle", [
+    ([[999, 3]], {}, "outside the model's vocabulary"),
+    ([[-1, 3]], {}, "outside the model's vocabulary"),
+    ([[]], {}, "at least one token"),
+    ([[1, 2]], {"do_sample": True, "top_k": 2.5}, "top_k"),
+    ([[1, 2]], {"do_sample": True, "temperature": float("nan")}, "temperature"),
+    ([[1, 2]], {"max_new_tokens": True}, "max_new_tokens"),
+])
+def test_api_only_bad_token_ids_and_settings(loaded, ids, kwargs, needle):
+    """Inputs only the Python API can express (token ids, Python types) get the same typed, one-line errors."""
+    from jaxpar.errors import GenerateError
+
+    with pytest.raises(GenerateError, match=needle):
+        loaded.generate(ids, **{"max_new_tokens": 2, **kwargs})
+
+
+@pytest.fixture(scope="module")
+def loaded(ctx):
+    from jaxpar.infer.text import load
+
+    return load(ctx.workdir)
 
 
 def test_error_types_keep_their_builtin_bases():

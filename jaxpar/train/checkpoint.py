@@ -333,8 +333,8 @@ def restore_train(mngr: ocp.CheckpointManager, like: TrainState, shardings: Trai
                   vocab_size: int) -> tuple[TrainState, dict]:
     """Restore the newest exactly-restorable (state, data loader state) into the layout of `like`, placed with
     `shardings` — whatever layout wrote it. Damaged steps are moved aside (this run will save them again)."""
-    newest = mngr.latest_step()
-    if newest is not None and not (pathlib.Path(mngr.directory) / str(newest) / "train").exists():
+    steps = mngr.all_steps()
+    if steps and not any((pathlib.Path(mngr.directory) / str(s) / "train").exists() for s in steps):
         workdir = pathlib.Path(mngr.directory).parent
         raise CheckpointError(f"{workdir} holds a params-only export (no optimizer state or data position), which "
                               "training cannot resume; pass a new --workdir (to start from these weights: `jaxpar "
