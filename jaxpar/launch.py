@@ -5,12 +5,19 @@
 Each child runs the command after `--` with
 
     JAXPAR_COORDINATOR=127.0.0.1:<free port>  JAXPAR_NUM_PROCESSES=N  JAXPAR_PROCESS_ID=k
-    JAX_PLATFORMS=cpu  XLA_FLAGS=--xla_force_host_platform_device_count=K
+    JAX_PLATFORMS=cpu  XLA_FLAGS=--xla_force_host_platform_device_count=K  PJRT_NPROC=max(CPUs, N·K)
 
 which `jaxpar.distributed.resolve` reads, exactly as it reads the JobSet's variables on a cluster. Every line a child
 prints is prefixed with `[k] `. CPU cross-process collectives go through gloo (`jax_cpu_collectives_implementation`,
 the default in jax 0.10–0.12). If a child exits non-zero the others get `grace_s` seconds to notice by themselves (their
 watchdog names the lost process), then are killed; the launcher exits with the first failing status.
+
+PJRT_NPROC is what lets N × K devices compute bit for bit like one process with all N·K. XLA's CPU client sizes its
+intra-op (Eigen) thread pool as max(PJRT_NPROC, else NPROC, else the CPUs it may run on; its local device count), and
+a matmul's result depends on that size: how the contraction (for a weight gradient, the sum over tokens) is split into
+partial sums follows the thread count. Without it, on 2 cores, 1 × 8 devices run 8 threads and 2 × 4 run 4 each, and
+the MLP and LM-head gradients differ by rounding (about 2e-7 relative) before any collective runs. Each child
+therefore gets the pool of the single process it stands in for.
 """
 
 from __future__ import annotations
@@ -35,12 +42,24 @@ def free_port() -> int:
 
 def child_env(base: dict[str, str], *, process_id: int, processes: int, devices_per_process: int,
               coordinator: str) -> dict[str, str]:
-    """The environment of local process `process_id`: the JAXPAR_* wiring and a CPU platform with K devices."""
+    """The environment of local process `process_id`: the JAXPAR_* wiring, a CPU platform with K devices, and the
+    intra-op thread count of one process holding all N·K devices (PJRT_NPROC; see the module docstring)."""
     flags = [f for f in base.get("XLA_FLAGS", "").split() if not f.startswith("--xla_force_host_platform_device_count")]
     flags.append(f"--xla_force_host_platform_device_count={devices_per_process}")
     return {**base, "JAXPAR_COORDINATOR": coordinator, "JAXPAR_NUM_PROCESSES": str(processes),
             "JAXPAR_PROCESS_ID": str(process_id), "JAX_PLATFORMS": "cpu", "XLA_FLAGS": " ".join(flags),
-            "PYTHONUNBUFFERED": "1"}
+            "PJRT_NPROC": str(max(cpu_threads(base), processes * devices_per_process)), "PYTHONUNBUFFERED": "1"}
+
+
+def cpu_threads(env: dict[str, str]) -> int:
+    """The intra-op thread count XLA's CPU client starts from before it takes the device count into account
+    (`xla::DefaultThreadPoolSize`): PJRT_NPROC, else NPROC, else the CPUs this process may run on."""
+    for name in ("PJRT_NPROC", "NPROC"):
+        try:
+            return max(0, int(env[name]))
+        except (KeyError, ValueError):
+            pass
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
 def _resolve_command(command: Sequence[str]) -> list[str]:

@@ -1,7 +1,8 @@
 """Multi-process training on one machine: 2 JAX processes x 4 CPU devices (gloo collectives) against 1 x 8.
 
-The expensive part is a few subprocess runs of the tiny config at (data, pipe, tensor) = (2, 2, 2), each compiling
-once; every run has a timeout, so a hang fails instead of blocking CI. The settings/mesh tests need no processes.
+The expensive part is a few subprocess runs of the tiny config at (data, pipe, tensor) = (2, 2, 2), and one at
+(1, 2, 4) with `pipe` across the processes, each compiling once; every run has a timeout, so a hang fails instead of
+blocking CI. The settings/mesh tests need no processes.
 """
 
 import json
@@ -20,7 +21,7 @@ import pytest
 
 from jaxpar import distributed
 from jaxpar.config import ConfigError, load_config
-from jaxpar.launch import child_env, free_port
+from jaxpar.launch import child_env, cpu_threads, free_port
 from jaxpar.mesh import hybrid_device_order
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -28,6 +29,7 @@ STEPS = 10
 SMALL = ["model.d_model=32", "train.batch_size=16", "train.seq_len=32", "train.log_every=1", "train.eval_every=0",
          "train.eval_batches=1", "train.warmup_steps=2", f"train.steps={STEPS}", "checkpoint.every=2",
          "checkpoint.keep=10"]
+LAYOUTS = {(2, 2, 2): [], (1, 2, 4): ["parallel.data=1", "parallel.tensor=4"]}  # (data, pipe, tensor) -> overrides
 TIMEOUT = 240  # per subprocess run; a healthy one takes ~30 s on 2 cores
 
 
@@ -85,6 +87,17 @@ def test_open_mpi_one_process_per_node_sees_all_its_gpus():
     assert (s.source, s.num_processes, s.process_id, s.local_device_ids) == ("ompi", 4, 1, tuple(range(8)))
 
 
+def test_launch_gives_each_process_the_threads_of_one_process_with_all_devices():
+    # XLA's CPU client runs max(PJRT_NPROC or NPROC or CPUs, local devices) intra-op threads, and matmul results
+    # depend on that count: 2 x 4 must run the 8 threads that 1 x 8 runs on a machine with up to 8 cores.
+    def threads(base):
+        return child_env(base, process_id=1, processes=2, devices_per_process=4, coordinator="h:1")["PJRT_NPROC"]
+
+    assert threads({"NPROC": "2"}) == "8"
+    assert threads({"NPROC": "2", "PJRT_NPROC": "16"}) == "16"  # PJRT_NPROC wins, as in XLA
+    assert threads({}) == str(max(cpu_threads({}), 8))  # this machine's CPUs, or the 8 devices if more
+
+
 def fake_devices(processes, per_process):
     return [types.SimpleNamespace(process_index=p, id=p * 2048 + i)  # CPU ids of process p start at p * 2048
             for p in reversed(range(processes)) for i in range(per_process)]
@@ -104,9 +117,9 @@ def test_hybrid_order_keeps_tensor_and_pipe_inside_a_process_and_data_across():
 
 # ------------------------------------------------------------------------------- real processes (CPU, gloo) ----
 
-def train_args(workdir):
+def train_args(workdir, layout=(2, 2, 2)):
     return ["train", "--config", "configs/tiny.py", "--workdir", str(workdir), "--no-progress",
-            *[f"--config.{o}" for o in SMALL]]
+            *[f"--config.{o}" for o in SMALL + LAYOUTS[layout]]]
 
 
 def leaves(tree):
@@ -124,13 +137,26 @@ def logged_losses(workdir):
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory):
-    """1 process x 8 devices (this pytest process), 10 steps, checkpoints every 2 steps."""
+def references(tmp_path_factory):
+    """layout -> (workdir, FitResult) of 1 process x 8 devices (this pytest process), 10 steps, checkpoints every 2
+    steps; each layout trains once per module."""
     from jaxpar.train import fit
 
-    workdir = tmp_path_factory.mktemp("one_process")
-    result = fit(load_config("configs/tiny.py", SMALL), workdir, progress=False)
-    return workdir, result
+    runs = {}
+
+    def run(layout):
+        if layout not in runs:
+            workdir = tmp_path_factory.mktemp("one_process")
+            config = load_config("configs/tiny.py", SMALL + LAYOUTS[layout])
+            runs[layout] = workdir, fit(config, workdir, progress=False)
+        return runs[layout]
+
+    return run
+
+
+@pytest.fixture(scope="module")
+def reference(references):
+    return references((2, 2, 2))
 
 
 def start_process(workdir, k, port, log_path):
@@ -193,6 +219,32 @@ def test_two_processes_match_one_process_bitwise_and_survive_a_lost_process(refe
     for got, want in zip(leaves(restored.state.params) + leaves(restored.state.opt_state),
                          leaves(ref.state.params) + leaves(ref.state.opt_state), strict=True):
         np.testing.assert_array_equal(got, want)
+
+
+def test_pipe_across_processes_matches_one_process_to_rounding(references, tmp_path):
+    """(1, 2, 4): each pipeline stage is one process, so the ppermutes, the target all-gather and the pipe psums cross
+    processes. It trains like 1 x 8 only to rounding: in a multi-process run every all-reduce runs through gloo, even
+    one whose devices share a process, and gloo sums the 4 devices of a tensor group in another order than XLA's
+    in-process all-reduce (a sum of 2 cannot differ). Layouts whose reduction groups all have at most 2 devices, like
+    (2, 2, 2) above, are bit for bit."""
+    from jaxpar.train.checkpoint import read_canonical
+
+    ref_dir, _ = references((1, 2, 4))
+    workdir = tmp_path / "two"
+    run = subprocess.run([sys.executable, "-m", "jaxpar.cli", "launch", "--processes", "2", "--devices-per-process",
+                          "4", "--", "jaxpar", *train_args(workdir, (1, 2, 4))],
+                         cwd=ROOT, capture_output=True, text=True, timeout=TIMEOUT, check=False)
+    assert run.returncode == 0, run.stdout[-3000:]
+    assert "data 0 pipe 0: tensor -> [0, 1, 2, 3] (process 0)" in run.stdout  # one stage per process
+    assert "data 0 pipe 1: tensor -> [2048, 2049, 2050, 2051] (process 1)" in run.stdout
+    losses, ref_losses = logged_losses(workdir), logged_losses(ref_dir)
+    assert sorted(losses) == sorted(ref_losses) == list(range(1, STEPS + 1))
+    np.testing.assert_allclose([losses[s] for s in losses], [ref_losses[s] for s in losses], rtol=1e-5)
+    _, got, step = read_canonical(workdir)
+    _, want, ref_step = read_canonical(ref_dir)
+    assert step == ref_step == STEPS
+    for g, w in zip(leaves(got), leaves(want), strict=True):
+        np.testing.assert_allclose(g, w, rtol=0, atol=1e-6)  # measured: at most 6e-8 after 10 steps
 
 
 PROBE = """
