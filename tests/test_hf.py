@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import pathlib
+import re
 import shutil
 
 import jax
@@ -19,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from safetensors.numpy import load_file
+from safetensors.numpy import load_file, save_file
 
 from jaxpar.cli import main
 from jaxpar.config import Config, ConfigError, DataConfig, ParallelConfig, TrainConfig
@@ -280,3 +281,272 @@ def test_logits_over_the_whole_generated_text_match(name):
         want = stored[f"greedy_{k}_logits"]
         got = np.asarray(loaded.model(ids))[0, :, :want.shape[-1]]
         assert np.abs(got - want).max() < 1e-4
+
+
+# -----------------------------------------------------------------------------------------------------------------
+# Hostile and damaged inputs: each is an HFError of one line naming the file (and tensor or key) at fault.
+
+
+def rewrite_header(file: pathlib.Path, edit) -> None:
+    """Rewrite the JSON header of safetensors `file` in place with `edit(header)`; the data bytes stay as they are
+    (so a dtype edited to one of the same width, F32 → I32, still passes the file's own size checks)."""
+    data = file.read_bytes()
+    n = int.from_bytes(data[:8], "little")
+    header = json.loads(data[8:8 + n])
+    edit(header)
+    raw = json.dumps(header).encode()
+    raw += b" " * (-len(raw) % 8)  # the format allows trailing spaces; writers pad the header to 8 bytes
+    file.write_bytes(len(raw).to_bytes(8, "little") + raw + data[8 + n:])
+
+
+def one_line_error(fn, pattern: str) -> str:
+    with pytest.raises(hf.HFError) as info:
+        fn()
+    message = str(info.value)
+    assert "\n" not in message and re.search(pattern, message), message
+    return message
+
+
+def test_integer_tensor_is_refused_from_its_header(tmp_path, capsys):
+    """An F32 tensor relabelled I32 (same width, so the file is otherwise valid) used to import as garbage weights
+    with exit 0; the header's dtype is now checked before the data is read."""
+    d = damaged_copy(tmp_path, "gpt2")
+    name = "transformer.h.1.mlp.c_fc.weight"
+    rewrite_header(d / "model.safetensors", lambda h: h[name].update(dtype="I32"))
+    assert main(["convert", "--from-hf", str(d), "--to", str(tmp_path / "w")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and re.fullmatch(
+        rf"jaxpar: Hugging Face error: \S*model\.safetensors: tensor '{re.escape(name)}' has dtype I32; jaxpar "
+        r"imports weights stored as F32, F16, BF16, F64 — not a floating-point weight.*\n", err), err
+    assert not (tmp_path / "w" / "checkpoints").exists()
+
+
+def test_fp8_tensor_is_refused_as_quantized(tmp_path):
+    """FP8 values without their scale tensors are garbage (the old reader crashed in NumPy instead)."""
+    d = damaged_copy(tmp_path, "gpt2")
+    name = "transformer.h.0.attn.c_proj.weight"
+    weights = load_file(str(d / "model.safetensors"))
+    weights[name] = np.zeros(weights[name].shape, np.uint8)  # one byte per value, as F8_E4M3
+    save_file(weights, str(d / "model.safetensors"), metadata={"format": "pt"})
+    rewrite_header(d / "model.safetensors", lambda h: h[name].update(dtype="F8_E4M3"))
+    one_line_error(lambda: hf.import_to_workdir(d, tmp_path / "w"),
+                   rf"model\.safetensors: tensor '{re.escape(name)}' has dtype F8_E4M3; .* quantized")
+
+
+def test_half_and_double_precision_weights_import_rounded_to_the_param_dtype(tmp_path):
+    """F16, BF16 and F64 tensors (mixed in one file) load as the run's float32 params: the stored values, exactly
+    (F16/BF16 widen exactly; F64 rounds to nearest)."""
+    import ml_dtypes
+    from jaxpar.train.state import abstract_model
+
+    d = damaged_copy(tmp_path, "gpt2")
+    weights = load_file(str(d / "model.safetensors"))
+    stored = dict(weights)
+    stored["transformer.wte.weight"] = weights["transformer.wte.weight"].astype(ml_dtypes.bfloat16)
+    stored["transformer.h.0.mlp.c_fc.weight"] = weights["transformer.h.0.mlp.c_fc.weight"].astype(np.float16)
+    stored["transformer.wpe.weight"] = weights["transformer.wpe.weight"].astype(np.float64) + 1e-12
+    save_file(stored, str(d / "model.safetensors"), metadata={"format": "pt"})
+    cfg = hf.model_config(hf.read_config(d), d)
+    _, abstract = abstract_model(cfg)
+    params = nnx.to_pure_dict(hf.load_params(d, cfg, abstract))
+    np.testing.assert_array_equal(params["embed"], stored["transformer.wte.weight"].astype(np.float32))
+    np.testing.assert_array_equal(params["blocks"]["w_up"][0], stored["transformer.h.0.mlp.c_fc.weight"])
+    np.testing.assert_array_equal(params["pos_embed"], stored["transformer.wpe.weight"].astype(np.float32))
+    assert all(x.dtype == np.float32 for x in jax.tree.leaves(params))
+
+
+def _set(**kv):
+    return lambda c: c.update(kv)
+
+
+def _rope(**kv):
+    return lambda c: c["rope_parameters"].update(kv)
+
+
+def _drop(key):  # "a.b" deletes c["a"]["b"]
+    def edit(c):
+        *outer, last = key.split(".")
+        for k in outer:
+            c = c[k]
+        del c[last]
+    return edit
+
+
+def _old_rope_spelling(scaling):  # transformers 4's top-level rope_theta + rope_scaling
+    def edit(c):
+        del c["rope_parameters"]
+        c.update(rope_theta=10000.0, rope_scaling=scaling)
+    return edit
+
+
+def _qwen2_windows_from(max_window_layers):  # transformers < 4.53's spelling: no layer_types
+    def edit(c):
+        del c["layer_types"]
+        c.update(use_sliding_window=True, sliding_window=8, max_window_layers=max_window_layers)
+    return edit
+
+
+BAD_CONFIGS = [  # (fixture, edit of config.json's dict (or its replacement), the message)
+    ("llama", lambda c: [c], r"config\.json: holds a JSON list, not an object"),
+    ("llama", lambda c: "llama", r"config\.json: holds a JSON str, not an object"),
+    ("llama", _set(num_attention_heads=0), r"config\.json: num_attention_heads = 0: must be > 0$"),
+    ("llama", _set(num_attention_heads=-4), r"config\.json: num_attention_heads = -4: must be > 0$"),
+    ("llama", _set(num_attention_heads="4"), r"config\.json: num_attention_heads = '4': must be an integer$"),
+    ("llama", _set(num_attention_heads=4.0), r"config\.json: num_attention_heads = 4\.0: must be an integer$"),
+    ("llama", _set(num_attention_heads=True), r"config\.json: num_attention_heads = True: must be an integer$"),
+    ("llama", _set(num_key_value_heads=3), r"config\.json: num_key_value_heads = 3: must divide "
+                                           r"num_attention_heads = 4"),
+    ("llama", _set(num_key_value_heads=0), r"config\.json: num_key_value_heads = 0: must be > 0"),
+    ("llama", _set(head_dim=15), r"config\.json: head_dim = 15: must be even for RoPE"),
+    ("llama", _set(rms_norm_eps=0), r"config\.json: rms_norm_eps = 0\.0: must be > 0"),
+    ("llama", _set(rms_norm_eps=float("nan")), r"config\.json: rms_norm_eps = nan: must be a finite number"),
+    ("llama", _set(tie_word_embeddings="false"), r"config\.json: tie_word_embeddings = 'false': must be true or "
+                                                 r"false"),
+    ("llama", _set(hidden_act=["silu"]), r"config\.json: hidden_act = \['silu'\]: must be a string"),
+    ("llama", _set(vocab_size=None), r"config\.json: no 'vocab_size', which a llama model needs"),
+    ("llama", _drop("hidden_size"), r"config\.json: no 'hidden_size', which a llama model needs"),
+    ("llama", _set(architectures=[["LlamaForCausalLM"]]), r"config\.json: architectures = .* is not supported"),
+    ("llama", _set(architectures="LlamaForCausalLM"), r"config\.json: architectures = .* is not supported"),
+    ("llama", _drop("rope_parameters.low_freq_factor"), r"config\.json: no 'rope_parameters\.low_freq_factor', "
+                                                        r"which llama3 RoPE scaling needs"),
+    ("llama", _rope(factor="8"), r"config\.json: rope_parameters\.factor = '8': must be a number$"),
+    ("llama", _rope(rope_theta=-1), r"config\.json: rope_parameters\.rope_theta = -1\.0: must be > 0"),
+    ("llama", _rope(rope_type=None, type=7), r"config\.json: rope_parameters\.type = 7: must be a string"),
+    ("llama", _rope(low_freq_factor=4.0, high_freq_factor=1.0), r"config\.json: rope_parameters\.high_freq_factor "
+                                                                r"= 1\.0: must exceed rope_parameters\.low_freq_"
+                                                                r"factor = 4\.0"),
+    ("llama", _set(rope_parameters="llama3"), r"config\.json: rope_parameters = 'llama3': must be a JSON object"),
+    ("llama", _old_rope_spelling({"type": "linear"}), r"config\.json: no 'rope_scaling\.factor', which linear RoPE "
+                                                      r"scaling needs"),
+    ("llama", _old_rope_spelling([8.0]), r"config\.json: rope_scaling = \[8\.0\]: must be a JSON object"),
+    ("mistral", _set(sliding_window=-1), r"config\.json: sliding_window = -1: must be > 0"),
+    ("mistral", _set(sliding_window="16"), r"config\.json: sliding_window = '16': must be an integer"),
+    ("qwen2", _set(use_sliding_window="yes"), r"config\.json: use_sliding_window = 'yes': must be true or false"),
+    ("qwen2", _set(use_sliding_window=True, sliding_window=8, layer_types=["sliding_attention", "full_attention"]),
+     r"config\.json: a sliding window on layers \[0\] only .* is not supported"),
+    ("qwen2", _set(use_sliding_window=True, sliding_window=8, layer_types="sliding_attention"),
+     r"config\.json: layer_types = 'sliding_attention': must list"),
+    ("qwen2", _qwen2_windows_from("1"), r"config\.json: max_window_layers = '1': must be an integer"),
+    ("qwen2", _qwen2_windows_from(1), r"config\.json: a sliding window on layers \[1\] only .* is not supported"),
+    ("gpt2", _set(n_head=0), r"config\.json: n_head = 0: must be > 0$"),
+    ("gpt2", _set(n_head=5), r"config\.json: n_head = 5: must divide n_embd = 64$"),
+    ("gpt2", _set(n_embd="64"), r"config\.json: n_embd = '64': must be an integer$"),
+    ("gpt2", _set(n_inner=0), r"config\.json: n_inner = 0: must be > 0$"),
+    ("gpt2", _set(layer_norm_epsilon="1e-5"), r"config\.json: layer_norm_epsilon = '1e-5': must be a number$"),
+    ("gpt2", _set(scale_attn_weights=False), r"config\.json: scale_attn_weights = false is not supported"),
+]
+
+
+def _case_id(name: str, message: str) -> str:  # "llama: num_attention_heads = 0: must be > 0"
+    return f"{name}: " + re.sub(r"\\(.)", r"\1", message).split("config.json: ")[1].rstrip("$")
+
+
+@pytest.mark.parametrize("name,edit,message", BAD_CONFIGS, ids=[_case_id(n, m) for n, _, m in BAD_CONFIGS])
+def test_bad_config_json_is_a_one_line_error_naming_the_key(tmp_path, name, edit, message):
+    d = damaged_copy(tmp_path, name)
+    config = json.loads((d / "config.json").read_text())
+    replaced = edit(config)
+    (d / "config.json").write_text(json.dumps(config if replaced is None else replaced))
+    one_line_error(lambda: hf.model_config(hf.read_config(d), d), message)
+
+
+def test_config_errors_reach_the_command_line_as_one_line(tmp_path, capsys):
+    """num_attention_heads = 0 used to end `jaxpar convert` in a ZeroDivisionError traceback."""
+    d = damaged_copy(tmp_path, "llama")
+    config = json.loads((d / "config.json").read_text())
+    (d / "config.json").write_text(json.dumps({**config, "num_attention_heads": 0}))
+    assert main(["convert", "--from-hf", str(d), "--to", str(tmp_path / "w")]) == 2
+    assert capsys.readouterr().err == (f"jaxpar: Hugging Face error: {d / 'config.json'}: num_attention_heads = 0: "
+                                       "must be > 0\n")
+
+
+def test_a_run_override_error_stays_a_config_error():
+    """ModelConfig errors about the run's own choices (here cuDNN attention in float32) are not config.json's."""
+    with pytest.raises(ConfigError, match="model.attention"):
+        hf.model_config(hf.read_config(FIXTURES / "llama"), FIXTURES / "llama", attention="cudnn")
+
+
+@pytest.mark.parametrize("call", ["read_config", "init_config", "import_to_workdir", "load_params",
+                                  "checkpoint_names"])
+@pytest.mark.parametrize("kind", ["missing", "file"])
+def test_a_path_that_is_not_a_directory_is_a_one_line_error(tmp_path, call, kind):
+    from jaxpar.train.state import abstract_model
+
+    path = tmp_path / "nothing"
+    if kind == "file":
+        path.write_text("{}")
+    cfg = hf.model_config(hf.read_config(FIXTURES / "gpt2"), FIXTURES / "gpt2")
+    calls = {"read_config": lambda: hf.read_config(path), "init_config": lambda: hf.init_config(Config(), path),
+             "import_to_workdir": lambda: hf.import_to_workdir(path, tmp_path / "w"),
+             "load_params": lambda: hf.load_params(path, cfg, abstract_model(cfg)[1]),
+             "checkpoint_names": lambda: hf.checkpoint_names(path)}
+    want = r"nothing: no such directory" if kind == "missing" else r"nothing: a file, not a directory"
+    one_line_error(calls[call], want)
+
+
+def _index_entry(d: pathlib.Path, file: str) -> None:
+    """Point the llama fixture's index entries for its first shard at `file`."""
+    index = json.loads((d / hf.INDEX).read_text())
+    first = "model-00001-of-00003.safetensors"
+    index["weight_map"] = {n: (file if f == first else f) for n, f in index["weight_map"].items()}
+    (d / hf.INDEX).write_text(json.dumps(index))
+
+
+@pytest.mark.parametrize("how", ["parent", "absolute", "symlink"])
+def test_weight_files_outside_the_directory_are_refused(tmp_path, how):
+    """The index is data: an entry naming `../x`, `/abs/x` or a link that leaves the directory used to be read.
+    Here the outside file is a genuine shard, so only the location check stops it."""
+    d = damaged_copy(tmp_path, "llama")
+    outside = tmp_path / "outside.safetensors"
+    shutil.move(d / "model-00001-of-00003.safetensors", outside)
+    if how == "parent":
+        _index_entry(d, "../outside.safetensors")
+    elif how == "absolute":
+        _index_entry(d, str(outside))
+    else:
+        (d / "model-00001-of-00003.safetensors").symlink_to(outside)
+    one_line_error(lambda: hf.checkpoint_names(d), rf"model\.safetensors\.index\.json: weight_map entry "
+                                                   r"'model\.embed_tokens\.weight' names '.*', which resolves to "
+                                                   rf"{re.escape(str(outside.resolve()))}, outside")
+
+
+def test_a_single_file_linked_from_outside_is_refused(tmp_path):
+    d = damaged_copy(tmp_path, "gpt2")
+    shutil.move(d / "model.safetensors", tmp_path / "elsewhere.safetensors")
+    (d / "model.safetensors").symlink_to(tmp_path / "elsewhere.safetensors")
+    one_line_error(lambda: hf.checkpoint_names(d), r"model\.safetensors: resolves to .*elsewhere\.safetensors, "
+                                                   r"outside")
+
+
+def test_hub_cache_snapshots_linking_into_blobs_are_read(tmp_path):
+    """huggingface_hub's cache stores `<repo>/snapshots/<rev>/model.safetensors` as a link to `<repo>/blobs/<sha>`:
+    that one way out of the directory stays allowed."""
+    repo = tmp_path / "models--tiny--gpt2"
+    (repo / "blobs").mkdir(parents=True)
+    snapshot = repo / "snapshots" / "0123abc"
+    snapshot.mkdir(parents=True)
+    for file in ("config.json", "model.safetensors"):
+        shutil.copyfile(FIXTURES / "gpt2" / file, repo / "blobs" / f"sha-{file}")
+        (snapshot / file).symlink_to(f"../../blobs/sha-{file}")
+    assert hf.checkpoint_names(snapshot) == hf.checkpoint_names(FIXTURES / "gpt2")
+
+
+@pytest.mark.parametrize("index,message", [
+    ([], r"not a safetensors index"), ({"weight_map": ["a"]}, r"not a safetensors index"),
+    ({"weight_map": {"model.norm.weight": 3}}, r"not a safetensors index"),
+    ({"weight_map": {"model.norm.weight": "."}}, r"weight_map entry 'model\.norm\.weight' names '\.', which is not "
+                                                 r"a regular file")])
+def test_a_malformed_index_is_a_one_line_error(tmp_path, index, message):
+    d = damaged_copy(tmp_path, "llama")
+    (d / hf.INDEX).write_text(json.dumps(index))
+    one_line_error(lambda: hf.checkpoint_names(d), rf"model\.safetensors\.index\.json: {message}")
+
+
+def test_export_refuses_a_dtype_that_is_not_a_float(tmp_path):
+    from jaxpar.train.state import abstract_model
+
+    cfg = hf.model_config(hf.read_config(FIXTURES / "gpt2"), FIXTURES / "gpt2")
+    abstract = abstract_model(cfg)[1]  # refused before any weight is read
+    one_line_error(lambda: hf.save_params(abstract, cfg, tmp_path / "out", dtype="int8"), r"dtype 'int8' cannot be "
+                                                                                           r"exported")
+    assert not (tmp_path / "out").exists()

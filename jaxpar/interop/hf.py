@@ -18,15 +18,37 @@ parallelism) are applied on the way in, exactly as checkpoints are (`jaxpar.trai
 inverse and writes safetensors shards of at most `max_shard_bytes` plus the index, so `transformers` (or jaxpar)
 loads the result with `from_pretrained`.
 
-Every problem — a damaged file, a missing tensor, a shape mismatch, an unsupported architecture or option — is an
-`HFError` naming the file and, where there is one, the tensor.
+Weight dtypes. Each tensor's dtype is read from its safetensors header before its data, and import accepts the
+floating-point kinds that hold ordinary weights: F32, F16, BF16 and F64, each converted (rounded to nearest) to the
+run's param dtype, float32, bfloat16 or float16 — as `from_pretrained(torch_dtype=...)` does. F64 is accepted because
+a float64 save (of a `.double()` model) holds the same weights at more precision than any of jaxpar's dtypes can
+keep. FP8 and the other sub-16-bit floats (F8_E4M3, F8_E5M2, F8_E8M0, F6_*, F4) are refused: they appear in
+quantized checkpoints whose per-block scales are separate tensors, and reading the raw values without them gives
+garbage. Integer, bool and complex tensors are refused too: no weight of these architectures is one, so the file is
+someone else's or damaged.
+
+Trust. A model directory is data from the internet. Only JSON and safetensors are parsed; every config.json key
+read is type-checked (a size is a positive integer, a flag true or false, …) and the ModelConfig built from it
+validated, so a bad value is a one-line error instead of a ZeroDivisionError later; and weights are read only from
+files that resolve, links followed, inside the directory — `../x.safetensors`, an absolute path or a link out in
+`model.safetensors.index.json` is refused. One exception keeps the hub cache loadable: in
+`<repo>/snapshots/<revision>/` the files may be links into `<repo>/blobs/`, which is how `huggingface_hub` stores
+them.
+
+Every problem — a missing or non-directory path, a damaged file, a config.json key that is missing, of the wrong
+type or out of range, a missing tensor, a shape or dtype mismatch, an unsupported architecture or option — is an
+`HFError` (a `JaxparError`: the CLI prints it as one line and exits 2) naming the file and, where there is one, the
+tensor or config key. Export refuses, as a ConfigError, a jaxpar model that the target architecture cannot express
+(a GPT-2 with grouped-query attention or a sliding window).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import pathlib
+import re
 import shutil
 from typing import Any, Callable
 
@@ -36,7 +58,7 @@ from flax import nnx
 from safetensors import SafetensorError, safe_open
 from safetensors.numpy import save_file
 
-from jaxpar.config import ModelConfig
+from jaxpar.config import ConfigError, ModelConfig
 from jaxpar.errors import JaxparError
 from jaxpar.sharding import ModelLayout
 
@@ -61,18 +83,72 @@ class HFError(JaxparError, ValueError):
 # config.json ⇄ ModelConfig
 
 
-def _get(hf: dict, key: str, path: pathlib.Path, default: Any = ...) -> Any:
-    if key in hf and hf[key] is not None:
-        return hf[key]
-    if default is ...:
-        raise HFError(f"{path}: no {key!r}, which a {hf.get('model_type', '?')} model needs")
-    return default
+class _Keys:
+    """Typed reads of one config.json object, or of one section of it (`prefix` 'rope_scaling.'). Each read returns
+    the value or raises an HFError naming the file and the key — the checks transformers itself makes late (a
+    ZeroDivisionError, a shape error) or never (a string "false" is true). `None` (JSON null) counts as absent, as
+    in transformers. Ranges between keys are left to ModelConfig, whose errors `model_config` renames."""
+
+    def __init__(self, d: dict, path: pathlib.Path, prefix: str = "", needed_by: str = ""):
+        self.d, self.path, self.prefix = d, path, prefix
+        self.needed_by = needed_by or f"a {d.get('model_type', '?')} model"
+
+    def bad(self, key: str, value: Any, rule: str) -> HFError:
+        return HFError(f"{self.path}: {self.prefix}{key} = {value!r}: {rule}")
+
+    def raw(self, key: str, default: Any = ...) -> Any:
+        """The value as JSON gave it, or `default` (trusted: never checked) when absent; no default: required."""
+        if self.d.get(key) is not None:
+            return self.d[key]
+        if default is ...:
+            raise HFError(f"{self.path}: no {self.prefix + key!r}, which {self.needed_by} needs; add it, or re-save "
+                          "the model with transformers")
+        return default
+
+    def integer(self, key: str, default: Any = ..., *, minimum: int = 1) -> int:
+        if self.d.get(key) is None:
+            return self.raw(key, default)
+        value = self.d[key]
+        if isinstance(value, bool) or not isinstance(value, int):  # JSON 4.0 and "4" are not sizes
+            raise self.bad(key, value, "must be an integer")
+        if value < minimum:
+            raise self.bad(key, value, f"must be > {minimum - 1}" if minimum else "must be >= 0")
+        return value
+
+    def number(self, key: str, default: Any = ...) -> float:
+        if self.d.get(key) is None:
+            return self.raw(key, default)
+        value = self.d[key]
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise self.bad(key, value, "must be a number")
+        if not math.isfinite(value):  # Python's json reads NaN and Infinity
+            raise self.bad(key, value, "must be a finite number")
+        return float(value)
+
+    def flag(self, key: str, default: Any = ...) -> bool:
+        value = self.raw(key, default)
+        if not isinstance(value, bool):
+            raise self.bad(key, value, "must be true or false")
+        return value
+
+    def text(self, key: str, default: Any = ...) -> str:
+        value = self.raw(key, default)
+        if not isinstance(value, str):
+            raise self.bad(key, value, "must be a string")
+        return value
+
+    def section(self, key: str, needed_by: str = "") -> "_Keys":
+        """The JSON object under `key` (empty when absent or null)."""
+        value = self.raw(key, {})
+        if not isinstance(value, dict):
+            raise self.bad(key, value, "must be a JSON object")
+        return _Keys(value, self.path, f"{self.prefix}{key}.", needed_by or self.needed_by)
 
 
 def architecture(hf: dict, path: pathlib.Path) -> str:
     """The single supported architecture named by config.json, or an HFError listing the supported ones."""
     archs = hf.get("architectures") or []
-    if len(archs) != 1 or archs[0] not in ARCHITECTURES:
+    if not (isinstance(archs, list) and len(archs) == 1 and isinstance(archs[0], str) and archs[0] in ARCHITECTURES):
         raise HFError(f"{path}: architectures = {archs!r} is not supported; jaxpar imports exactly one of "
                       f"{sorted(ARCHITECTURES)} (a causal LM with its config.json 'architectures' field)")
     return archs[0]
@@ -80,91 +156,144 @@ def architecture(hf: dict, path: pathlib.Path) -> str:
 
 def model_config(hf: dict, path: pathlib.Path, **overrides: Any) -> ModelConfig:
     """The jaxpar ModelConfig of a Hugging Face config.json dict read from `path` (the directory or the file, for
-    messages). `overrides` (e.g. dtype) are applied on top."""
+    messages). `overrides` (e.g. dtype) are applied on top.
+
+    Every problem is an HFError naming config.json and the Hugging Face key: a missing key, a wrong JSON type, a size
+    below 1, and — renamed from jaxpar's ConfigError — a range or cross-key rule ModelConfig enforces (heads that
+    kv heads do not divide, an odd head_dim, …). A ConfigError about an override (the run's own choice) stays one.
+    """
     path = pathlib.Path(path)
     path = path / "config.json" if path.suffix != ".json" else path
+    if not isinstance(hf, dict):
+        raise HFError(f"{path}: holds a JSON {type(hf).__name__}, not an object; a Hugging Face config.json is one "
+                      "object of settings")
     arch = architecture(hf, path)
     family, model_type = ARCHITECTURES[arch]
+    keys = _Keys(hf, path)
     if family == "gpt2":
-        act = _get(hf, "activation_function", path, "gelu_new")
+        names = _GPT2_KEYS
+        act = keys.text("activation_function", "gelu_new")
         if act not in ("gelu_new", "gelu_pytorch_tanh"):
             raise HFError(f"{path}: activation_function = {act!r} is not supported; jaxpar's GPT-2 uses the tanh "
                           "GELU ('gelu_new')")
         for key in ("scale_attn_by_inverse_layer_idx", "reorder_and_upcast_attn"):
-            if hf.get(key):
+            if keys.flag(key, False):
                 raise HFError(f"{path}: {key} = true is not supported (jaxpar's GPT-2 attention is the standard one)")
-        d_model = _get(hf, "n_embd", path)
-        fields = dict(family="gpt2", vocab_size=_get(hf, "vocab_size", path), d_model=d_model,
-                      n_layers=_get(hf, "n_layer", path), n_heads=_get(hf, "n_head", path),
-                      d_ff=_get(hf, "n_inner", path, 4 * d_model), max_seq_len=_get(hf, "n_positions", path),
-                      norm_eps=_get(hf, "layer_norm_epsilon", path, 1e-5),
-                      tie_embeddings=_get(hf, "tie_word_embeddings", path, True))
+        if not keys.flag("scale_attn_weights", True):
+            raise HFError(f"{path}: scale_attn_weights = false is not supported (jaxpar's attention always scales "
+                          "by head_dim ** -0.5)")
+        d_model, n_heads = keys.integer("n_embd"), keys.integer("n_head")
+        if d_model % n_heads:  # GPT2Attention's own rule: heads split n_embd evenly (there is no head_dim key)
+            raise keys.bad("n_head", n_heads, f"must divide n_embd = {d_model}")
+        fields = dict(family="gpt2", vocab_size=keys.integer("vocab_size"), d_model=d_model,
+                      n_layers=keys.integer("n_layer"), n_heads=n_heads, d_ff=keys.integer("n_inner", 4 * d_model),
+                      max_seq_len=keys.integer("n_positions"), norm_eps=keys.number("layer_norm_epsilon", 1e-5),
+                      tie_embeddings=keys.flag("tie_word_embeddings", True))
     else:
-        act = _get(hf, "hidden_act", path, "silu")
+        act = keys.text("hidden_act", "silu")
         if act != "silu":
             raise HFError(f"{path}: hidden_act = {act!r} is not supported; jaxpar's llama family uses SwiGLU (silu)")
         for key in ("mlp_bias", "attention_bias") if model_type == "llama" else ():
-            if hf.get(key):
+            if keys.flag(key, False):
                 raise HFError(f"{path}: {key} = true is not supported for LlamaForCausalLM (only Qwen2's q/k/v "
                               "biases are)")
-        n_heads, d_model = _get(hf, "num_attention_heads", path), _get(hf, "hidden_size", path)
-        window = 0
-        if model_type == "mistral":
-            window = int(hf.get("sliding_window") or 0)
-        elif model_type == "qwen2" and hf.get("use_sliding_window"):
-            # Qwen2 windows the layers from max_window_layers on: all of them, none, or (unsupported) some.
-            first, n_layers = hf.get("max_window_layers", 0), _get(hf, "num_hidden_layers", path)
-            if 0 < first < n_layers:
-                raise HFError(f"{path}: use_sliding_window with max_window_layers = {first} < num_hidden_layers = "
-                              f"{n_layers} (a window on some layers only) is not supported")
-            window = int(hf.get("sliding_window") or 0) if first == 0 else 0
-        fields = dict(family="llama", vocab_size=_get(hf, "vocab_size", path), d_model=d_model,
-                      n_layers=_get(hf, "num_hidden_layers", path), n_heads=n_heads,
-                      n_kv_heads=_get(hf, "num_key_value_heads", path, n_heads),
-                      head_dim=_get(hf, "head_dim", path, d_model // n_heads),
-                      d_ff=_get(hf, "intermediate_size", path),
-                      max_seq_len=_get(hf, "max_position_embeddings", path),
-                      rope_theta=float(_rope_parameters(hf).get("rope_theta", 10000.0)),
-                      norm_eps=_get(hf, "rms_norm_eps", path, 1e-6),
-                      tie_embeddings=_get(hf, "tie_word_embeddings", path, False),
-                      qkv_bias=model_type == "qwen2", sliding_window=window, **_rope_scaling(hf, path))
+        n_heads, d_model = keys.integer("num_attention_heads"), keys.integer("hidden_size")
+        n_layers = keys.integer("num_hidden_layers")
+        rope, names = _rope_fields(keys)
+        fields = dict(family="llama", vocab_size=keys.integer("vocab_size"), d_model=d_model, n_layers=n_layers,
+                      n_heads=n_heads, n_kv_heads=keys.integer("num_key_value_heads", n_heads),
+                      # transformers' own default, floor division included
+                      head_dim=keys.integer("head_dim", d_model // n_heads),
+                      d_ff=keys.integer("intermediate_size"), max_seq_len=keys.integer("max_position_embeddings"),
+                      norm_eps=keys.number("rms_norm_eps", 1e-6),
+                      tie_embeddings=keys.flag("tie_word_embeddings", False), qkv_bias=model_type == "qwen2",
+                      sliding_window=_sliding_window(keys, model_type, n_layers), **rope)
     dtype = _DTYPES.get(str(hf.get("torch_dtype") or hf.get("dtype") or "float32"), "float32")
     fields.update(param_dtype=dtype, dtype=dtype)
     fields.update(overrides)
-    return ModelConfig(**fields)
+    try:
+        return ModelConfig(**fields)
+    except ConfigError as e:
+        field = e.field.removeprefix("model.")
+        if field in overrides or field not in names:
+            raise
+        # ModelConfig speaks jaxpar's field names; the user edits config.json, so say its keys.
+        rule, fix = (re.sub(r"model\.(\w+)", lambda m: names.get(m.group(1), m.group(0)), text)
+                     for text in (e.rule, e.fix))
+        raise HFError(f"{path}: {names[field]} = {e.value!r}: {rule}; {fix}") from None
 
 
-def _rope_parameters(hf: dict) -> dict:
-    """RoPE settings in either spelling: transformers ≥ 5 nests them as `rope_parameters` (rope_theta inside),
-    older versions have top-level `rope_theta` and `rope_scaling`."""
-    if hf.get("rope_parameters"):
-        return dict(hf["rope_parameters"])
-    out = dict(hf.get("rope_scaling") or {})
-    if hf.get("rope_theta") is not None:
-        out["rope_theta"] = hf["rope_theta"]
-    return out
+# jaxpar ModelConfig field → the config.json key it comes from (for ModelConfig's errors)
+_GPT2_KEYS = dict(vocab_size="vocab_size", d_model="n_embd", n_layers="n_layer", n_heads="n_head", d_ff="n_inner",
+                  max_seq_len="n_positions", norm_eps="layer_norm_epsilon")
+_LLAMA_KEYS = dict(vocab_size="vocab_size", d_model="hidden_size", n_layers="num_hidden_layers",
+                   n_heads="num_attention_heads", n_kv_heads="num_key_value_heads", head_dim="head_dim",
+                   d_ff="intermediate_size", max_seq_len="max_position_embeddings", norm_eps="rms_norm_eps",
+                   sliding_window="sliding_window")
 
 
-def _rope_scaling(hf: dict, path: pathlib.Path) -> dict:
-    scaling = _rope_parameters(hf)
-    kind = scaling.get("rope_type", scaling.get("type"))
-    if kind in (None, "default"):
-        return {}
+def _sliding_window(keys: _Keys, model_type: str, n_layers: int) -> int:
+    """The sliding window (0: none). Mistral windows every layer when `sliding_window` is set. Qwen2 windows layer i
+    when use_sliding_window and i >= max_window_layers — or, when config.json lists `layer_types` (transformers
+    ≥ 4.53), the layers marked 'sliding_attention'; jaxpar supports all layers windowed or none."""
+    def window() -> int:  # an absent key is transformers' default (MistralConfig, Qwen2Config: 4096); null is none
+        return keys.integer("sliding_window", 0) if "sliding_window" in keys.d else 4096
+
+    if model_type == "mistral":
+        return window()
+    if model_type != "qwen2":
+        return 0
+    if not keys.flag("use_sliding_window", False):  # transformers then sets sliding_window to None
+        return 0
+    layer_types = keys.raw("layer_types", None)
+    if layer_types is not None:
+        if not isinstance(layer_types, list) or len(layer_types) != n_layers or not set(layer_types) <= {
+                "full_attention", "sliding_attention"}:
+            raise keys.bad("layer_types", layer_types, f"must list 'full_attention' or 'sliding_attention' for each "
+                           f"of the num_hidden_layers = {n_layers} layers")
+        windowed = [t == "sliding_attention" for t in layer_types]
+    else:
+        first = keys.integer("max_window_layers", 0, minimum=0)
+        windowed = [i >= first for i in range(n_layers)]
+    if any(windowed) and not all(windowed):
+        raise HFError(f"{keys.path}: a sliding window on layers {[i for i, w in enumerate(windowed) if w]} only "
+                      "(layer_types / max_window_layers) is not supported; jaxpar windows all layers or none")
+    return window() if all(windowed) else 0
+
+
+def _rope_fields(keys: _Keys) -> tuple[dict, dict]:
+    """(ModelConfig RoPE fields, their config.json key names). RoPE settings come in two spellings: transformers
+    ≥ 5 nests them as `rope_parameters` (rope_theta inside); older versions have top-level `rope_theta` and
+    `rope_scaling` (whose kind is `rope_type`, or `type` in the oldest files)."""
+    nested = keys.raw("rope_parameters", None) is not None
+    section = keys.section("rope_parameters" if nested else "rope_scaling")
+    theta_from = section if nested and section.raw("rope_theta", None) is not None else keys
+    names = dict(_LLAMA_KEYS, rope_theta=theta_from.prefix + "rope_theta", **{
+        field: section.prefix + key for field, key in (
+            ("rope_factor", "factor"), ("rope_low_freq_factor", "low_freq_factor"),
+            ("rope_high_freq_factor", "high_freq_factor"),
+            ("rope_original_max_len", "original_max_position_embeddings"))})
+    fields: dict[str, Any] = dict(rope_theta=theta_from.number("rope_theta", 10000.0))
+    kind = section.text("rope_type", section.text("type", "default"))
+    section.needed_by = f"{kind} RoPE scaling"
+    if kind == "default":
+        return fields, names
     if kind == "linear":
-        return dict(rope_scaling="linear", rope_factor=float(scaling["factor"]))
+        return dict(fields, rope_scaling="linear", rope_factor=section.number("factor")), names
     if kind == "llama3":
-        return dict(rope_scaling="llama3", rope_factor=float(scaling["factor"]),
-                    rope_low_freq_factor=float(scaling["low_freq_factor"]),
-                    rope_high_freq_factor=float(scaling["high_freq_factor"]),
-                    rope_original_max_len=int(scaling["original_max_position_embeddings"]))
-    raise HFError(f"{path}: rope_scaling type {kind!r} is not supported; jaxpar implements 'linear' and 'llama3' "
-                  "(dynamic NTK, YaRN and LongRoPE are not implemented)")
+        return dict(fields, rope_scaling="llama3", rope_factor=section.number("factor"),
+                    rope_low_freq_factor=section.number("low_freq_factor"),
+                    rope_high_freq_factor=section.number("high_freq_factor"),
+                    rope_original_max_len=section.integer("original_max_position_embeddings")), names
+    raise HFError(f"{keys.path}: {section.prefix}rope_type = {kind!r} is not supported; jaxpar implements 'linear' "
+                  "and 'llama3' (dynamic NTK, YaRN and LongRoPE are not implemented)")
 
 
 def hf_config(cfg: ModelConfig, base: dict | None = None, dtype: str | None = None) -> dict:
     """The Hugging Face config.json for `cfg`: `base` (the imported config, when there is one) updated with every
     field jaxpar knows, or a fresh one (architecture chosen by the features: GPT-2, Qwen2 for q/k/v biases,
     Mistral for a sliding window, else Llama)."""
+    _check_exportable(cfg)
     out = dict(base or {})
     dtype = dtype or cfg.param_dtype
     if cfg.family == "gpt2":
@@ -185,6 +314,12 @@ def hf_config(cfg: ModelConfig, base: dict | None = None, dtype: str | None = No
                    tie_word_embeddings=cfg.tie_embeddings, hidden_act="silu")
         if model_type == "mistral":
             out["sliding_window"] = cfg.sliding_window or None
+        elif model_type == "qwen2":
+            out.update(use_sliding_window=bool(cfg.sliding_window), sliding_window=cfg.sliding_window or None)
+            if cfg.sliding_window:  # Qwen2 windows layers i >= max_window_layers: 0 windows all of them
+                out["max_window_layers"] = 0
+            if "layer_types" in out:  # transformers >= 4.53 reads these first
+                out["layer_types"] = [("sliding" if cfg.sliding_window else "full") + "_attention"] * cfg.n_layers
         rope: dict[str, Any] = {"rope_type": "default"}
         if cfg.rope_scaling == "linear":
             rope = {"rope_type": "linear", "factor": cfg.rope_factor}
@@ -199,6 +334,24 @@ def hf_config(cfg: ModelConfig, base: dict | None = None, dtype: str | None = No
             out["rope_scaling"] = None if rope["rope_type"] == "default" else rope
     out["dtype" if "dtype" in out else "torch_dtype"] = dtype
     return out
+
+
+def _check_exportable(cfg: ModelConfig) -> None:
+    """Raise a ConfigError naming the first field of `cfg` that the Hugging Face architecture it exports as cannot
+    express: transformers would refuse the tensors' shapes or, worse, load them and compute something else."""
+    if cfg.family != "gpt2":
+        return  # Llama, Mistral (window) and Qwen2 (q/k/v biases, window) between them hold every llama option
+    why = "GPT2LMHeadModel cannot express it"
+    if cfg.n_kv_heads != cfg.n_heads:
+        raise ConfigError("model.n_kv_heads", cfg.n_kv_heads, f"must equal model.n_heads = {cfg.n_heads} to export "
+                          f"as GPT-2 ({why}: c_attn holds q, k, v of n_embd columns each)",
+                          "train gpt2 without grouped-query attention, or use the llama family")
+    if cfg.head_dim * cfg.n_heads != cfg.d_model:
+        raise ConfigError("model.head_dim", cfg.head_dim, f"must be d_model / n_heads = {cfg.d_model / cfg.n_heads:g}"
+                          f" to export as GPT-2 ({why}: there is no head_dim key)", "leave model.head_dim = 0")
+    if cfg.sliding_window:
+        raise ConfigError("model.sliding_window", cfg.sliding_window, f"must be 0 to export as GPT-2 ({why}: GPT-2 "
+                          "attends to every earlier position)", "use the llama family (exports as Mistral)")
 
 
 # -----------------------------------------------------------------------------------------------------------------
@@ -278,16 +431,57 @@ def _rules(cfg: ModelConfig, names: set[str] | None = None) -> list[Rule]:
 # Reading
 
 
+# Weight dtypes (the safetensors header's names) that import converts to the run's param dtype, and why the others
+# are refused; see the module docstring.
+FLOAT_DTYPES = ("F32", "F16", "BF16", "F64")
+
+
+def _model_dir(path: str | pathlib.Path) -> pathlib.Path:
+    """`path` as a directory, or an HFError saying it does not exist or is a file."""
+    path = pathlib.Path(path)
+    if not path.exists():
+        raise HFError(f"{path}: no such directory; pass a Hugging Face model directory (config.json + *.safetensors)")
+    if not path.is_dir():
+        raise HFError(f"{path}: a file, not a directory; pass the Hugging Face model directory that holds "
+                      "config.json and the *.safetensors weights")
+    return path
+
+
+def _inside(path: pathlib.Path, file: pathlib.Path) -> bool:
+    """True when weight file `file`, with every link followed, lies inside model directory `path` — or, for a
+    snapshot of the Hugging Face hub cache (`<repo>/snapshots/<revision>/`, whose files are links to
+    `<repo>/blobs/<sha256>`), inside that repository's blobs."""
+    root, target = path.resolve(), file.resolve()
+    allowed = [root]
+    if root.parent.name == "snapshots":
+        allowed.append(root.parent.parent / "blobs")
+    return any(target.is_relative_to(r) for r in allowed)
+
+
+def _check_dtype(file: pathlib.Path, name: str, dtype: str) -> None:
+    """Raise an HFError unless safetensors dtype `dtype` (e.g. 'F32', 'I32') is one import reads as a weight."""
+    if dtype in FLOAT_DTYPES:
+        return
+    if dtype.startswith("F"):  # F8_E4M3, F8_E5M2, F8_E8M0, F6_*, F4: quantized formats
+        why = ("a quantized low-precision float, whose scales are separate tensors that jaxpar does not apply; use "
+               "the model's bfloat16/float16/float32 release, or dequantize it first")
+    else:  # I*, U*, BOOL, C64: not weights of these architectures
+        why = ("not a floating-point weight: the file is not this model's checkpoint, or its header is damaged; "
+               "re-download or re-save it")
+    raise HFError(f"{file}: tensor {name!r} has dtype {dtype}; jaxpar imports weights stored as "
+                  f"{', '.join(FLOAT_DTYPES)} — {why}")
+
+
 class SafetensorsDir:
-    """The tensors of a Hugging Face directory by name, across shards, read lazily (memory-mapped) one at a time."""
+    """The tensors of a Hugging Face directory by name, across shards, read lazily (memory-mapped) one at a time.
+
+    Only files that resolve inside the directory are opened (see `_inside`): a `model.safetensors.index.json` is
+    data from the internet, and its weight_map could otherwise name `../../x`, `/dev/zero` or a link out."""
 
     def __init__(self, path: pathlib.Path):
-        self.path = path
+        self.path = path = _model_dir(path)
         if (path / INDEX).is_file():
-            try:
-                weight_map = json.loads((path / INDEX).read_text())["weight_map"]
-            except (ValueError, KeyError) as e:
-                raise HFError(f"{path / INDEX}: not a safetensors index ({e}); re-save the model") from None
+            weight_map = self._read_index(path / INDEX)
         elif (path / SINGLE).is_file():
             weight_map = None
         else:
@@ -297,15 +491,41 @@ class SafetensorsDir:
             raise HFError(f"{path}: no {SINGLE} or {INDEX}{hint}")
         self._files: dict[str, Any] = {}
         if weight_map is None:
+            self._check_inside(SINGLE, f"{path / SINGLE}:")
             self.where = {name: SINGLE for name in self._open(SINGLE).keys()}
         else:
-            self.where = dict(weight_map)
+            self.where = weight_map
+            for file in sorted(set(self.where.values())):
+                listed = sorted(n for n, f in self.where.items() if f == file)
+                self._check_inside(file, f"{path / INDEX}: weight_map entry {listed[0]!r} names {file!r}, which")
             for file in sorted(set(self.where.values())):
                 present = set(self._open(file).keys())
                 listed = {n for n, f in self.where.items() if f == file}
                 if listed - present:
                     raise HFError(f"{path / file}: tensor {sorted(listed - present)[0]!r} is listed in {INDEX} but "
                                   "missing from the file; the download is incomplete")
+
+    @staticmethod
+    def _read_index(file: pathlib.Path) -> dict[str, str]:
+        """The index's weight_map (tensor name → file name), checked to be one."""
+        try:
+            index = json.loads(file.read_text())
+        except (ValueError, OSError) as e:
+            raise HFError(f"{file}: not a safetensors index ({e}); re-save the model") from None
+        weight_map = index.get("weight_map") if isinstance(index, dict) else None
+        if not isinstance(weight_map, dict) or not all(isinstance(f, str) for f in weight_map.values()):
+            raise HFError(f"{file}: not a safetensors index (it needs a 'weight_map' object of tensor name → file "
+                          "name); re-save the model")
+        return dict(weight_map)
+
+    def _check_inside(self, file: str, entry: str) -> None:
+        """Refuse weight file `file` unless it is a regular file inside the directory (`entry`: who named it)."""
+        where = self.path / file
+        if not _inside(self.path, where):
+            raise HFError(f"{entry} resolves to {where.resolve()}, outside {self.path}; jaxpar reads weights only "
+                          "from files inside the model directory")
+        if where.exists() and not where.is_file():
+            raise HFError(f"{entry} is not a regular file; a weight file must be a .safetensors file in {self.path}")
 
     def _open(self, file: str):
         if file not in self._files:
@@ -324,13 +544,16 @@ class SafetensorsDir:
         return set(self.where)
 
     def get(self, name: str, shape: tuple[int, ...] | None = None) -> np.ndarray:
-        """Tensor `name` as a NumPy array (checked against `shape` when given)."""
+        """Tensor `name` as a NumPy array in its stored dtype, checked against `shape` when given and, from the
+        header before any data is read, against FLOAT_DTYPES."""
         if name not in self.where:
             raise HFError(f"{self.path}: tensor {name!r} is missing from the checkpoint")
         file = self.where[name]
         try:
+            header = self._open(file).get_slice(name)
+            _check_dtype(self.path / file, name, header.get_dtype())
             x = self._open(file).get_tensor(name)
-        except (SafetensorError, OSError) as e:
+        except (SafetensorError, OSError, TypeError) as e:  # TypeError: a dtype NumPy cannot hold
             raise HFError(f"{self.path / file}: tensor {name!r} could not be read ({e})") from None
         if shape is not None and tuple(x.shape) != tuple(shape):
             raise HFError(f"{self.path / file}: tensor {name!r} has shape {tuple(x.shape)}, but config.json implies "
@@ -339,26 +562,35 @@ class SafetensorsDir:
 
 
 def read_config(path: str | pathlib.Path) -> dict:
-    """config.json of a Hugging Face directory, as a dict (HFError if missing or not JSON)."""
-    file = pathlib.Path(path) / "config.json"
+    """config.json of a Hugging Face directory, as a dict (HFError if the directory or file is missing, or the file
+    is not one JSON object)."""
+    file = _model_dir(path) / "config.json"
     try:
-        return json.loads(file.read_text())
+        hf = json.loads(file.read_text())
     except FileNotFoundError:
         raise HFError(f"{file}: not found — is {path} a Hugging Face model directory?") from None
-    except ValueError as e:
+    except (ValueError, OSError) as e:  # UnicodeDecodeError is a ValueError; a directory named config.json an OSError
         raise HFError(f"{file}: not valid JSON ({e})") from None
+    if not isinstance(hf, dict):
+        raise HFError(f"{file}: holds a JSON {type(hf).__name__}, not an object; a Hugging Face config.json is one "
+                      "object of settings")
+    return hf
 
 
 def is_hf_dir(path: str | pathlib.Path) -> bool:
     """True when `path` looks like a Hugging Face model directory (config.json with 'architectures' or
-    'model_type'), not a jaxpar workdir."""
-    file = pathlib.Path(path) / "config.json"
+    'model_type', or a config.json that is no JSON object beside safetensors weights — read_config then says what
+    is wrong), not a jaxpar workdir."""
+    path = pathlib.Path(path)
+    file = path / "config.json"
     if not file.is_file():
         return False
     try:
         cfg = json.loads(file.read_text())
-    except ValueError:
+    except (ValueError, OSError):
         return False
+    if not isinstance(cfg, dict):
+        return (path / SINGLE).exists() or (path / INDEX).exists()
     return "architectures" in cfg or "model_type" in cfg
 
 
@@ -462,6 +694,11 @@ def save_params(params: nnx.State, cfg: ModelConfig, path: str | pathlib.Path, *
     tensors' dtype (default: the params'). `names`: the imported checkpoint's tensor names, to keep GPT-2's prefix.
     Parameters are fetched one layer at a time."""
     path = pathlib.Path(path)
+    if dtype is not None and dtype not in _DTYPES:
+        raise HFError(f"{path}: dtype {dtype!r} cannot be exported; use one of {sorted(_DTYPES)}")
+    if path.exists() and not path.is_dir():
+        raise HFError(f"{path}: a file, not a directory; pass a new or existing directory to write the model to")
+    _check_exportable(cfg)  # before any file is written
     path.mkdir(parents=True, exist_ok=True)
     flat: dict[str, Any] = {}
     jax.tree_util.tree_map_with_path(lambda kp, x: flat.__setitem__(".".join(str(k.key) for k in kp), x),
@@ -543,8 +780,6 @@ def init_config(config, path: str | pathlib.Path):
 
 def check_matches(cfg: ModelConfig, path: str | pathlib.Path) -> None:
     """Raise ConfigError naming the first model field where `cfg` differs from the HF directory's config.json."""
-    from jaxpar.config import ConfigError
-
     path = pathlib.Path(path)
     want = model_config(read_config(path), path, **{k: getattr(cfg, k) for k in _NUMERICS})
     for field in dataclasses.fields(ModelConfig):
@@ -587,8 +822,10 @@ def export_workdir(src: str | pathlib.Path, dst: str | pathlib.Path, *, step: in
     src = pathlib.Path(src)
     config, params, step = checkpoint.read_canonical(src, step)
     source = json.loads((src / SOURCE).read_text()) if (src / SOURCE).is_file() else {}
-    tokenizer = pathlib.Path(config.data.tokenizer)
+    # The byte tokenizer has no file to copy (and "bytes" must not be read as a path relative to the cwd).
+    tokenizer = pathlib.Path(config.data.tokenizer) if config.data.tokenizer != "bytes" else None
     save_params(params, config.model, dst, base_config=source.get("config"), dtype=dtype,
-                tokenizer=(tokenizer if tokenizer.is_dir() else tokenizer.parent) if tokenizer.exists() else None,
+                tokenizer=(tokenizer if tokenizer.is_dir() else tokenizer.parent) if tokenizer and tokenizer.exists()
+                else None,
                 max_shard_bytes=max_shard_bytes, names=set(source.get("tensor_names", ())) or None)
     return step
