@@ -170,11 +170,7 @@ def _launch(args, overrides: list[str]) -> int:
         command = command[1:]
     # The child command's own --config.* overrides were pulled out with ours; they belong to it.
     command += [f"--config.{o}" for o in overrides]
-    try:
-        return launch(command, args.processes, args.devices_per_process, port=args.port, grace_s=args.grace)
-    except ValueError as e:
-        print(f"jaxpar: launch error: {e}", file=sys.stderr)
-        return 2
+    return launch(command, args.processes, args.devices_per_process, port=args.port, grace_s=args.grace)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -32,6 +32,8 @@ import threading
 import time
 from collections.abc import Sequence
 
+from jaxpar.errors import UsageError
+
 
 def free_port() -> int:
     """A TCP port that was free a moment ago on 127.0.0.1 (the coordinator binds it in process 0)."""
@@ -86,11 +88,11 @@ def launch(command: Sequence[str], processes: int, devices_per_process: int = 1,
     `grace_s` seconds to exit on their own, then SIGKILL). SIGINT/SIGTERM to the launcher are forwarded.
     """
     if processes < 1:
-        raise ValueError(f"--processes = {processes}: must be >= 1")
+        raise UsageError(f"--processes = {processes}: must be >= 1")
     if devices_per_process < 1:
-        raise ValueError(f"--devices-per-process = {devices_per_process}: must be >= 1")
+        raise UsageError(f"--devices-per-process = {devices_per_process}: must be >= 1")
     if not command:
-        raise ValueError("no command to launch. Fix: jaxpar launch --processes 2 -- jaxpar train --config ...")
+        raise UsageError("no command to launch. Fix: jaxpar launch --processes 2 -- jaxpar train --config ...")
     argv = _resolve_command(command)
     coordinator = f"127.0.0.1:{port or free_port()}"
     base = dict(os.environ if env is None else env)

@@ -314,8 +314,11 @@ CASES = [
     Case("schedule-microbatches", "schedule --pipe 2 --microbatches 3", "parallel.microbatches"),
     Case("schedule-unwritable-png", "schedule --pipe 2 --microbatches 4 --png {file}/x.png", "--png"),
     Case("schedule-missing-flag", "schedule --pipe 2", "--microbatches"),
-    Case("launch-zero-processes", "launch --processes 0 -- jaxpar train --config configs/tiny.py", "processes"),
-    Case("launch-no-command", "launch --processes 2", "command"),
+    Case("launch-zero-processes", "launch --processes 0 -- jaxpar train --config configs/tiny.py", "--processes",
+         lambda c, t: __import__("jaxpar.launch").launch.launch(["jaxpar", "train"], 0, 1)),
+    Case("launch-zero-devices", "launch --processes 2 --devices-per-process 0 -- jaxpar train", "--devices-per-process"),
+    Case("launch-no-command", "launch --processes 2", "no command",
+         lambda c, t: __import__("jaxpar.launch").launch.launch([], 2, 1)),
     Case("no-command", "", "command"),
     Case("unknown-command", "fly", "fly"),
 ]

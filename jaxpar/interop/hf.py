@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import math
 import pathlib
 import re
@@ -692,14 +693,42 @@ def save_params(params: nnx.State, cfg: ModelConfig, path: str | pathlib.Path, *
     Hugging Face directory `path`: config.json, safetensors shards of at most `max_shard_bytes` (one
     `model.safetensors` when it fits, else shards plus the index), and tokenizer.json when given. `dtype`: the
     tensors' dtype (default: the params'). `names`: the imported checkpoint's tensor names, to keep GPT-2's prefix.
-    Parameters are fetched one layer at a time."""
+    Parameters are fetched one layer at a time. The files are written into a temporary sibling directory and moved
+    into place when complete, so a crash never leaves a half-written model under `path`."""
     path = pathlib.Path(path)
     if dtype is not None and dtype not in _DTYPES:
         raise HFError(f"{path}: dtype {dtype!r} cannot be exported; use one of {sorted(_DTYPES)}")
     if path.exists() and not path.is_dir():
         raise HFError(f"{path}: a file, not a directory; pass a new or existing directory to write the model to")
     _check_exportable(cfg)  # before any file is written
-    path.mkdir(parents=True, exist_ok=True)
+    final, path = path, path.parent / f".{path.name}.partial-{os.getpid()}"
+    shutil.rmtree(path, ignore_errors=True)
+    path.mkdir(parents=True)
+    try:
+        _write_files(params, cfg, path, base_config=base_config, dtype=dtype, tokenizer=tokenizer,
+                     max_shard_bytes=max_shard_bytes, names=names)
+        _publish(path, final)
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
+    return final
+
+
+def _publish(tmp: pathlib.Path, final: pathlib.Path) -> None:
+    """Move a finished export into place: one rename when `final` is new or empty (a crash leaves either nothing or
+    the whole model), else file by file over an existing export (stale weight files removed first)."""
+    if final.is_dir() and not any(final.iterdir()):
+        final.rmdir()
+    if not final.exists():
+        os.replace(tmp, final)
+        return
+    for old in list(final.glob("model*.safetensors")) + [final / INDEX]:
+        old.unlink(missing_ok=True)
+    for file in sorted(tmp.iterdir(), key=lambda f: f.name == "config.json"):  # config.json last
+        os.replace(file, final / file.name)
+
+
+def _write_files(params: nnx.State, cfg: ModelConfig, path: pathlib.Path, *, base_config, dtype, tokenizer,
+                 max_shard_bytes: int, names) -> None:
     flat: dict[str, Any] = {}
     jax.tree_util.tree_map_with_path(lambda kp, x: flat.__setitem__(".".join(str(k.key) for k in kp), x),
                                      nnx.to_pure_dict(params))
@@ -728,8 +757,6 @@ def save_params(params: nnx.State, cfg: ModelConfig, path: str | pathlib.Path, *
             size = 0
         shards[-1][name] = x
         size += x.nbytes
-    for old in list(path.glob("model*.safetensors")) + [path / INDEX]:
-        old.unlink(missing_ok=True)
     metadata = {"format": "pt"}  # transformers refuses safetensors files without it
     if len(shards) == 1:
         save_file(shards[0], str(path / SINGLE), metadata=metadata)
@@ -749,7 +776,6 @@ def save_params(params: nnx.State, cfg: ModelConfig, path: str | pathlib.Path, *
         for file in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json"):
             if (src / file).is_file():
                 shutil.copyfile(src / file, path / file)
-    return path
 
 
 def checkpoint_names(path: str | pathlib.Path) -> set[str]:
