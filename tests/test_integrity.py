@@ -255,3 +255,18 @@ def test_a_crash_during_hugging_face_export_leaves_nothing_half_written(tmp_path
     monkeypatch.setattr(hf, "save_file", real)
     hf.save_params(params, cfg, tmp_path / "out", max_shard_bytes=100_000)
     assert (tmp_path / "out" / hf.INDEX).is_file() and (tmp_path / "out" / "config.json").is_file()
+
+
+def test_metrics_of_redone_steps_are_superseded_not_duplicated(six_steps, tmp_path):
+    """After a fallback the redone steps are logged once in metrics.jsonl; the lost run's lines move aside."""
+    pristine, _ = six_steps
+    workdir = copy_of(pristine, tmp_path / "w")
+    for step in (6, 5):
+        import shutil
+
+        shutil.rmtree(workdir / "checkpoints" / str(step))  # as if the run had died after logging steps 5 and 6
+    run_fit(workdir, "train.steps=6", "checkpoint.every=1", "checkpoint.keep=10")
+    steps = [json.loads(line)["step"] for line in (workdir / "metrics.jsonl").read_text().splitlines()]
+    assert steps == sorted(set(steps)) and steps[-1] == 6
+    superseded = [json.loads(line)["step"] for line in (workdir / "metrics.superseded.jsonl").read_text().splitlines()]
+    assert superseded == [5, 6]

@@ -5,15 +5,40 @@ few steps into WORKDIR/profile."""
 from __future__ import annotations
 
 import json
+import os
 import pathlib
 
 import jax
 from tqdm import tqdm  # plain text bar: works in terminals, logs and notebooks (no ipywidgets)
 
 
+def _supersede(path: pathlib.Path, initial_step: int) -> None:
+    """Move the records of metrics.jsonl with step > initial_step to metrics.superseded.jsonl (atomic rewrite)."""
+    if not path.is_file():
+        return
+    keep, later = [], []
+    for line in path.read_text().splitlines(keepends=True):
+        try:
+            step = json.loads(line).get("step", 0)
+        except (ValueError, AttributeError):  # a line cut short by a crash: superseded too
+            step = initial_step + 1
+        (later if not isinstance(step, int) or step > initial_step else keep).append(line)
+    if not later:
+        return
+    with open(path.with_name("metrics.superseded.jsonl"), "a") as f:
+        f.writelines(line if line.endswith("\n") else line + "\n" for line in later)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text("".join(keep))
+    os.replace(tmp, path)
+
+
 class MetricsWriter:
     """Process 0's metrics: one JSON object per logged step in WORKDIR/metrics.jsonl, TensorBoard scalars, and the
-    progress bar. Other processes write nothing."""
+    progress bar. Other processes write nothing.
+
+    A run that resumes at `initial_step` first moves the records of later steps — work of a run that crashed or fell
+    back before saving it, which this run is about to redo — to metrics.superseded.jsonl, so metrics.jsonl stays one
+    record per step in order and nothing logged is lost."""
 
     def __init__(self, workdir: str | pathlib.Path, total_steps: int, initial_step: int = 0, progress: bool = True):
         self.active = jax.process_index() == 0
@@ -22,6 +47,7 @@ class MetricsWriter:
         if not self.active:
             return
         self.workdir.mkdir(parents=True, exist_ok=True)
+        _supersede(self.workdir / "metrics.jsonl", initial_step)
         self._jsonl = open(self.workdir / "metrics.jsonl", "a")
         from tensorboardX import SummaryWriter  # imported lazily: it is slow to import
 
