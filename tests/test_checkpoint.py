@@ -9,10 +9,9 @@ from flax import nnx
 
 from jaxpar.config import load_config
 from jaxpar.mesh import make_mesh
-from jaxpar.sharding import model_layout, param_shardings
-from jaxpar.train import fit
-from jaxpar.train.checkpoint import restore_params, to_canonical
-from jaxpar.train.state import abstract_model
+from jaxpar.sharding import model_layout
+from jaxpar.train import build_trainer, checkpoint, fit
+from jaxpar.train.checkpoint import to_canonical
 
 MODEL = ["model.d_model=48", "model.n_layers=4", "model.n_heads=4", "model.n_kv_heads=2", "train.batch_size=16",
          "train.seq_len=32", "train.log_every=1", "train.eval_every=0", "train.eval_batches=1", "train.warmup_steps=2"]
@@ -46,6 +45,24 @@ def canonical_host(params, config, mesh):
     return jax.tree.map(np.asarray, nnx.to_pure_dict(to_canonical(params, layout, config.model.vocab_size)))
 
 
+def canonical_state(state, config, mesh) -> dict:
+    """The whole train state on the host in canonical form: step, parameters, and every leaf of the optimizer state
+    by its path — Adam's moments (`….mu`, `….nu`: parameter-shaped States, canonicalised like the parameters) and
+    counts."""
+    is_state = lambda x: isinstance(x, nnx.State)  # noqa: E731
+    opt = {jax.tree_util.keystr(path): canonical_host(x, config, mesh) if is_state(x) else np.asarray(x)
+           for path, x in jax.tree_util.tree_flatten_with_path(state.opt_state, is_leaf=is_state)[0]}
+    assert sorted(k.rpartition(".")[2] for k, x in opt.items() if isinstance(x, dict)) == ["mu", "nu"], list(opt)
+    return {"step": np.asarray(state.step), "params": canonical_host(state.params, config, mesh), "opt_state": opt}
+
+
+def assert_states_equal(got: dict, want: dict) -> None:
+    """Bit for bit, leaf by leaf (canonical_state's dicts); the message names the leaf."""
+    assert jax.tree.structure(got) == jax.tree.structure(want)
+    for (path, g), w in zip(jax.tree_util.tree_flatten_with_path(got)[0], jax.tree.leaves(want)):
+        np.testing.assert_array_equal(g, w, err_msg=jax.tree_util.keystr(path))
+
+
 # Writer → reader pairs. A checkpoint is canonical (model layer order, unpadded vocab), so writing and reading are
 # independent maps through that one format: every writer and every reader layout appears, not every product.
 PAIRS = [("(2,2,2) v=2", "(1,2,4) v=1"), ("(2,2,2) v=2", "single device"), ("(2,2,2) v=2", "(4,1,2) zero=3"),
@@ -54,28 +71,43 @@ PAIRS = [("(2,2,2) v=2", "(1,2,4) v=1"), ("(2,2,2) v=2", "single device"), ("(2,
 
 
 @pytest.fixture(scope="module")
-def written(request, tmp_path_factory):
-    """Three steps at the source layout, checkpointed; and the source's own fourth step for comparison."""
-    source = request.param
-    workdir = tmp_path_factory.mktemp("ckpt")
-    result = run(source, workdir / "src", 3)
-    shutil.copytree(workdir / "src", workdir / "cont")
-    fourth = run(source, workdir / "cont", 4).history[-1]["loss"]
-    return source, workdir, canonical_host(result.state.params, result.config, result.mesh), fourth
+def written(tmp_path_factory):
+    """source -> (workdir, its final state on the host, canonical, the source's own fourth loss): three steps at the
+    source layout, checkpointed, then a fourth from that checkpoint. Written once per source and module (a fixture
+    parametrized by the pairs would be set up again for every pair)."""
+    cache = {}
+
+    def write(source):
+        if source not in cache:
+            workdir = tmp_path_factory.mktemp("ckpt")
+            result = run(source, workdir / "src", 3)
+            shutil.copytree(workdir / "src", workdir / "cont")
+            fourth = run(source, workdir / "cont", 4).history[-1]["loss"]
+            cache[source] = workdir, canonical_state(result.state, result.config, result.mesh), fourth
+        return cache[source]
+
+    return write
 
 
-@pytest.mark.parametrize("written,target", PAIRS, indirect=["written"])
-def test_restore_onto_another_layout(written, target, tmp_path):
-    source, workdir, params, fourth = written
+@pytest.mark.parametrize("source,target", PAIRS)
+def test_restore_onto_another_layout(written, source, target, tmp_path):
+    """Parameters, Adam's moments and the step restore bit for bit at the target layout (the training reader and the
+    params-only reader of inference/convert), and training continues there to the source's own fourth loss."""
+    workdir, want, fourth = written(source)
     config = config_at(target, 4).resolve_for_devices(LAYOUTS[target][1])
     mesh = make_mesh(config.parallel, jax.devices()[: LAYOUTS[target][1]])
-    layout = model_layout(config.model, config.parallel, mesh)
-    _, abstract = abstract_model(config.model, layout.padded_vocab)
-    restored, step = restore_params(workdir / "src", abstract, layout, config.model.vocab_size,
-                                    param_shardings(abstract, mesh, layout.rules, layout.param_zero_data))
+    like = build_trainer(config, mesh, abstract=True)  # the target's state layout and shardings; nothing allocated
+    mngr = checkpoint.manager(workdir / "src")
+    try:
+        state, _ = checkpoint.restore_train(mngr, like.state, like.shardings, like.layout, config.model.vocab_size)
+    finally:
+        mngr.close()
+    assert int(state.step) == 3
+    assert_states_equal(canonical_state(state, config, mesh), want)
+    params, step = checkpoint.restore_params(workdir / "src", like.state.params, like.layout, config.model.vocab_size,
+                                             like.shardings.params)
     assert step == 3
-    jax.tree.map(np.testing.assert_array_equal, canonical_host(restored, config, mesh), params)  # bit for bit
-    # The whole training state (optimizer moments, step, data position) continues on the new layout.
+    assert_states_equal(canonical_host(params, config, mesh), want["params"])
     shutil.copytree(workdir / "src", tmp_path / "run")
     history = run(target, tmp_path / "run", 4).history
     assert [r["step"] for r in history] == [4]
@@ -83,13 +115,14 @@ def test_restore_onto_another_layout(written, target, tmp_path):
 
 
 def test_resume_after_a_clean_stop_is_bitwise_equal(tmp_path):
-    """2 steps, stop, 2 more from the checkpoint == 4 steps in one go (same layout): every parameter bit for bit."""
+    """2 steps, stop, 2 more from the checkpoint == 4 steps in one go (same layout): parameters, Adam's moments and
+    step bit for bit."""
     whole = run("(2,2,2) v=2", tmp_path / "whole", 4)
     run("(2,2,2) v=2", tmp_path / "split", 2)
     resumed = run("(2,2,2) v=2", tmp_path / "split", 4)
     assert [r["step"] for r in resumed.history] == [3, 4]
-    jax.tree.map(np.testing.assert_array_equal, canonical_host(resumed.state.params, resumed.config, resumed.mesh),
-                 canonical_host(whole.state.params, whole.config, whole.mesh))
+    assert_states_equal(canonical_state(resumed.state, resumed.config, resumed.mesh),
+                        canonical_state(whole.state, whole.config, whole.mesh))
 
 
 def test_convert_exports_params_that_generate_reads(tmp_path):
@@ -113,15 +146,21 @@ def opt_state_bytes_on_device_0(state) -> int:
     return sum(shard.data.nbytes for x in moments for shard in x.addressable_shards if shard.device == jax.devices()[0])
 
 
-@pytest.mark.parametrize("zero", [1, 3])
-def test_zero_shards_optimizer_state_and_trains_the_same(zero, tmp_path):
+ZERO_BASE = ["parallel.data=4", "parallel.pipe=1", "parallel.tensor=2", "parallel.repeats=1",
+             "parallel.microbatches=1", "train.steps=3"]
 
-    base = ["parallel.data=4", "parallel.pipe=1", "parallel.tensor=2", "parallel.repeats=1", "parallel.microbatches=1",
-            "train.steps=3"]
-    plain = run_config(base, tmp_path / "plain")
-    sharded = run_config(base + [f"parallel.zero={zero}"], tmp_path / "zero")
-    np.testing.assert_allclose([r["loss"] for r in sharded.history], [r["loss"] for r in plain.history], rtol=1e-5)
-    ratio = opt_state_bytes_on_device_0(sharded.state) / opt_state_bytes_on_device_0(plain.state)
+
+@pytest.fixture(scope="module")
+def zero0(tmp_path_factory):
+    """The zero=0 run both ZeRO stages are compared with (run once)."""
+    return run_config(ZERO_BASE, tmp_path_factory.mktemp("zero0"))
+
+
+@pytest.mark.parametrize("zero", [1, 3])
+def test_zero_shards_optimizer_state_and_trains_the_same(zero, zero0, tmp_path):
+    sharded = run_config(ZERO_BASE + [f"parallel.zero={zero}"], tmp_path / "zero")
+    np.testing.assert_allclose([r["loss"] for r in sharded.history], [r["loss"] for r in zero0.history], rtol=1e-5)
+    ratio = opt_state_bytes_on_device_0(sharded.state) / opt_state_bytes_on_device_0(zero0.state)
     print(f"zero={zero}: optimizer-state bytes per device = {ratio:.3f} of zero=0 at data=4")
     assert ratio <= 1.02 / 4
     wq = sharded.state.params["blocks"]["wq"][...]

@@ -487,10 +487,8 @@ def test_every_field_has_help(section):
 # ---------------------------------------------------------------------------------------------------------------------
 # The command line: a bad config is one line on stderr and exit status 2, never a traceback.
 
-_CLI = ROOT / "jaxpar" / "cli.py"
 
 
-@pytest.mark.skipif(not _CLI.exists(), reason="jaxpar/cli.py has not landed yet")
 @pytest.mark.parametrize(
     "flag, field",
     [("--config.model.n_heads=3", "model.n_heads"), ("--config.model.d_modle=64", "model.d_modle")],

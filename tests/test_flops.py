@@ -6,7 +6,8 @@ matrix and masks it afterwards, so a compiled step is compared with `hardware_fl
 
 Loops: XLA's `cost_analysis()` counts a while-loop body once, whatever its trip count, and the layers run under a
 scan. So `cost_analysis()` is compared at n_layers = 1 (the one body is the whole model; it also counts elementwise
-work, hence 5%) and, more tightly, with the HLO's matmul count (`jaxpar.analysis.dot_flops`, which multiplies loop
+work — norms, softmax, activations, Adam — so it reads 1–2% above the matmul formula: 1.8% for both cases here)
+and, more tightly, with the HLO's matmul count (`jaxpar.analysis.dot_flops`, which multiplies loop
 bodies by their trip counts: tests/test_analysis.py checks it at several layers).
 """
 
@@ -42,7 +43,7 @@ def test_train_flops_match_cost_analysis(overrides, remat):
     want = flops.hardware_flops_per_token(config.model, S, remat=remat, full_attention=True) * B * S
     got = cost(compiled)["flops"]
     print(f"cost_analysis {got / 1e9:.4f} GFLOP, formula {want / 1e9:.4f} GFLOP, ratio {got / want:.4f}")
-    assert got == pytest.approx(want, rel=0.05)
+    assert want <= got <= 1.02 * want  # the matmuls, plus under 2% of elementwise work
     # The matmuls alone agree exactly; the model FLOPs (causal pairs, no recomputation) are fewer.
     assert dot_flops(compiled) == pytest.approx(want, rel=1e-3)
     assert flops.train_flops_per_token(config.model, S) * B * S < want

@@ -10,6 +10,8 @@ from flax import nnx
 from jaxpar.config import ModelConfig
 from jaxpar.model import Transformer, count_params
 
+from _parity import assert_grads_match
+
 # Prime sizes where a mix-up of two dims would still type-check with round numbers.
 PRIME = dict(vocab_size=263, d_model=22, n_layers=3, n_heads=6, n_kv_heads=2, head_dim=6, d_ff=13, max_seq_len=11)
 
@@ -192,7 +194,7 @@ def test_remat_matches_no_remat_in_value_and_grads(policy):
     l0, g0 = jax.value_and_grad(loss)(params, "none")
     l1, g1 = jax.value_and_grad(loss)(params, policy)
     np.testing.assert_allclose(l0, l1, rtol=1e-6)
-    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7), g0, g1)
+    assert_grads_match(g1, g0)
 
 
 def test_bf16_compute_keeps_float32_params_and_logits():

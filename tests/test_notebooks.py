@@ -1,12 +1,10 @@
 """Every notebook runs top to bottom, and its .ipynb is the clean twin of its jupytext .py (the source of truth)."""
 
 import pathlib
-import time
 
+import jupytext  # dev dependencies (pyproject's [dev]): a missing one fails here instead of skipping every notebook
+import nbclient
 import pytest
-
-jupytext = pytest.importorskip("jupytext")
-nbclient = pytest.importorskip("nbclient")
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 SOURCES = sorted((ROOT / "notebooks").glob("[0-9][0-9]_*.py"))
@@ -26,11 +24,12 @@ def test_notebook_is_paired_and_clean(source):
 
 
 @pytest.mark.parametrize("source", SOURCES, ids=[s.stem for s in SOURCES])
-def test_notebook_executes_within_two_minutes(source):
-    nb = jupytext.read(source)
-    start = time.perf_counter()
-    nbclient.NotebookClient(nb, timeout=300, kernel_name="python3",
+def test_notebook_executes(source):
+    """Top to bottom without an error (a failing cell raises CellExecutionError naming it). How long each takes is
+    a benchmark: `python -m bench.notebooks`."""
+    nbclient.NotebookClient(jupytext.read(source), timeout=300, kernel_name="python3",
                             resources={"metadata": {"path": str(ROOT / "notebooks")}}).execute()
-    seconds = time.perf_counter() - start
-    print(f"{source.name}: {seconds:.1f} s")
-    assert seconds <= 120, f"{source.name} took {seconds:.0f} s; notebooks must stay under 2 minutes"
+
+
+def test_there_are_notebooks():
+    assert SOURCES, ROOT / "notebooks"  # a moved folder or renamed files would otherwise leave nothing to run

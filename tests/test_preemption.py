@@ -54,19 +54,31 @@ def wait_for_metrics(workdir, lines, proc, timeout=240):
 
 
 def test_sigkill_at_a_random_moment_then_resume_is_bitwise_equal(tmp_path):
+    """SIGKILL at a random moment — after a random number of logged steps, at least 5 before the end, plus a random
+    part of the time one more takes (mid-step, mid-async-save, …) — that must land while the run is going; resuming
+    then ends with the parameters of an uninterrupted run, bit for bit."""
     steps = 30
     whole = subprocess.run(train_cmd(tmp_path / "whole", steps), cwd=ROOT, env=ENV, capture_output=True, text=True,
                            timeout=600)
     assert whole.returncode == 0, whole.stderr[-2000:]
 
     killed = tmp_path / "killed"
+    rng = random.Random(os.getpid())
+    logged = rng.randint(3, steps - 5)
     proc = subprocess.Popen(train_cmd(killed, steps), cwd=ROOT, env=ENV, stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL)
-    wait_for_metrics(killed, 2, proc)
-    time.sleep(random.Random(os.getpid()).uniform(0.0, 2.5))  # anywhere: mid-step, mid-async-save, ...
+    wait_for_metrics(killed, logged - 1, proc)
+    start = time.perf_counter()
+    wait_for_metrics(killed, logged, proc)
+    one_step = time.perf_counter() - start  # wall time from one logged step to the next, saves included
+    time.sleep(rng.uniform(0.0, one_step))
+    assert proc.poll() is None, "the run ended before the kill"
     proc.send_signal(signal.SIGKILL)
     proc.wait(timeout=60)
-    print(f"killed with {len((killed / 'metrics.jsonl').read_text().splitlines())} of {steps} steps logged")
+    assert proc.returncode == -signal.SIGKILL  # killed, not exited by itself
+    done = len((killed / "metrics.jsonl").read_text().splitlines())
+    print(f"killed after {done} of {steps} steps logged (waited for {logged}, then up to {one_step:.2f} s)")
+    assert logged <= done < steps  # the kill interrupted the run before its last step
 
     resumed = subprocess.run(train_cmd(killed, steps), cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=600)
     assert resumed.returncode == 0, resumed.stderr[-2000:]
@@ -103,7 +115,7 @@ def test_truncated_checkpoint_falls_back_to_previous_step(tmp_path):
     files = sorted((tmp_path / "checkpoints" / "4" / "params").rglob("*"), key=lambda p: p.stat().st_size)
     victim = [f for f in files if f.is_file()][-1]  # the largest data file of the newest step
     victim.write_bytes(victim.read_bytes()[: victim.stat().st_size // 2])
-    with pytest.warns(UserWarning, match="checkpoint step 4 .* unreadable"):
+    with pytest.warns(UserWarning, match="checkpoint step 4 .* is damaged .*falling back"):
         step, _ = final_params(tmp_path)
     assert step == 2
 

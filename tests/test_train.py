@@ -73,10 +73,22 @@ def trained(tmp_path_factory):
     return workdir, fit(config, workdir, progress=False)
 
 
+def unigram_entropy(config) -> float:
+    """Nats per token of the best context-free predictor on the held-out split: its token frequencies' entropy."""
+    from jaxpar.data import load_tokens, make_tokenizer
+
+    tokens = load_tokens(config.data, make_tokenizer(config.data.tokenizer), "eval", seq_len=config.train.seq_len)
+    p = np.bincount(np.asarray(tokens).reshape(-1)) / np.asarray(tokens).size
+    return float(-(p[p > 0] * np.log(p[p > 0])).sum())
+
+
 def test_training_on_default_corpus_lowers_held_out_loss(trained):
     workdir, result = trained
     evals = [r["eval_loss"] for r in result.history if "eval_loss" in r]
-    assert len(evals) == 2 and evals[-1] < 3.2 < np.log(256)  # below the byte unigram entropy: it learned context
+    unigram = unigram_entropy(result.config)  # 3.25 nats for the stdlib's bytes (uniform: ln 256 = 5.55)
+    print(f"held-out loss {evals}, unigram entropy {unigram:.3f}")
+    assert len(evals) == 2 and evals[-1] < evals[0]
+    assert evals[-1] < unigram  # below any context-free predictor: it learned context
     records = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
     assert {"step", "loss", "tokens_per_sec", "step_time_s"} <= set(records[0]) and records[-1]["step"] == 60
     assert json.loads((workdir / "config.json").read_text())["parallel"]["data"] == 2  # (2, 2, 2): data, pipe, tensor
@@ -92,7 +104,8 @@ def test_generate_produces_requested_number_of_tokens(trained):
     assert new.shape == (2, 23) and new.dtype == np.int32 and (new < 256).all()
     np.testing.assert_array_equal(new, generate_tokens(loaded, prompt, max_new_tokens=23, seed=1, temperature=0.8))
     (text,) = generate_text(loaded, ["def "], max_new_tokens=23, temperature=0.0)
-    assert isinstance(text, str) and len(text) > 0
+    greedy = generate_tokens(loaded, prompt[:1], max_new_tokens=23, temperature=0.0)[0]
+    assert text == bytes(greedy.tolist()).decode("utf-8", errors="replace")  # the byte tokenizer has no stop token
 
 
 def test_rerun_continues_from_checkpoint(trained, tmp_path):

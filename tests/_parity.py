@@ -1,0 +1,74 @@
+"""Gradient parity against a reference, one scale per parameter (imported by the parity tests).
+
+`rtol` is relative to each parameter's own largest reference gradient — and each layer of a stacked parameter
+(`blocks/wq` [L, …]) is a parameter of its own: every entry must satisfy |got − want| ≤ rtol · max|want| over
+that layer's slice. One scale shared by all parameters (a floor of 1e-6 · the largest gradient anywhere) lets a
+parameter with small gradients pass at any relative error; elementwise rtol alone fails on entries that are zero
+in exact arithmetic and come out as rounding noise."""
+
+import jax
+import numpy as np
+from flax import nnx
+
+
+def _flat(tree) -> dict[str, np.ndarray]:
+    """{"blocks/wq/0": array, ..., "embed": array} of an nnx.State or a nested dict of arrays: each layer of a
+    stacked parameter (leading layer axis, under "blocks") apart."""
+    if isinstance(tree, nnx.State):
+        flat = {"/".join(map(str, path)): np.asarray(v[...]) for path, v in nnx.to_flat_state(tree)}
+    else:
+        flat = {jax.tree_util.keystr(path, simple=True, separator="/"): np.asarray(v)
+                for path, v in jax.tree_util.tree_flatten_with_path(tree)[0]}
+    out = {}
+    for name, a in flat.items():
+        out.update({f"{name}/{i}": layer for i, layer in enumerate(a)} if name.startswith("blocks/") else {name: a})
+    return out
+
+
+def exactly_zero(cfg) -> dict[str, str]:
+    """{parameter: sibling} for gradients that are zero in exact arithmetic in this model.
+
+    GPT-2's key bias: it adds q·bk to every score of a query row alike, and softmax ignores a shift of its row, so
+    dL/dbk = Σ_t q_t · Σ_s dS_ts / √E = 0 (each row of the softmax backward dS sums to zero). Both sides hold only
+    rounding noise (~1e-9 against ~6e-3 for bq, whose gradient sums the same dS against k instead of q), so it has
+    no scale of its own; it is checked to be zero on bq's scale, layer by layer. (With RoPE the shift differs per
+    key position: a Llama qkv_bias model has a real bk gradient.)"""
+    return {"blocks/bk": "blocks/bq"} if cfg.family == "gpt2" else {}
+
+
+def grad_errors(got, want, zero: dict[str, str] | None = None) -> dict[str, float]:
+    """Per parameter (per layer of a stacked one): max|got − want| / max|want|, its worst error on its own scale.
+
+    zero: {parameter: sibling} for gradients that are zero in exact arithmetic (exactly_zero): the error is
+    max(|got|, |want|) over the same layer of the sibling — both must be zero to within rtol of that scale."""
+    got, want, zero = _flat(got), _flat(want), zero or {}
+    assert got.keys() == want.keys(), sorted(got.keys() ^ want.keys())
+    errors = {}
+    for name, w in want.items():
+        g = got[name].astype(np.float64)
+        assert g.shape == w.shape, (name, g.shape, w.shape)
+        base, _, layer = name.partition("/") if not name.startswith("blocks/") else name.rpartition("/")
+        if base in zero:
+            sibling = want[f"{zero[base]}/{layer}" if layer else zero[base]]
+            errors[name] = float(max(np.abs(g).max(), np.abs(w).max()) / np.abs(sibling).max())
+            continue
+        scale = np.abs(w).max()
+        assert scale > 0, f"{name}: the reference gradient is all zero; check it on a sibling's scale (zero=)"
+        errors[name] = float(np.abs(g - w).max() / scale)
+    return errors
+
+
+def assert_grads_match(got, want, rtol: float = 1e-5, zero: dict[str, str] | None = None) -> dict[str, float]:
+    """Fail unless every parameter's worst error on its own scale (grad_errors) is ≤ rtol; returns the errors.
+    Prints the worst per parameter name (over its layers), seen with `pytest -s` or on failure."""
+    errors = grad_errors(got, want, zero)
+    by_param: dict[str, float] = {}
+    for name, e in errors.items():
+        base = name.rpartition("/")[0] if name.startswith("blocks/") else name
+        by_param[base] = max(by_param.get(base, 0.0), e)
+    worst = max(errors, key=errors.get)
+    print(f"worst per-parameter relative error {errors[worst]:.2e} ({worst}); "
+          + ", ".join(f"{k} {v:.1e}" for k, v in sorted(by_param.items())))
+    bad = {k: f"{v:.2e}" for k, v in errors.items() if not v <= rtol}
+    assert not bad, f"relative to each parameter's max |reference gradient|, above rtol {rtol}: {bad}"
+    return errors
