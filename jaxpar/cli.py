@@ -100,6 +100,8 @@ def _generate(args, overrides: list[str]) -> int:
     for flag, value in (("--num-samples", args.num_samples), ("--max-new-tokens", args.max_new_tokens)):
         if value < 1:
             raise GenerateError(f"{flag} {value}: must be >= 1")
+    if not 0 <= args.seed < 2**32:
+        raise GenerateError(f"--seed {args.seed}: must lie in [0, 2**32)")
     loaded = load(args.workdir, step=args.step, data=args.data, tensor=args.tensor)
     temperature = 0.0 if args.greedy else args.temperature
     for text in generate_text(loaded, [args.prompt] * args.num_samples, max_new_tokens=args.max_new_tokens,
@@ -146,6 +148,8 @@ def _convert(args, overrides: list[str]) -> int:
     if dst_hf is not None and dst_hf.exists() and (not dst_hf.is_dir() or any(dst_hf.iterdir())):
         raise OutputError(f"--to-hf {dst_hf}: {'already holds files' if dst_hf.is_dir() else 'is not a directory'}; "
                           "pass a new directory (nothing was overwritten)")
+    if args.src_hf is not None and args.step is not None:
+        raise UsageError(f"--step {args.step}: a Hugging Face directory has no steps; drop --step with --from-hf")
     if args.src_hf is not None and args.dst is not None:
         hf.import_to_workdir(args.src_hf, args.dst, dtype=args.dtype)
         print(f"imported {args.src_hf} into {args.dst} (params-only workdir, step 0: `jaxpar generate --model {args.dst}`)")
@@ -257,6 +261,10 @@ def main(argv: list[str] | None = None) -> int:
     except JaxparError as e:  # bad input, not a bug: one line naming it, no traceback
         print(f"jaxpar: {e.kind}: {_one_line(e)}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # Ctrl-C outside the training loop (which saves and exits 0 by itself)
+        print(f"jaxpar: interrupted during `{args.command}` (a training run saves only once its loop has started; "
+              "its newest checkpoint is untouched)", file=sys.stderr)
+        return 130
 
 
 def _one_line(e: Exception) -> str:

@@ -194,6 +194,9 @@ class TrainConfig:
             _check_positive(f"train.{name}", getattr(self, name))
         for name in ("warmup_steps", "weight_decay", "grad_clip", "eval_every", "seed", "profile_steps"):
             _check_positive(f"train.{name}", getattr(self, name), allow_zero="allowed")
+        if self.seed >= 2**32:
+            raise ConfigError("train.seed", self.seed, "must lie in [0, 2**32) (it seeds the data order too)",
+                              "pick a smaller seed")
         for name in ("min_lr_ratio", "b1", "b2"):
             value = getattr(self, name)
             if not 0.0 <= value <= 1.0:
@@ -407,6 +410,8 @@ def _load_file(path: str, seen: frozenset = frozenset(), allowed: tuple[pathlib.
     if not isinstance(base, str) or not base:
         raise ConfigError("base", base, "must be a path to a .py or .yaml config", "write base: ../configs/tiny.py")
     base_path = p.parent / base if (p.parent / base).exists() else pathlib.Path(base)
+    if base_path.is_dir():
+        raise ConfigError("base", base, f"is a directory ({base_path})", "name a .py or .yaml config file")
     if base_path.exists() and not any(base_path.resolve().is_relative_to(r) for r in allowed):
         raise ConfigError("base", base, f"resolves to {base_path.resolve()}, outside the recipe's tree "
                           f"{allowed[-1]} (a base is code: a .py base runs when loaded)",
@@ -450,6 +455,8 @@ def _deep_merge(base: dict, top: dict) -> dict:
 def _apply_override(d: dict, key: str, raw: str) -> None:
     """Set d[section][field] from the string `raw`, parsed as the field's declared type."""
     section, _, name = key.partition(".")
+    if not key:
+        raise ConfigError("--config.", raw, "an override needs a key", "write e.g. --config.model.d_model=64")
     if not section or not name:
         raise ConfigError(key or "(empty)", raw, "an override must name section.field", "write e.g. model.d_model=64")
     _reject_unknown({section: raw}, SECTIONS, prefix="")

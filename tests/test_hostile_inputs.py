@@ -54,6 +54,12 @@ class Paths:
         self.broken = root / "broken"  # the same run, its config.json cut short by hand
         shutil.copytree(self.workdir, self.broken)
         (self.broken / "config.json").write_text('{"model": {"d_model": ')
+        self.gutted = root / "gutted"  # the same run, its only step missing the params item
+        shutil.copytree(self.workdir, self.gutted)
+        shutil.rmtree(self.gutted / "checkpoints" / "2" / "params")
+        self.fifo = root / "fifo"  # a workdir whose .lock is a named pipe
+        self.fifo.mkdir()
+        os.mkfifo(self.fifo / ".lock")
         self.file = root / "a_file"
         self.file.write_text("not a directory\n")
         self.empty = root / "empty"
@@ -71,6 +77,7 @@ class Paths:
             "bad.yaml": "model: {d_model: [1, 2\n",
             "list.yaml": "- 1\n- 2\n",
             "outside.yaml": f"base: {ROOT / 'configs' / 'tiny.py'}\n",
+            "dir_base.yaml": "base: .\n",
         }.items():
             (self.configs / name).write_text(body)
         self.hf = {kind: self._bad_hf(kind) for kind in HF_DAMAGE}
@@ -216,12 +223,22 @@ CASES = [
          lambda c, t: load_config(str(c.configs / "list.yaml"))),
     Case("train-yaml-base-outside-tree", "train --config {configs}/outside.yaml --workdir {tmp}/w",
          "outside the recipe's tree", lambda c, t: load_config(str(c.configs / "outside.yaml"))),
+    Case("train-yaml-base-is-a-directory", "train --config {configs}/dir_base.yaml --workdir {tmp}/w", "is a directory",
+         lambda c, t: load_config(str(c.configs / "dir_base.yaml"))),
+    Case("train-override-empty-key", TRAIN + "--config.=3", "needs a key"),
+    Case("train-seed-too-large", TRAIN + "--config.train.seed=4294967296", "train.seed",
+         lambda c, t: load_config("configs/tiny.py", ["train.seed=4294967296"])),
     Case("train-data-path-missing", TRAIN + "--config.data.source=text --config.data.path={tmp}/nothing",
          "data.path"),
     Case("train-tokenizer-missing", TRAIN + "--config.data.tokenizer={tmp}/tok.json", "data.tokenizer"),
     # train: the workdir
     Case("train-workdir-is-file", "train --no-progress --config configs/tiny.py --workdir {file} " + SMALL,
          "not a directory", _train_api(workdir=lambda c: c.file)),
+    Case("train-lock-is-a-fifo", "train --no-progress --config configs/tiny.py --workdir {fifo} " + SMALL,
+         "not a regular file", _train_api(workdir=lambda c: c.fifo)),
+    Case("train-resume-clipping-switched-off", "train --no-progress --config configs/tiny.py --workdir {workdir} "
+         + SMALL + " --config.train.grad_clip=0", "train.grad_clip",
+         _train_api("train.grad_clip=0", workdir=lambda c: c.workdir)),
     Case("train-workdir-locked", "train --no-progress --config configs/tiny.py --workdir {workdir} " + SMALL,
          "in use by pid", _train_api(workdir=lambda c: c.workdir)),  # the test holds the lock
     Case("train-resume-other-model", "train --no-progress --config configs/tiny.py --workdir {workdir} " + SMALL
@@ -242,6 +259,9 @@ CASES = [
          _gen_api(lambda c: c.empty)),
     Case("generate-missing-step", "generate --workdir {workdir} --step 99 --max-new-tokens 4", "step 99",
          _gen_api(lambda c: c.workdir, step=99)),
+    Case("generate-step-missing-an-item", "generate --workdir {gutted} --step 2 --max-new-tokens 4", "is damaged",
+         _gen_api(lambda c: c.gutted, step=2)),
+    Case("generate-seed-negative", "generate --workdir {workdir} --seed -1", "--seed"),
     Case("generate-no-samples", "generate --workdir {workdir} --num-samples 0", "--num-samples",
          _gen_api(lambda c: c.workdir, prompts=[])),
     Case("generate-no-new-tokens", "generate --workdir {workdir} --max-new-tokens 0", "--max-new-tokens",
@@ -290,6 +310,7 @@ CASES = [
     Case("convert-to-hf-file", "convert --from {workdir} --to-hf {file}", "not a directory"),
     Case("convert-needs-one-source", "convert --to {tmp}/out", "exactly one"),
     Case("convert-bad-dtype", "convert --from {workdir} --to {tmp}/out --dtype int8", "--dtype"),
+    Case("convert-hf-with-step", "convert --from-hf {hf_config_list} --step 3 --to {tmp}/out", "--step"),
     Case("convert-hf-missing", "convert --from-hf {tmp}/no_model --to {tmp}/out", "no_model",
          lambda c, t: __import__("jaxpar.interop.hf").interop.hf.import_to_workdir(t / "no_model", t / "out")),
     Case("convert-hf-no-config", "convert --from-hf {hf_no_config} --to {tmp}/out", "config.json",
@@ -325,7 +346,7 @@ CASES = [
 
 
 def _argv(case: Case, c: Paths, tmp: pathlib.Path) -> list[str]:
-    fill = {"workdir": c.workdir, "export": c.export, "broken": c.broken, "file": c.file, "empty": c.empty, "full": c.full,
+    fill = {"workdir": c.workdir, "export": c.export, "broken": c.broken, "gutted": c.gutted, "fifo": c.fifo, "file": c.file, "empty": c.empty, "full": c.full,
             "configs": c.configs, "tmp": tmp, **{f"hf_{k}": v for k, v in c.hf.items()}}
     return [a.format(**fill) for a in case.argv.split()]
 
@@ -383,6 +404,20 @@ def loaded(ctx):
     from jaxpar.infer.text import load
 
     return load(ctx.workdir)
+
+
+def test_ctrl_c_outside_the_training_loop_is_one_line(monkeypatch):
+    """Ctrl-C while loading or compiling (before the loop's own SIGINT handling) is one line, exit 130."""
+    import jaxpar.cli
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(jaxpar.cli, "load_config", interrupted)
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        status = main(["train", "--config", "configs/tiny.py"])
+    assert status == 130 and len(err.getvalue().strip().splitlines()) == 1 and "interrupted" in err.getvalue()
 
 
 def test_error_types_keep_their_builtin_bases():

@@ -270,3 +270,52 @@ def test_metrics_of_redone_steps_are_superseded_not_duplicated(six_steps, tmp_pa
     assert steps == sorted(set(steps)) and steps[-1] == 6
     superseded = [json.loads(line)["step"] for line in (workdir / "metrics.superseded.jsonl").read_text().splitlines()]
     assert superseded == [5, 6]
+
+
+def test_when_every_step_fails_nothing_is_moved(six_steps, tmp_path):
+    """A failure that hits every step alike points at the reader, not the data: the workdir is left as it is."""
+    import shutil
+
+    pristine, _ = six_steps
+    workdir = copy_of(pristine, tmp_path / "w")
+    for step in (p for p in (workdir / "checkpoints").iterdir() if p.name.isdigit()):
+        shutil.rmtree(step / "train")
+    before = sorted(p.name for p in (workdir / "checkpoints").iterdir())
+    with pytest.raises(CheckpointError, match="no checkpoint .* restores .*nothing was moved"):
+        run_fit(workdir, "train.steps=7", "checkpoint.keep=10")
+    assert sorted(p.name for p in (workdir / "checkpoints").iterdir()) == before
+    assert not (workdir / "damaged-checkpoints").exists()
+
+
+def test_deleting_the_checksums_does_not_switch_verification_off(six_steps, tmp_path):
+    import shutil
+
+    pristine, _ = six_steps
+    workdir = copy_of(pristine, tmp_path / "w")
+    flip(data_files(workdir / "checkpoints" / "6" / "params")[0])
+    shutil.rmtree(workdir / "checkpoints" / "6" / "checksums")
+    with pytest.warns(UserWarning, match=r"checkpoint step 6 .* is damaged \(the checksums item is missing\)"):
+        step, _ = params_of(workdir)
+    assert step == 5
+
+
+def test_importing_into_an_existing_workdir_writes_nothing(six_steps, tmp_path):
+    from jaxpar.interop import hf
+
+    pristine, _ = six_steps
+    workdir = copy_of(pristine, tmp_path / "w")
+    before = {p.relative_to(workdir): p.read_bytes() for p in workdir.rglob("*") if p.is_file()}
+    with pytest.raises(CheckpointError, match="already holds checkpoints"):
+        hf.import_to_workdir(ROOT / "tests" / "fixtures" / "hf" / "llama", workdir)
+    after = {p.relative_to(workdir): p.read_bytes() for p in workdir.rglob("*") if p.is_file() and p.name != ".lock"}
+    assert after == before  # (the lock file it took is the only new file, and it is empty)
+
+
+def test_damaged_metrics_lines_do_not_stop_or_corrupt_a_resume(six_steps, tmp_path):
+    pristine, _ = six_steps
+    workdir = copy_of(pristine, tmp_path / "w")
+    metrics = workdir / "metrics.jsonl"
+    metrics.write_bytes(metrics.read_bytes()[:-1] + b"\n\xff\xfe{\"step\": 6, \"lo")  # bad bytes, a cut-short line
+    run_fit(workdir, "train.steps=7", "checkpoint.keep=10")
+    records = [json.loads(line) for line in metrics.read_text().splitlines()]  # every line is JSON again
+    assert [r["step"] for r in records] == [1, 2, 3, 4, 5, 6, 7]

@@ -827,15 +827,15 @@ def import_to_workdir(src: str | pathlib.Path, dst: str | pathlib.Path, *, dtype
     cfg = model_config(hf_cfg, src, **({"dtype": dtype, "param_dtype": dtype} if dtype else {}))
     _, abstract = abstract_model(cfg)
     params = load_params(src, cfg, abstract)
-    dst.mkdir(parents=True, exist_ok=True)
+    files = {SOURCE: json.dumps({"config": hf_cfg, "tensor_names": sorted(checkpoint_names(src))}, indent=1).encode()}
     tokenizer = "bytes"
     if (src / "tokenizer.json").is_file():
-        shutil.copyfile(src / "tokenizer.json", dst / "tokenizer.json")
+        files["tokenizer.json"] = (src / "tokenizer.json").read_bytes()
         tokenizer = str(dst.absolute() / "tokenizer.json")
     config = Config(model=cfg, data=DataConfig(tokenizer=tokenizer))
     config = dataclasses.replace(config, train=dataclasses.replace(config.train, seq_len=min(128, cfg.max_seq_len)))
-    (dst / SOURCE).write_text(json.dumps({"config": hf_cfg, "tensor_names": sorted(checkpoint_names(src))}, indent=1))
-    checkpoint.write_params_only(dst, config, params, step=0)
+    # Everything is written under the workdir's lock, after the check that dst holds no checkpoints yet.
+    checkpoint.write_params_only(dst, config, params, step=0, files=files)
     return dst
 
 

@@ -82,13 +82,18 @@ class Damaged(Exception):
 def restore_latest_good(mngr: ocp.CheckpointManager, restore: Callable[[int], object], *,
                         quarantine: bool = False) -> tuple[object, int]:
     """restore(step) for the newest step that restores exactly; a damaged one (missing, truncated or undecodable
-    files, or values that fail their checksums) is reported with a warning naming its step and what failed, moved
-    aside to WORKDIR/damaged-checkpoints/ when `quarantine` (the training run, which will save that step again),
-    and the one before it is tried. Steps still being written are never listed: orbax writes into a temporary
-    directory and renames it only when complete. Every process sees the same outcome."""
+    files, or values that fail their checksums) is reported with a warning naming its step and what failed, and the
+    one before it is tried. Steps still being written are never listed: orbax writes into a temporary directory and
+    renames it only when complete. Every process sees the same outcome.
+
+    With `quarantine` (the training run, which will save those steps again) the damaged steps newer than the one
+    that restored are moved aside to WORKDIR/damaged-checkpoints/. Nothing moves unless an older step restores:
+    when every step fails, the cause is more likely the reader than the data (a changed optimizer, too little
+    memory), so the workdir is left as it is and the error names what failed."""
     steps = sorted(mngr.all_steps(), reverse=True)
     if not steps:
         raise CheckpointError(f"no checkpoint under {mngr.directory}; run `jaxpar train` first")
+    failed: list[tuple[int, str]] = []
     for step in steps:
         try:
             result, problem = restore(step), ""
@@ -96,13 +101,15 @@ def restore_latest_good(mngr: ocp.CheckpointManager, restore: Callable[[int], ob
             detail = " ".join(str(e).split())[:300]
             result, problem = None, detail if isinstance(e, Damaged) else f"{type(e).__name__}: {detail}"
         if _all_processes_ok(not problem):
+            for bad, why in failed:
+                where = f"; moved to {_quarantine(mngr, bad)}" if quarantine else ""
+                warnings.warn(f"checkpoint step {bad} under {mngr.directory} is damaged ({why}){where}; fell back "
+                              f"to step {step}", stacklevel=2)
             return result, step
-        problem = problem or "damaged on another process"
-        where = f"; moved to {_quarantine(mngr, step)}" if quarantine else ""
-        warnings.warn(f"checkpoint step {step} under {mngr.directory} is damaged ({problem}){where}; falling back "
-                      "to the previous checkpoint", stacklevel=2)
-    raise CheckpointError(f"no readable checkpoint under {mngr.directory} (tried steps {steps}; every one is "
-                          "damaged — see the warnings above); start a new --workdir")
+        failed.append((step, problem or "damaged on another process"))
+    raise CheckpointError(f"no checkpoint under {mngr.directory} restores (steps {steps}; step {failed[0][0]}: "
+                          f"{failed[0][1][:200]}); nothing was moved. If the config changed, restore it; else "
+                          "inspect the files or start a new --workdir")
 
 
 def _all_processes_ok(ok: bool) -> bool:
@@ -163,8 +170,17 @@ def _verify(step: int, item: str, restored, stored: dict) -> None:
 
 
 def _read_checksums(mngr: ocp.CheckpointManager, step: int) -> dict | None:
-    """The step's stored checksums, or None for a checkpoint written before jaxpar stored them (not verified)."""
-    if not (pathlib.Path(mngr.directory) / str(step) / "checksums").exists():
+    """The step's stored checksums, or None for a checkpoint written before jaxpar stored them (not verified). A
+    step whose orbax metadata lists a `checksums` item that is not there is damaged (verification must not be
+    switched off by deleting it)."""
+    step_dir = pathlib.Path(mngr.directory) / str(step)
+    if not (step_dir / "checksums").exists():
+        try:
+            items = json.loads((step_dir / "_CHECKPOINT_METADATA").read_text())["item_handlers"]
+        except (OSError, ValueError, KeyError, TypeError):
+            items = None
+        if items is None or "checksums" in items:
+            raise Damaged("the checksums item is missing")
         warnings.warn(f"checkpoint step {step} under {mngr.directory} has no checksums (written by an older jaxpar): "
                       "its values cannot be verified", stacklevel=3)
         return None
@@ -231,6 +247,8 @@ def check_resumable(saved: dict, config: Config, workdir: str | pathlib.Path) ->
     model = [f for f in now["model"] if f not in _RESUMABLE_MODEL and saved.get("model", {}).get(f) != now["model"][f]]
     stream = [f"{section}.{f}" for section, fields in _STREAM.items() for f in fields
               if saved.get(section, {}).get(f) != now[section][f]]
+    if (saved.get("train", {}).get("grad_clip", 0) > 0) != (config.train.grad_clip > 0):
+        stream.append("train.grad_clip")  # clipping on/off changes the optimizer state's structure
     changed = [f"model.{f}" for f in model] + stream
     if not changed:
         return
@@ -241,6 +259,11 @@ def check_resumable(saved: dict, config: Config, workdir: str | pathlib.Path) ->
     if model:
         rule = f"differs from the checkpoints in {workdir}, which were written with other weights' shapes or math"
         fix = "restore the checkpoint's values, or pass a new --workdir to start a different model from scratch"
+    elif first == "train.grad_clip":
+        rule = (f"differs from the checkpoints in {workdir}: switching gradient clipping on or off changes the "
+                "structure of the optimizer state they hold")
+        fix = ("keep clipping on (any positive value) or off as it was; or keep the weights in a new run: "
+               f"`jaxpar convert --from {workdir} --to-hf DIR`, then `jaxpar train --init-from-hf DIR --workdir NEW`")
     else:
         rule = f"differs from the checkpoints in {workdir}, whose saved data position counts batches of the old stream"
         fix = ("restore the checkpoint's values; or keep the weights in a new run: `jaxpar convert --from "
@@ -297,7 +320,7 @@ def restore_params(workdir: str | pathlib.Path, abstract_params: nnx.State, layo
                                       f"{sorted(mngr.all_steps())}); pass one of those, or none for the newest")
             try:
                 restored = read(step)
-            except (Damaged, OSError, ValueError) as e:
+            except Exception as e:  # noqa: BLE001 — whatever fails, the step asked for cannot be served
                 raise CheckpointError(f"checkpoint step {step} under {mngr.directory} is damaged "
                                       f"({' '.join(str(e).split())[:300]}); pass another step") from None
         else:
@@ -334,7 +357,8 @@ def restore_train(mngr: ocp.CheckpointManager, like: TrainState, shardings: Trai
     """Restore the newest exactly-restorable (state, data loader state) into the layout of `like`, placed with
     `shardings` — whatever layout wrote it. Damaged steps are moved aside (this run will save them again)."""
     steps = mngr.all_steps()
-    if steps and not any((pathlib.Path(mngr.directory) / str(s) / "train").exists() for s in steps):
+    if steps and not any((pathlib.Path(mngr.directory) / str(s) / item).exists() for s in steps
+                         for item in ("train", "data")):
         workdir = pathlib.Path(mngr.directory).parent
         raise CheckpointError(f"{workdir} holds a params-only export (no optimizer state or data position), which "
                               "training cannot resume; pass a new --workdir (to start from these weights: `jaxpar "
@@ -397,15 +421,19 @@ def read_canonical(workdir: str | pathlib.Path, step: int | None = None) -> tupl
     return config, params, step
 
 
-def write_params_only(workdir: str | pathlib.Path, config: Config, params: nnx.State, step: int) -> None:
-    """A params-only workdir: config.json and one checkpoint holding canonical `params` with their checksums (what
-    `jaxpar generate`, `restore_params` and the Hugging Face export read). `workdir` must not hold checkpoints
-    already (CheckpointError: nothing is overwritten); it is locked while written."""
+def write_params_only(workdir: str | pathlib.Path, config: Config, params: nnx.State, step: int, *,
+                      files: dict[str, bytes] | None = None) -> None:
+    """A params-only workdir: config.json, the `files` given (name → bytes, e.g. a tokenizer.json) and one
+    checkpoint holding canonical `params` with their checksums (what `jaxpar generate`, `restore_params` and the
+    Hugging Face export read). `workdir` must not hold checkpoints already (CheckpointError: nothing is written at
+    all); it is locked while written."""
     workdir = pathlib.Path(workdir)
     with WorkdirLock(workdir, purpose="convert"):
         if (workdir / "checkpoints").is_dir() and any((workdir / "checkpoints").iterdir()):
             raise CheckpointError(f"{workdir} already holds checkpoints; pass a new directory to write to (nothing "
-                                  "was overwritten)")
+                                  "was written)")
+        for name, data in (files or {}).items():
+            (workdir / name).write_bytes(data)
         (workdir / "config.json").write_text(config.to_json())
         mngr = manager(workdir)
         pure = nnx.to_pure_dict(params)

@@ -24,6 +24,7 @@ import json
 import os
 import pathlib
 import socket
+import stat
 import sys
 import time
 import warnings
@@ -75,9 +76,12 @@ class WorkdirLock:
             return OutputError, f"workdir {self.workdir} cannot be created ({e.strerror}); pass a writable directory"
         path = self.workdir / LOCK_FILE
         try:
-            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NONBLOCK, 0o644)
         except OSError as e:
             return OutputError, f"{path} cannot be opened ({e.strerror}); pass a writable workdir"
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            os.close(fd)
+            return OutputError, f"{path} is not a regular file; remove it (jaxpar keeps its lock there)"
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError as e:

@@ -18,7 +18,7 @@ from jaxpar import data as data_lib
 from jaxpar.analysis import flops
 from jaxpar.config import Config
 from jaxpar.distributed import batch_rows
-from jaxpar.errors import CheckpointError
+from jaxpar.errors import CheckpointError, OutputError
 from jaxpar.mesh import describe_mesh, make_mesh
 from jaxpar.train import checkpoint
 from jaxpar.train.lock import WorkdirLock
@@ -188,7 +188,11 @@ def _run(config: Config, workdir: pathlib.Path, devices: list, progress: bool, t
                                                     None if shardings is None else shardings.params))
     workdir.mkdir(parents=True, exist_ok=True)
     if jax.process_index() == 0:
-        (workdir / "config.json").write_text(config.to_json())
+        try:
+            (workdir / "config.json").write_text(config.to_json())
+        except OSError as e:
+            raise OutputError(f"{workdir / 'config.json'} cannot be written ({e.strerror or e}); it must be a "
+                              "regular file") from None
 
     def save(wait: bool) -> None:
         checkpoint.save(mngr, state, loader.get_state(), trainer.layout, config.to_dict(), wait=wait)

@@ -9,6 +9,8 @@ import os
 import pathlib
 
 import jax
+
+from jaxpar.errors import OutputError
 from tqdm import tqdm  # plain text bar: works in terminals, logs and notebooks (no ipywidgets)
 
 
@@ -17,13 +19,16 @@ def _supersede(path: pathlib.Path, initial_step: int) -> None:
     if not path.is_file():
         return
     keep, later = [], []
-    for line in path.read_text().splitlines(keepends=True):
+    original = path.read_bytes().decode("utf-8", errors="replace")  # a damaged line is superseded, not fatal
+    text = original + "\n" if original and not original.endswith("\n") else original  # a cut-short last line
+    # must not run into the next run's first record
+    for line in text.splitlines(keepends=True):
         try:
             step = json.loads(line).get("step", 0)
         except (ValueError, AttributeError):  # a line cut short by a crash: superseded too
             step = initial_step + 1
         (later if not isinstance(step, int) or step > initial_step else keep).append(line)
-    if not later:
+    if not later and text == original:
         return
     with open(path.with_name("metrics.superseded.jsonl"), "a") as f:
         f.writelines(line if line.endswith("\n") else line + "\n" for line in later)
@@ -47,8 +52,12 @@ class MetricsWriter:
         if not self.active:
             return
         self.workdir.mkdir(parents=True, exist_ok=True)
-        _supersede(self.workdir / "metrics.jsonl", initial_step)
-        self._jsonl = open(self.workdir / "metrics.jsonl", "a")
+        path = self.workdir / "metrics.jsonl"
+        try:
+            _supersede(path, initial_step)
+            self._jsonl = open(path, "a")
+        except OSError as e:
+            raise OutputError(f"{path} cannot be written ({e.strerror or e}); it must be a regular file") from None
         from tensorboardX import SummaryWriter  # imported lazily: it is slow to import
 
         self._tb = SummaryWriter(str(self.workdir / "tensorboard"))
