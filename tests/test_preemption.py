@@ -115,7 +115,7 @@ def test_truncated_checkpoint_falls_back_to_previous_step(tmp_path):
     files = sorted((tmp_path / "checkpoints" / "4" / "params").rglob("*"), key=lambda p: p.stat().st_size)
     victim = [f for f in files if f.is_file()][-1]  # the largest data file of the newest step
     victim.write_bytes(victim.read_bytes()[: victim.stat().st_size // 2])
-    with pytest.warns(UserWarning, match="checkpoint step 4 .* is damaged .*falling back"):
+    with pytest.warns(UserWarning, match="checkpoint step 4 .* is damaged .*fell back to step 2"):
         step, _ = final_params(tmp_path)
     assert step == 2
 
