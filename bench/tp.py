@@ -72,7 +72,8 @@ def main():
             want = report["expected"]["tensor_sent_bytes"]["total"] / L / 1e3
             act = activation_bytes_per_layer(config, mesh)["per_layer"] / 1e3
             ours, _, temp = step_time(config, mesh, True, args.steps)
-            gspmd, gspmd_sent, _ = step_time(config, mesh, False, args.steps)
+            no_sp = dataclasses.replace(config, parallel=dataclasses.replace(parallel, sequence_parallel=False))
+            gspmd, gspmd_sent, _ = step_time(no_sp, mesh, False, args.steps)  # GSPMD has no SP (refused if asked)
             ratio = f"{per_layer / want:.3f}" if want else "—"
             print(f"{tensor:>2} {'on' if sp else 'off':>3} {8 // tensor:>4} | {per_layer:>11.1f} {want:>9.1f} "
                   f"{ratio:>6} | {act:>12.1f} {temp / 1e6:>8.2f} | {ours * 1e3:>8.1f} {gspmd * 1e3:>9.1f} "

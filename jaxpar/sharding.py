@@ -28,7 +28,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from jaxpar.config import ModelConfig, ParallelConfig
+from jaxpar.config import ConfigError, ModelConfig, ParallelConfig
 from jaxpar.parallel.pipeline import pipeline_order
 from jaxpar.parallel.tensor import SINGLE_DEVICE, TensorParallel
 
@@ -161,10 +161,20 @@ def model_layout(model: ModelConfig, parallel: ParallelConfig | None, mesh: Mesh
     """The layout of `model` with `parallel` settings on `mesh` (None: one device, no mesh).
 
     explicit: the step runs under `shard_map` with our collectives (TensorParallel bound to 'tensor'); False leaves
-    tensor parallelism to GSPMD (the comparison baseline of bench/tp.py; no pipeline there).
+    tensor parallelism to GSPMD (the comparison baseline of bench/tp.py, and inference), which has no pipeline and
+    no sequence parallelism: asking it for either is a ConfigError.
     """
     if mesh is None:
         return ModelLayout(padded_vocab=model.vocab_size)
+    if not explicit and parallel is not None:
+        # The GSPMD baseline is one global computation: it has no pipeline loop (with pipe > 1 the layers, stored in
+        # pipeline order, would run in the wrong order) and no sequence-parallel boundaries. Refuse, don't pretend.
+        if mesh.shape["pipe"] > 1:
+            raise ConfigError("parallel.pipe", mesh.shape["pipe"], "the GSPMD baseline (explicit=False) runs no "
+                              "pipeline", "compare against GSPMD at parallel.pipe=1, or use the explicit step")
+        if parallel.sequence_parallel:
+            raise ConfigError("parallel.sequence_parallel", True, "the GSPMD baseline (explicit=False) does not "
+                              "implement sequence parallelism", "set parallel.sequence_parallel=false for it")
     t = mesh.shape["tensor"]
     rules = RULES
     kv_replicas = 1

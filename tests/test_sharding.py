@@ -95,3 +95,19 @@ def test_state_is_born_sharded_and_optimizer_moments_follow_params():
     adam = state.opt_state[1][0]  # chain(clip, adamw) -> adamw = (scale_by_adam, ...)
     assert adam.mu["blocks"]["wq"][...].sharding.spec == P("pipe", None, "tensor", None)
     assert state.step.sharding.spec == P()
+
+
+@pytest.mark.parametrize("overrides, field", [
+    ([], "parallel.pipe"),  # tiny's default (2, 2, 2): a pipeline the GSPMD step would run in storage order
+    (["parallel.pipe=1", "parallel.repeats=1", "parallel.microbatches=1", "parallel.sequence_parallel=true"],
+     "parallel.sequence_parallel"),
+])
+def test_gspmd_baseline_refuses_what_it_cannot_run(overrides, field):
+    """explicit=False used to accept a pipeline (training with the layers in the wrong order) and sequence
+    parallelism (silently ignored); both are now ConfigErrors naming the field."""
+    from jaxpar.config import load_config
+    from jaxpar.train import build_trainer
+
+    cfg = load_config("configs/tiny.py", overrides).resolve_for_devices(8)
+    with pytest.raises(ConfigError, match=rf"^{field} = .*GSPMD baseline"):
+        build_trainer(cfg, make_mesh(cfg.parallel), explicit=False, abstract=True)

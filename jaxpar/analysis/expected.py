@@ -21,7 +21,7 @@ FLOPs (matmuls only, per device; training = 3 × forward: forward, input gradien
     forward per token, per layer: 2h·E·(a_loc + 2·K_loc) + 4·s·E·a_loc + 2·a_loc·E·h + 2·h·F/t·(3 llama | 2 gpt2)
     with a_loc = a/t and K_loc = max(K/t, 1) (replicated kv heads are computed on every rank);
     the full causal score matrix is computed (masking does not halve the work here, so it is not halved); plus the
-    LM head 2·h·V/t per token. Model FLOPs per token (the 6N + 12·L·h·s rule of DESIGN.md) are reported beside it.
+    LM head 2·h·V/t per token. Model FLOPs per token (the 6N + 12·L·h·s rule; `jaxpar.analysis.flops`) are reported beside it.
 
 Activation memory per layer (Korthikanti et al. 2022, 16-bit, GELU MLP of 4h, with dropout):
     no parallelism s·b·h·(34 + 5·a·s/h);  TP: s·b·h·(10 + 24/t + 5·a·s/(h·t));  TP+SP: s·b·h·(34/t + 5·a·s/(h·t)).

@@ -4,9 +4,10 @@
 top-k and/or top-p (nucleus). The order is the one HF's `generate` uses: scale by temperature, keep the k largest,
 then keep the nucleus of what remains (its probabilities renormalised over the k survivors).
 
-`generate` is the simplest correct decoder: every step runs the model's full causal forward over a fixed
-`[B, max_len]` token buffer and reads the logits at the last filled position. That costs O(max_len) model work per
-new token instead of O(1) with a KV cache (a later addition), but it needs nothing from the model except
+`generate` is the cache-free reference decoder (the KV-cache one is `jaxpar.infer.decode.generate`, checked against
+it): every step runs the model's full causal forward over a fixed `[B, max_len]` token buffer and reads the logits at
+the last filled position. That costs O(max_len) model work per new token instead of O(1) with a KV cache, but it
+needs nothing from the model except
 `logits_fn(tokens) -> logits`, and because the buffer's shape never changes `logits_fn` compiles exactly once.
 
 The step loop is a Python loop; only the cheap "pick the next token and write it into the buffer" part is a jitted

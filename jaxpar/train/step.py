@@ -141,6 +141,8 @@ def sharded_loss_and_grads(graphdef: nnx.GraphDef, *, grad_accum: int = 1, remat
     """`loss_and_grads` over the global batch: under shard_map when `tp.axis` is set (params laid out by
     `param_specs`, rows over data and pipe), else as one global computation (single device, or GSPMD on a mesh)."""
     if tp.axis is None:
+        if pipe is not None:  # model_layout refuses this combination; never drop a pipeline silently
+            raise ValueError("a pipeline needs the explicit shard_map step (tp.axis set)")
         return loss_and_grads(graphdef, grad_accum=grad_accum, remat=remat)
     replicated = jax.tree.map(lambda spec: PIPE not in _mesh_axes(spec), param_specs)
     local = loss_and_grads(graphdef, grad_accum=grad_accum, remat=remat, tp=tp, data_axis=DATA, pipe=pipe,
