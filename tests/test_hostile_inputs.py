@@ -455,3 +455,12 @@ def test_real_process_non_utf8_prompt_and_missing_step(ctx):
 def test_real_process_config_that_exits_zero_does_not_pass_for_a_run(ctx, tmp_path):
     out = _run(["train", "--config", str(ctx.configs / "exits.py"), "--workdir", str(tmp_path / "w")])
     assert out.returncode == 2 and b"sys.exit(0)" in out.stderr and b"Traceback" not in out.stderr, out.stderr
+
+
+def test_numpy_scalars_are_valid_sampling_settings():
+    """The type checks refuse what has no meaning, not NumPy's scalars (np.float32 is no Python float)."""
+    import numpy as np
+
+    from jaxpar.infer.sampling import check_sampling_args
+
+    check_sampling_args(np.float32(0.7), np.int64(3), np.float32(0.9))

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import functools
 import math
+import numbers
 from typing import Callable
 
 import jax
@@ -35,11 +36,11 @@ _TOP_P_TOL = 1e-6
 def check_sampling_args(temperature: float, top_k: int, top_p: float) -> None:
     """Raise GenerateError (a ValueError) for settings that have no meaning: a temperature that is negative, NaN
     or infinite, a negative or non-integer top_k, top_p outside (0, 1]."""
-    if not (isinstance(temperature, (int, float)) and math.isfinite(temperature) and temperature >= 0):
+    if not (isinstance(temperature, numbers.Real) and math.isfinite(temperature) and temperature >= 0):
         raise GenerateError(f"temperature = {temperature!r}: must be a finite number >= 0 (0 means greedy)")
     if isinstance(top_k, bool) or not isinstance(top_k, (int, np.integer)) or top_k < 0:
         raise GenerateError(f"top_k = {top_k!r}: must be an integer >= 0 (0 means off)")
-    if not (isinstance(top_p, (int, float)) and 0.0 < top_p <= 1.0):
+    if not (isinstance(top_p, numbers.Real) and 0.0 < top_p <= 1.0):
         raise GenerateError(f"top_p = {top_p!r}: must be in (0, 1] (1.0 means off)")
 
 

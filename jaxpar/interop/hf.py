@@ -165,9 +165,7 @@ def model_config(hf: dict, path: pathlib.Path, **overrides: Any) -> ModelConfig:
     """
     path = pathlib.Path(path)
     path = path / "config.json" if path.suffix != ".json" else path
-    if not isinstance(hf, dict):
-        raise HFError(f"{path}: holds a JSON {type(hf).__name__}, not an object; a Hugging Face config.json is one "
-                      "object of settings")
+    _require_object(hf, path)
     arch = architecture(hf, path)
     family, model_type = ARCHITECTURES[arch]
     keys = _Keys(hf, path)
@@ -497,11 +495,9 @@ class SafetensorsDir:
         else:
             self.where = weight_map
             for file in sorted(set(self.where.values())):
-                listed = sorted(n for n, f in self.where.items() if f == file)
-                self._check_inside(file, f"{path / INDEX}: weight_map entry {listed[0]!r} names {file!r}, which")
-            for file in sorted(set(self.where.values())):
-                present = set(self._open(file).keys())
                 listed = {n for n, f in self.where.items() if f == file}
+                self._check_inside(file, f"{path / INDEX}: weight_map entry {min(listed)!r} names {file!r}, which")
+                present = set(self._open(file).keys())
                 if listed - present:
                     raise HFError(f"{path / file}: tensor {sorted(listed - present)[0]!r} is listed in {INDEX} but "
                                   "missing from the file; the download is incomplete")
@@ -572,6 +568,11 @@ def read_config(path: str | pathlib.Path) -> dict:
         raise HFError(f"{file}: not found — is {path} a Hugging Face model directory?") from None
     except (ValueError, OSError) as e:  # UnicodeDecodeError is a ValueError; a directory named config.json an OSError
         raise HFError(f"{file}: not valid JSON ({e})") from None
+    return _require_object(hf, file)
+
+
+def _require_object(hf: Any, file: pathlib.Path) -> dict:
+    """`hf` if config.json held a JSON object, else an HFError saying what it held."""
     if not isinstance(hf, dict):
         raise HFError(f"{file}: holds a JSON {type(hf).__name__}, not an object; a Hugging Face config.json is one "
                       "object of settings")

@@ -8,7 +8,8 @@ One format, used by training and generation alike. Each checkpoint holds three i
 - `data`: the data loader's position (JSON), so a continued run sees the batches an uninterrupted one would;
 - `config`: the resolved config that wrote it (a resumed run must be compatible: `check_resumable`);
 - `checksums`: a layout-independent 64-bit fingerprint of every array above (`jaxpar.train.fingerprint`) and a
-  SHA-256 of each JSON item, computed from the values being written.
+  SHA-256 of the data item, computed from the values being written (the config item is only compared, never
+  restored into the run).
 Orbax writes each step to a temporary directory and renames it when complete, so a crash mid-save never leaves a
 half-written step that looks finished. A checkpoint written at one (data, pipe, tensor, repeats, SP) layout restores
 onto any other.
@@ -158,7 +159,7 @@ def _with_saved_dtypes(target, sums: dict | None):
     return jax.tree_util.tree_map_with_path(retype, target)
 
 
-def _verify(step: int, item: str, restored, stored: dict) -> None:
+def _verify(item: str, restored, stored: dict) -> None:
     """Raise Damaged naming the arrays of `item` whose fingerprints differ from the stored ones."""
     found = fingerprints(restored)
     bad = sorted(p for p in stored if found.get(p) != stored[p]["fp"])
@@ -197,8 +198,7 @@ def save(mngr: ocp.CheckpointManager, state: TrainState, data_state: dict, layou
     canonical = lambda p: nnx.to_pure_dict(to_canonical(p, layout, vocab_size))  # noqa: E731
     params = canonical(state.params)
     train = {"step": state.step, "opt_state": _map_states(canonical, state.opt_state)}
-    checksums = {"params": _array_sums(params), "train": _array_sums(train), "data": _json_digest(data_state),
-                 "config": _json_digest(config)}
+    checksums = {"params": _array_sums(params), "train": _array_sums(train), "data": _json_digest(data_state)}
     args = ocp.args.Composite(
         params=ocp.args.StandardSave(params),
         train=ocp.args.StandardSave(train),
@@ -252,10 +252,9 @@ def check_resumable(saved: dict, config: Config, workdir: str | pathlib.Path) ->
     changed = [f"model.{f}" for f in model] + stream
     if not changed:
         return
+    value = lambda d, dotted: d.get(dotted.split(".")[0], {}).get(dotted.split(".")[1])  # noqa: E731
     first = changed[0]
-    section, name = first.split(".")
-    diffs = ", ".join(f"{f} {saved.get(f.split('.')[0], {}).get(f.split('.')[1])!r} → "
-                      f"{now[f.split('.')[0]][f.split('.')[1]]!r}" for f in changed)
+    diffs = ", ".join(f"{f} {value(saved, f)!r} → {value(now, f)!r}" for f in changed)
     if model:
         rule = f"differs from the checkpoints in {workdir}, which were written with other weights' shapes or math"
         fix = "restore the checkpoint's values, or pass a new --workdir to start a different model from scratch"
@@ -268,7 +267,7 @@ def check_resumable(saved: dict, config: Config, workdir: str | pathlib.Path) ->
         rule = f"differs from the checkpoints in {workdir}, whose saved data position counts batches of the old stream"
         fix = ("restore the checkpoint's values; or keep the weights in a new run: `jaxpar convert --from "
                f"{workdir} --to-hf DIR`, then `jaxpar train --init-from-hf DIR --workdir NEW`")
-    raise ConfigError(first, now[section][name], f"{rule} (changed: {diffs})", fix)
+    raise ConfigError(first, value(now, first), f"{rule} (changed: {diffs})", fix)
 
 
 def _canonical_target(like: nnx.State, shardings: nnx.State | None, vocab_size: int) -> dict:
@@ -302,7 +301,7 @@ def restore_params(workdir: str | pathlib.Path, abstract_params: nnx.State, layo
     """Load the params of checkpoint `step` (default: the newest that restores exactly) into the runtime layout of
     `abstract_params`, placed with `shardings` when given, verified against their checksums. Returns (params,
     step). A named step that is missing or damaged is a CheckpointError; read-only: nothing in the workdir moves."""
-    read_saved_config(workdir)  # a clear error for a path that is not a workdir (before orbax creates anything)
+    _require_workdir(workdir)  # a clear error for a path that is not a workdir (before orbax creates anything)
     mngr = manager(workdir)
 
     def read(s: int) -> dict:
@@ -310,7 +309,7 @@ def restore_params(workdir: str | pathlib.Path, abstract_params: nnx.State, layo
         target = _with_saved_dtypes(_canonical_target(abstract_params, shardings, vocab_size), sums and sums["params"])
         restored = mngr.restore(s, args=ocp.args.Composite(params=ocp.args.StandardRestore(target)))["params"]
         if sums is not None:
-            _verify(s, "params", restored, sums["params"])
+            _verify("params", restored, sums["params"])
         return restored
 
     try:
@@ -384,8 +383,8 @@ def _restore_train_step(mngr, step, like: TrainState, shardings: TrainState, lay
         train=ocp.args.StandardRestore(_with_saved_dtypes(train_target, sums and sums["train"])),
         data=ocp.args.JsonRestore()))
     if sums is not None:
-        _verify(step, "params", restored["params"], sums["params"])
-        _verify(step, "train", restored["train"], sums["train"])
+        _verify("params", restored["params"], sums["params"])
+        _verify("train", restored["train"], sums["train"])
         if _json_digest(restored["data"]) != sums["data"]:
             raise Damaged("data (the loader position) fails its checksum")
     params = _into_layout(restored["params"], like.params, layout, shardings.params)
@@ -394,14 +393,20 @@ def _restore_train_step(mngr, step, like: TrainState, shardings: TrainState, lay
     return TrainState(step=restored["train"]["step"], params=params, opt_state=opt_state), restored["data"]
 
 
-def read_saved_config(workdir: str | pathlib.Path) -> Config:
-    """The resolved config of a jaxpar workdir (WORKDIR/config.json); InputNotFound / CheckpointError when `workdir`
-    is not one."""
+def _require_workdir(workdir: str | pathlib.Path) -> pathlib.Path:
+    """WORKDIR/config.json, or InputNotFound when `workdir` is not a jaxpar workdir."""
     workdir = pathlib.Path(workdir)
     file = workdir / "config.json"
     if not file.is_file():
         what = "does not exist" if not workdir.exists() else "is not a jaxpar workdir (no config.json)"
         raise InputNotFound(f"{workdir} {what}; pass a directory written by `jaxpar train` or `jaxpar convert`")
+    return file
+
+
+def read_saved_config(workdir: str | pathlib.Path) -> Config:
+    """The resolved config of a jaxpar workdir (WORKDIR/config.json); InputNotFound / CheckpointError when `workdir`
+    is not one."""
+    file = _require_workdir(workdir)
     try:
         saved = json.loads(file.read_text())
     except (OSError, ValueError) as e:

@@ -21,8 +21,6 @@ detectable as well. The cost is one elementwise pass and one integer all-reduce 
 
 from __future__ import annotations
 
-import functools
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -73,7 +71,7 @@ def _fingerprint(x: jax.Array) -> jax.Array:
     return jnp.stack([jnp.sum(_mix(v + _mix(i + jnp.uint32(s))), dtype=jnp.uint32) for s in _SEEDS])
 
 
-@functools.partial(jax.jit)
+@jax.jit
 def _fingerprints(leaves: list[jax.Array]) -> list[jax.Array]:
     return [_fingerprint(x) for x in leaves]
 

@@ -186,8 +186,7 @@ def _run(config: Config, workdir: pathlib.Path, devices: list, progress: bool, t
 
         state = state.replace(params=hf.load_params(train.init_from_hf, model_cfg, state.params, trainer.layout,
                                                     None if shardings is None else shardings.params))
-    workdir.mkdir(parents=True, exist_ok=True)
-    if jax.process_index() == 0:
+    if jax.process_index() == 0:  # (the workdir exists: taking its lock made it)
         try:
             (workdir / "config.json").write_text(config.to_json())
         except OSError as e:

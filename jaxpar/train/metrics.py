@@ -31,7 +31,7 @@ def _supersede(path: pathlib.Path, initial_step: int) -> None:
     if not later and text == original:
         return
     with open(path.with_name("metrics.superseded.jsonl"), "a") as f:
-        f.writelines(line if line.endswith("\n") else line + "\n" for line in later)
+        f.writelines(later)  # every line ends with a newline: `text` does
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text("".join(keep))
     os.replace(tmp, path)
