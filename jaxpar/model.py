@@ -11,9 +11,12 @@ Design:
   `jax.lax.scan` over that axis, so compile time does not grow with depth and the pipeline can view the stack as
   `[repeats, stages, layers_per_stage, …]` without touching the model.
 - The math reads head counts from weight *shapes* (`wq.shape[-2]`), never from the config, so the same code runs on
-  full weights on one device and on a tensor-parallel shard (H/t local heads) inside `shard_map`. Where a
-  tensor-parallel region begins or ends the model calls a `TensorParallel` handed in from outside (`tp.column`,
-  `tp.row`, `tp.embed`, …); the default is the single-device one, whose methods are the plain computation.
+  full weights on one device and on a tensor-parallel shard (H/t local heads) inside `shard_map`. Where a parallel
+  strategy may act (a tensor-parallel region begins or ends, the embedding, the loss, attention over keys) the model
+  calls the `Parallel` context handed in from outside (`par.column`, `par.row`, `par.embed`, …,
+  jaxpar.parallel.context); the default is the single-device one, whose methods are the plain computation.
+- Weight matrices are never contracted here: they go to the context as stored, and its matmul policy
+  (jaxpar.matmul) casts and contracts them — the one seam quantized or adapted weights replace.
 - Numerics: master parameters in `param_dtype`; matmuls in `dtype`; the residual stream, norms, softmax and logits in
   float32.
 """
@@ -21,6 +24,7 @@ Design:
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 import jax
@@ -29,7 +33,8 @@ import numpy as np
 from flax import nnx
 
 from jaxpar.config import ModelConfig
-from jaxpar.parallel.tensor import NEG_INF, SINGLE_DEVICE, TensorParallel
+from jaxpar.parallel.context import SINGLE_DEVICE, Parallel
+from jaxpar.parallel.tensor import NEG_INF
 from jaxpar.sharding import constrain
 
 Array = jax.Array
@@ -95,17 +100,17 @@ class Blocks(nnx.Module):
         return {name: v[...] for name, v in vars(self).items() if isinstance(v, nnx.Param)}
 
     def __call__(self, x: Array, positions: Array, mask: Array | None, *, remat: str = "none",
-                 tp: TensorParallel = SINGLE_DEVICE) -> Array:
+                 par: Parallel = SINGLE_DEVICE) -> Array:
         """x [B, T, D] float32 (T/t under sequence parallelism) → same; positions [B, T]; mask as `attend`'s."""
-        return run_layers(self.stacked(), x, positions, mask, self.cfg, remat=remat, tp=tp)
+        return run_layers(self.stacked(), x, positions, mask, self.cfg, remat=remat, par=par)
 
 
 def run_layers(stacked: dict[str, Array], x: Array, positions: Array, mask: Array | None, cfg: ModelConfig, *,
-               remat: str = "none", tp: TensorParallel = SINGLE_DEVICE) -> Array:
+               remat: str = "none", par: Parallel = SINGLE_DEVICE) -> Array:
     """Apply the layers of `stacked` ([n, …] each) in order with a scan; `remat` checkpoints each layer."""
 
     def body(x, layer):
-        return block(layer, x, positions, mask, cfg, tp)[0], None
+        return block(layer, x, positions, mask, cfg, par)[0], None
 
     if remat != "none":
         body = jax.checkpoint(body, policy=REMAT_POLICIES[remat], prevent_cse=False)
@@ -188,18 +193,18 @@ class Transformer(nnx.Module):
         self.cfg = cfg
 
     def __call__(self, tokens: Array, *, positions: Array | None = None, segment_ids: Array | None = None,
-                 remat: str = "none", tp: TensorParallel = SINGLE_DEVICE) -> Array:
+                 remat: str = "none", par: Parallel = SINGLE_DEVICE) -> Array:
         """tokens int [B, T]; positions [B, T] (default 0..T-1); segment_ids [B, T]: attend only within a segment.
 
         Returns float32 logits [B, T, V_local]: the whole (padded) vocab on one device, this rank's vocab shard under
-        tensor parallelism (the loss is then `tp.cross_entropy`).
+        tensor parallelism (the loss is then `par.cross_entropy`).
         """
         B, T = tokens.shape
         if positions is None:
             positions = default_positions(B, T)
-        x = self.embed_tokens(tokens, positions, tp)
-        x = self.blocks(x, positions, attention_mask(T, segment_ids, self.cfg.sliding_window), remat=remat, tp=tp)
-        return self.logits(x, tp)
+        x = self.embed_tokens(tokens, positions, par)
+        x = self.blocks(x, positions, attention_mask(T, segment_ids, self.cfg.sliding_window), remat=remat, par=par)
+        return self.logits(x, par)
 
     def decode(self, tokens: Array, cache: KVCache) -> tuple[Array, KVCache]:
         """Run the next T tokens of every row (prefill: the left-padded prompts; decode: T = 1) against `cache`.
@@ -222,24 +227,24 @@ class Transformer(nnx.Module):
                                                 cache.k, cache.v, cache.end)
         return self.logits(x), KVCache(k_cache, v_cache, cache.start, cache.end + T)
 
-    def embed_tokens(self, tokens: Array, positions: Array, tp: TensorParallel = SINGLE_DEVICE) -> Array:
+    def embed_tokens(self, tokens: Array, positions: Array, par: Parallel = SINGLE_DEVICE) -> Array:
         """tokens [B, T] → residual stream [B, T, D] float32 ([B, T/t, D] under sequence parallelism)."""
         cfg = self.cfg
-        x = tp.embed(self.embed[...].astype(cfg.dtype), tokens)
+        x = par.embed(self.embed[...], tokens, cfg.dtype)
         if cfg.family == "gpt2":
-            pos = jnp.take(tp.replicated(self.pos_embed[...]), tp.seq_shard(positions), axis=0)
+            pos = jnp.take(par.replicated(self.pos_embed[...]), par.seq_shard(positions), axis=0)
             x = x + pos.astype(jnp.float32)
         return constrain(x, ("batch", "seq", "embed"))
 
-    def logits(self, x: Array, tp: TensorParallel = SINGLE_DEVICE) -> Array:
+    def logits(self, x: Array, par: Parallel = SINGLE_DEVICE) -> Array:
         """Final norm and LM head: [B, T(/t), D] → float32 logits [B, T, V_local], padded vocab masked."""
         cfg = self.cfg
-        x = norm(x, tp.replicated(self.final_norm[...]), _maybe(tp.replicated, getattr(self, "final_norm_b", None)),
-                 cfg)
+        bias = self.final_norm_b[...] if hasattr(self, "final_norm_b") else None
+        x = norm(x, par.replicated(self.final_norm[...]), _maybe(par.replicated, bias), cfg)
         head = self.embed[...].T if cfg.tie_embeddings else self.lm_head[...]  # [D, V_local]
-        (logits,) = tp.column(x, (head.astype(cfg.dtype),), ("btd,dv->btv",))  # [B, T, V_local] float32
+        (logits,) = par.column(x, (head,), ("btd,dv->btv",))  # [B, T, V_local] float32
         if self.padded_vocab != cfg.vocab_size:
-            logits = jnp.where(tp.vocab_ids(logits.shape[-1]) < cfg.vocab_size, logits, NEG_INF)
+            logits = jnp.where(par.vocab_ids(logits.shape[-1]) < cfg.vocab_size, logits, NEG_INF)
         return constrain(logits, ("batch", "seq", "vocab"))
 
 
@@ -252,17 +257,17 @@ def _maybe(fn, x):
 
 
 def block(p: dict[str, Array], x: Array, positions: Array, mask: Array | None, cfg: ModelConfig,
-          tp: TensorParallel = SINGLE_DEVICE, kv_cache: tuple[Array, Array, Array] | None = None
+          par: Parallel = SINGLE_DEVICE, kv_cache: tuple[Array, Array, Array] | None = None
           ) -> tuple[Array, tuple[Array, Array] | None]:
     """One pre-norm transformer block. p holds one layer's parameters (no leading L); x [B, T, D] float32
     ([B, T/t, D] under sequence parallelism: norms and residual adds run on sequence shards).
 
     kv_cache: this layer's (k [B, S, K, E], v, slot) when decoding. Returns (x, updated (k, v) or None)."""
-    h = norm(x, tp.replicated(p["attn_norm"]), _maybe(tp.replicated, p.get("attn_norm_b")), cfg)
-    a, kv = attention(p, h, positions, mask, cfg, tp, kv_cache)
+    h = norm(x, par.replicated(p["attn_norm"]), _maybe(par.replicated, p.get("attn_norm_b")), cfg)
+    a, kv = attention(p, h, positions, mask, cfg, par, kv_cache)
     x = constrain(x + a, ("batch", "seq", "embed"))
-    h = norm(x, tp.replicated(p["mlp_norm"]), _maybe(tp.replicated, p.get("mlp_norm_b")), cfg)
-    x = x + mlp(p, h, cfg, tp)
+    h = norm(x, par.replicated(p["mlp_norm"]), _maybe(par.replicated, p.get("mlp_norm_b")), cfg)
+    x = x + mlp(p, h, cfg, par)
     return constrain(x, ("batch", "seq", "embed")), kv
 
 
@@ -278,7 +283,7 @@ def norm(x: Array, scale: Array, bias: Array | None, cfg: ModelConfig) -> Array:
 
 
 def attention(p: dict[str, Array], h: Array, positions: Array, mask: Array | None, cfg: ModelConfig,
-              tp: TensorParallel = SINGLE_DEVICE, kv_cache: tuple[Array, Array, Array] | None = None
+              par: Parallel = SINGLE_DEVICE, kv_cache: tuple[Array, Array, Array] | None = None
               ) -> tuple[Array, tuple[Array, Array] | None]:
     """Causal self-attention with GQA. h [B, T, D] (compute dtype) → ([B, T, D] float32, updated cache or None).
 
@@ -288,12 +293,12 @@ def attention(p: dict[str, Array], h: Array, positions: Array, mask: Array | Non
     are written at slot … slot+T-1 and the queries attend over all S slots under `mask`.
     """
     dt = cfg.dtype
-    wk, wv = tp.kv_weight(p["wk"]), tp.kv_weight(p["wv"])
-    q, k, v = (y.astype(dt) for y in tp.column(h, (p["wq"].astype(dt), wk.astype(dt), wv.astype(dt)),
+    wk, wv = par.kv_weight(p["wk"]), par.kv_weight(p["wv"])
+    q, k, v = (y.astype(dt) for y in par.column(h, (p["wq"], wk, wv),
                                                 ("btd,dhe->bthe", "bsd,dke->bske", "bsd,dke->bske")))
     # q [B, T, H, E]; k, v [B, S, K, E] (local heads under tensor parallelism; S = T, the full sequence)
     if "bq" in p:  # gpt2, and the llama family with qkv_bias (Qwen2)
-        bk, bv = tp.kv_weight(p["bk"]), tp.kv_weight(p["bv"])
+        bk, bv = par.kv_weight(p["bk"]), par.kv_weight(p["bv"])
         q, k, v = q + p["bq"].astype(dt), k + bk.astype(dt), v + bv.astype(dt)
     if cfg.family != "gpt2":
         inv_freq = rope_frequencies(q.shape[-1], cfg)
@@ -306,22 +311,23 @@ def attention(p: dict[str, Array], h: Array, positions: Array, mask: Array | Non
         k = jax.lax.dynamic_update_slice_in_dim(k_cache, k.astype(k_cache.dtype), slot, axis=1)  # [B, S, K, E]
         v = jax.lax.dynamic_update_slice_in_dim(v_cache, v.astype(v_cache.dtype), slot, axis=1)
         new_cache = (k, v)
-    o = attend(q, k, v, mask, cfg)  # [B, T, H, E]
-    out = tp.row(o, p["wo"].astype(dt), "bthe,hed->btd")  # [B, T, D] float32 ([B, T/t, D] under SP)
+    o = par.attention(functools.partial(attend, cfg=cfg), q, k, v, mask)  # [B, T, H, E]
+    out = par.row(o, p["wo"], "bthe,hed->btd")  # [B, T, D] float32 ([B, T/t, D] under SP)
     if "bo" in p:
-        out = out + tp.replicated(p["bo"]).astype(jnp.float32)
+        out = out + par.replicated(p["bo"]).astype(jnp.float32)
     return out, new_cache
 
 
-def attention_impl(cfg: ModelConfig, q: Array) -> str:
-    """The `jax.nn.dot_product_attention` implementation for `cfg.attention` ('auto': cuDNN flash attention on an
-    NVIDIA GPU for 16-bit inputs with a head width it supports, XLA otherwise)."""
+def resolve_attention(cfg: ModelConfig, device) -> ModelConfig:
+    """`cfg` with attention 'auto' replaced by the kernel for `device`: cuDNN flash attention on an NVIDIA GPU for a
+    16-bit compute dtype and a head width it supports (≤ 128, a multiple of 8), XLA otherwise. Called where a config
+    meets its devices (the plan), so the model never probes devices; a model built directly from a config that
+    still says 'auto' runs the XLA kernel."""
     if cfg.attention != "auto":
-        return cfg.attention
-    device = jax.devices()[0]
+        return cfg
     nvidia = device.platform == "gpu" and "nvidia" in device.device_kind.lower()
-    fits = q.dtype in (jnp.bfloat16, jnp.float16) and q.shape[-1] <= 128 and q.shape[-1] % 8 == 0
-    return "cudnn" if nvidia and fits else "xla"
+    fits = cfg.dtype in ("bfloat16", "float16") and cfg.head_dim <= 128 and cfg.head_dim % 8 == 0
+    return dataclasses.replace(cfg, attention="cudnn" if nvidia and fits else "xla")
 
 
 def attend(q: Array, k: Array, v: Array, mask: Array | None, cfg: ModelConfig) -> Array:
@@ -332,26 +338,26 @@ def attend(q: Array, k: Array, v: Array, mask: Array | None, cfg: ModelConfig) -
     then skip the masked blocks instead of reading a mask. Otherwise a bool [B|1, 1, T, S] mask saying which keys
     each query sees (segments, decoding). Logits and softmax run in float32 (the kernels accumulate in float32).
     """
-    impl = attention_impl(cfg, q)
+    impl = "xla" if cfg.attention == "auto" else cfg.attention
     if mask is None:
         window = (cfg.sliding_window - 1, 0) if cfg.sliding_window else None  # (left, right): W keys, itself included
         return jax.nn.dot_product_attention(q, k, v, is_causal=True, local_window_size=window, implementation=impl)
     return jax.nn.dot_product_attention(q, k, v, mask=mask, implementation=impl)
 
 
-def mlp(p: dict[str, Array], h: Array, cfg: ModelConfig, tp: TensorParallel = SINGLE_DEVICE) -> Array:
+def mlp(p: dict[str, Array], h: Array, cfg: ModelConfig, par: Parallel = SINGLE_DEVICE) -> Array:
     """SwiGLU (llama) or GELU (gpt2) MLP: up/gate column-parallel, down row-parallel. h [B, T, D] → [B, T, D] f32."""
     dt = cfg.dtype
     if cfg.family == "gpt2":
-        (up,) = tp.column(h, (p["w_up"].astype(dt),), ("btd,df->btf",))  # [B, T, F]
+        (up,) = par.column(h, (p["w_up"],), ("btd,df->btf",))  # [B, T, F]
         act = jax.nn.gelu((up + p["b_up"]).astype(dt), approximate=True)  # GPT-2's tanh GELU ("gelu_new")
     else:
-        gate, up = tp.column(h, (p["w_gate"].astype(dt), p["w_up"].astype(dt)), ("btd,df->btf", "btd,df->btf"))
+        gate, up = par.column(h, (p["w_gate"], p["w_up"]), ("btd,df->btf", "btd,df->btf"))
         act = (jax.nn.silu(gate) * up).astype(dt)
     act = constrain(act, ("batch", "seq", "mlp"))
-    out = tp.row(act, p["w_down"].astype(dt), "btf,fd->btd")
+    out = par.row(act, p["w_down"], "btf,fd->btd")
     if "b_down" in p:
-        out = out + tp.replicated(p["b_down"]).astype(jnp.float32)
+        out = out + par.replicated(p["b_down"]).astype(jnp.float32)
     return out
 
 

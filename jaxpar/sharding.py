@@ -30,7 +30,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxpar.config import ConfigError, ModelConfig, ParallelConfig
 from jaxpar.parallel.pipeline import pipeline_order
-from jaxpar.parallel.tensor import SINGLE_DEVICE, TensorParallel
+from jaxpar.parallel.context import Parallel
+from jaxpar.parallel.tensor import TensorParallel
 
 LogicalAxes = tuple[str | None, ...]
 
@@ -123,7 +124,7 @@ class ModelLayout:
 
     rules: tuple[tuple[str, MeshAxes], ...] = RULES
     padded_vocab: int | None = None
-    tp: TensorParallel = SINGLE_DEVICE
+    par: Parallel = Parallel()
     pipeline: Pipeline | None = None
     zero: int = 0  # ZeRO stage: 1 shards optimizer moments over `data`, 3 parameters too
     data: int = 1  # the data degree those are split by
@@ -182,9 +183,9 @@ def model_layout(model: ModelConfig, parallel: ParallelConfig | None, mesh: Mesh
         rules = tuple((name, None if name == "kv_heads" else axis) for name, axis in RULES)
         kv_replicas = t // model.n_kv_heads
     sequence = parallel is not None and parallel.sequence_parallel
-    tp = TensorParallel("tensor", sequence, kv_replicas) if explicit else SINGLE_DEVICE
+    par = Parallel(TensorParallel("tensor", sequence, kv_replicas) if explicit else None)
     pipeline = None
     if parallel is not None and mesh.shape["pipe"] > 1:
         pipeline = Pipeline(mesh.shape["pipe"], parallel.repeats, parallel.microbatches, model.n_layers)
     zero = parallel.zero if parallel is not None else 0
-    return ModelLayout(rules, math.ceil(model.vocab_size / t) * t, tp, pipeline, zero, mesh.shape["data"])
+    return ModelLayout(rules, math.ceil(model.vocab_size / t) * t, par, pipeline, zero, mesh.shape["data"])

@@ -296,7 +296,7 @@ wq = laid_out["blocks"]["wq"][...]
 print("wq", wq.shape, wq.sharding.spec, "→ per device", wq.addressable_shards[0].data.shape)
 assert wq.addressable_shards[0].data.shape == (4, 20, 2, 6)  # [v·k layers of this stage, D, heads/t, head_dim]
 
-fn = sharded_loss_and_grads(pipe_graphdef, tp=lay.tp, mesh=mesh, param_specs=param_specs(laid_out, lay.rules),
+fn = sharded_loss_and_grads(pipe_graphdef, par=lay.par, mesh=mesh, param_specs=param_specs(laid_out, lay.rules),
                             pipe=lay.pipeline)
 loss, grads = jax.jit(fn)(laid_out, jax.device_put(batch, batch_sharding(mesh)))
 grads = pad_vocab(permute_layers(grads, np.argsort(lay.layer_order)), cfg.vocab_size)  # back to model order

@@ -39,7 +39,7 @@ def pipelined(cfg, params, batch, data, pipe, tensor, repeats, microbatches, seq
     graphdef = nnx.graphdef(Transformer(cfg, rngs=nnx.Rngs(0), padded_vocab=lay.padded_vocab))
     laid_out = permute_layers(pad_vocab(params, lay.padded_vocab), lay.layer_order)
     laid_out = jax.device_put(laid_out, param_shardings(laid_out, mesh, lay.rules))
-    fn = sharded_loss_and_grads(graphdef, tp=lay.tp, mesh=mesh, param_specs=param_specs(laid_out, lay.rules),
+    fn = sharded_loss_and_grads(graphdef, par=lay.par, mesh=mesh, param_specs=param_specs(laid_out, lay.rules),
                                 pipe=lay.pipeline, remat=remat)
     loss, grads = jax.jit(fn)(laid_out, jax.device_put(batch, batch_sharding(mesh)))
     canonical = np.argsort(lay.layer_order)  # position of each model layer in memory
@@ -106,7 +106,7 @@ def test_circular_runs_each_microbatch_through_every_layer_in_order(pipe, repeat
         return pipeline.circular(lambda label, x: x * 9 + label, labels[0], io, stages=p, repeats=v, microbatches=m)
 
     out = jax.jit(jax.shard_map(run, mesh=mesh, in_specs=(P("pipe"), P("pipe")), out_specs=P("pipe"),
-                                check_vma=False))(labels, inputs)
+                                check_vma=True))(labels, inputs)
     held = pipeline.output_order(p, v, m).reshape(-1)  # [p·q] in stage-major order, like out's rows
     layers = sum((n + 1) * 9 ** (p * v - 1 - n) for n in range(p * v))  # digits 1 … p·v
     np.testing.assert_array_equal(np.asarray(out), np.repeat((held * 9 ** (p * v) + layers)[:, None], mb, 1))

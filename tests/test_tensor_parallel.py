@@ -47,8 +47,8 @@ def parallel(cfg, params, batch, data, tensor, sequence):
     graphdef = nnx.graphdef(Transformer(cfg, rngs=nnx.Rngs(0), padded_vocab=lay.padded_vocab))
     padded = jax.device_put(padded, param_shardings(padded, mesh, lay.rules))
     specs = param_specs(padded, lay.rules)
-    fn = jax.shard_map(loss_and_grads(graphdef, tp=lay.tp, data_axis="data"), mesh=mesh,
-                       in_specs=(specs, batch_spec()), out_specs=(P(), specs), check_vma=False)
+    fn = jax.shard_map(loss_and_grads(graphdef, par=lay.par, data_axes=("data", "pipe")), mesh=mesh,
+                       in_specs=(specs, batch_spec()), out_specs=(P(), specs), check_vma=True)
     loss, grads = jax.jit(fn)(padded, jax.device_put(batch, batch_sharding(mesh)))
     return loss, grads, lay
 
@@ -70,7 +70,7 @@ def test_tensor_parallel_matches_reference(family_reference, tensor, sequence):
     loss, grads, lay = parallel(cfg, params, batch, data, tensor, sequence)
     assert lay.padded_vocab % tensor == 0 and lay.padded_vocab >= cfg.vocab_size
     if cfg.n_kv_heads < tensor:
-        assert lay.tp.kv_replicas == tensor // cfg.n_kv_heads
+        assert lay.par.tensor.kv_replicas == tensor // cfg.n_kv_heads
     np.testing.assert_allclose(loss, want_loss, rtol=1e-5)
     # Padded vocab rows get exactly zero gradient; the real rows match the reference.
     emb = np.asarray(grads["embed"][...])
@@ -88,9 +88,9 @@ def test_f_and_g_are_each_others_transpose():
         return reduce_from_tensor(y.sum(), "tensor")
 
     grad = jax.jit(jax.shard_map(jax.grad(f_then_weighted), mesh=mesh, in_specs=P(), out_specs=P(),
-                                 check_vma=False))(x)
+                                 check_vma=True))(x)
     np.testing.assert_allclose(grad, np.full(8, 36.0))
-    value = jax.jit(jax.shard_map(f_then_weighted, mesh=mesh, in_specs=P(), out_specs=P(), check_vma=False))(x)
+    value = jax.jit(jax.shard_map(f_then_weighted, mesh=mesh, in_specs=P(), out_specs=P(), check_vma=True))(x)
     np.testing.assert_allclose(value, 36.0 * x.sum())
 
 
@@ -101,14 +101,14 @@ def test_vocab_parallel_cross_entropy_matches_optax():
     targets = jnp.asarray(rng.integers(0, 64, (3, 5)), jnp.int32)
     want = optax.softmax_cross_entropy_with_integer_labels(logits, targets)
     fn = jax.shard_map(lambda z, y: vocab_parallel_cross_entropy(z, y, "tensor"), mesh=mesh,
-                       in_specs=(P(None, None, "tensor"), P()), out_specs=P(), check_vma=False)
+                       in_specs=(P(None, None, "tensor"), P()), out_specs=P(), check_vma=True)
     sharded = jax.device_put(logits, NamedSharding(mesh, P(None, None, "tensor")))
     np.testing.assert_allclose(jax.jit(fn)(sharded, targets), want, rtol=1e-6)
     g_want = jax.grad(lambda z: optax.softmax_cross_entropy_with_integer_labels(z, targets).sum())(logits)
     # Gradients are taken inside shard_map, on each rank's logits shard, as the train step does.
     local_grad = jax.grad(lambda z, y: vocab_parallel_cross_entropy(z, y, "tensor").sum())
     g = jax.jit(jax.shard_map(local_grad, mesh=mesh, in_specs=(P(None, None, "tensor"), P()),
-                              out_specs=P(None, None, "tensor"), check_vma=False))(sharded, targets)
+                              out_specs=P(None, None, "tensor"), check_vma=True))(sharded, targets)
     np.testing.assert_allclose(g, g_want, rtol=1e-5, atol=1e-7)
 
 

@@ -157,7 +157,8 @@ def circular(stage_fn: Callable[[object, Array], Array], stage_params, inputs: A
         return (io, shift, park), None
 
     shift = jnp.zeros_like(inputs[0])
-    park = jnp.zeros((m,) + inputs.shape[1:], inputs.dtype) if use_park else jnp.zeros((), inputs.dtype)
+    # zeros_like keeps the inputs' varying-axes type (check_vma: a scan carry must keep its type).
+    park = jnp.broadcast_to(shift, (m,) + shift.shape) if use_park else jnp.zeros((), inputs.dtype)
     n = iterations(p, v, m)
     (io, shift, park), _ = jax.lax.scan(iteration, (inputs, shift, park), jnp.arange(n))
     io, _ = stage_zero_receive(io, park, shift, n)  # epilogue: the last microbatch arrives after the last iteration

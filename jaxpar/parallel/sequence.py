@@ -21,7 +21,6 @@ from __future__ import annotations
 import functools
 
 import jax
-import jax.numpy as jnp
 
 Array = jax.Array
 SEQ = 1  # the sequence dim of [B, T, ...] activations
@@ -52,26 +51,27 @@ def _rs_bwd(axis, _, dy):
 reduce_scatter_seq.defvjp(_rs_fwd, _rs_bwd)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
-def gather_matmuls(h: Array, weights: tuple[Array, ...], equations: tuple[str, ...], axis: str) -> list[Array]:
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4))
+def gather_matmuls(h: Array, weights: tuple[Array, ...], equations: tuple[str, ...], axis: str, dot) -> list[Array]:
     """Entry of a region fused with its column-parallel matmuls: all-gather h [B, T/t, D] on the sequence, then
-    `einsum(eq_i, h_full, w_i)` for each weight. Saves only the shard h; the backward gathers it again, computes
-    dW_i and dh_full = Σ_i dY_i·W_iᵀ, and reduce-scatters dh_full back to sequence shards."""
-    return _matmuls(_gather(h, axis), weights, equations)
+    `dot(eq_i, h_full, w_i)` for each weight (`dot`: the matmul policy of jaxpar.matmul). Saves only the shard h;
+    the backward gathers it again, computes dW_i and dh_full = Σ_i dY_i·W_iᵀ, and reduce-scatters dh_full back to
+    sequence shards."""
+    return _matmuls(_gather(h, axis), weights, equations, dot)
 
 
-def _matmuls(h_full, weights, equations):
-    return [jnp.einsum(eq, h_full, w, preferred_element_type=jnp.float32) for eq, w in zip(equations, weights)]
+def _matmuls(h_full, weights, equations, dot):
+    return [dot(eq, h_full, w) for eq, w in zip(equations, weights)]
 
 
-def _gm_fwd(h, weights, equations, axis):
-    return gather_matmuls(h, weights, equations, axis), (h, weights)
+def _gm_fwd(h, weights, equations, axis, dot):
+    return gather_matmuls(h, weights, equations, axis, dot), (h, weights)
 
 
-def _gm_bwd(equations, axis, residuals, dys):
+def _gm_bwd(equations, axis, dot, residuals, dys):
     h, weights = residuals
     h_full = _gather(h, axis)  # the re-gather of §4.2.2
-    _, vjp = jax.vjp(lambda x, ws: _matmuls(x, ws, equations), h_full, weights)
+    _, vjp = jax.vjp(lambda x, ws: _matmuls(x, ws, equations, dot), h_full, weights)
     dh_full, dws = vjp(list(dys))
     return _scatter(dh_full, axis), dws
 

@@ -16,13 +16,16 @@ heads, the output projection row-parallel. The embedding is split by vocab rows 
 the LM head by vocab columns; the cross-entropy then reduces three per-token scalars (max, sum of exps, target logit)
 across `tensor`, so full-vocab logits are never gathered.
 
-`TensorParallel` bundles these for the model: the model calls `tp.column`, `tp.row`, `tp.embed`, … and never names a
-mesh axis. With `axis=None` every method is the plain single-device computation, so the same model code is the
-reference. Sequence parallelism (`sequence=True`, Korthikanti et al. 2022) swaps f/g for the all-gather /
-reduce-scatter pair of `jaxpar.parallel.sequence`.
+`TensorParallel` implements the model's tensor-parallel boundaries for `jaxpar.parallel.context.Parallel`, the one
+object the model talks to (the model calls `par.column`, `par.row`, `par.embed`, … and never names a mesh axis;
+without a TensorParallel those are the plain single-device computation). Sequence parallelism (`sequence=True`,
+Korthikanti et al. 2022) swaps f/g for the all-gather / reduce-scatter pair of `jaxpar.parallel.sequence`.
 
 All functions here run inside `jax.shard_map` (manual axes) on *local* shards; their gradients are written out with
-`custom_vjp` so no collective is left for autodiff to infer.
+`custom_vjp` so no collective is left for autodiff to infer. The shard_maps run with `check_vma=True`: JAX tracks
+which mesh axes each value varies over, so a missing psum (a partial sum leaving the step as if it were whole) is a
+trace-time error. The custom rules therefore state those types too: f's output varies over `tensor` (each rank's
+branch differs from there on), g's cotangent is re-marked as varying (`jaxpar.parallel.vma.vary`).
 """
 
 from __future__ import annotations
@@ -34,7 +37,9 @@ from typing import Sequence
 import jax
 import jax.numpy as jnp
 
+from jaxpar.matmul import Einsum
 from jaxpar.parallel import sequence as seq
+from jaxpar.parallel.vma import vary
 
 Array = jax.Array
 NEG_INF = -1e30  # finite "minus infinity": exp() underflows to 0 without inf - inf = nan anywhere
@@ -47,11 +52,11 @@ NEG_INF = -1e30  # finite "minus infinity": exp() underflows to 0 without inf - 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
 def copy_to_tensor(x: Array, axis: str) -> Array:
     """f: identity forward; all-reduce of the gradient backward (each rank's branch contributed part of dL/dx)."""
-    return x
+    return vary(x, axis)
 
 
 def _copy_fwd(x, axis):
-    return x, None
+    return vary(x, axis), None
 
 
 def _copy_bwd(axis, _, dy):
@@ -72,7 +77,7 @@ def _reduce_fwd(x, axis):
 
 
 def _reduce_bwd(axis, _, dy):
-    return (dy,)
+    return (vary(dy, axis),)  # the same cotangent on every rank, typed as the varying partial sums it belongs to
 
 
 reduce_from_tensor.defvjp(_reduce_fwd, _reduce_bwd)
@@ -121,44 +126,43 @@ def vocab_parallel_cross_entropy(logits: Array, targets: Array, axis: str | None
 
 
 # ---------------------------------------------------------------------------------------------------------------------
-# What the model calls.
+# The tensor-parallel implementation of the model's boundaries (jaxpar.parallel.context.Parallel delegates here).
 
 
 @dataclasses.dataclass(frozen=True)
 class TensorParallel:
-    """The boundaries of tensor-parallel regions, as the model sees them.
+    """Megatron tensor (and sequence) parallelism over one mesh axis, bound inside `shard_map`.
 
-    axis: the mesh axis of the tensor group, or None for the single-device reference.
+    axis: the mesh axis of the tensor group.
     sequence: sequence parallelism — outside the regions activations are sharded on the sequence dim (dim 1), and
               the boundaries become all-gather (enter) / reduce-scatter (exit).
     kv_replicas: GQA with fewer kv heads K than tensor ranks t: kv weights are replicated and rank r uses kv head
               r // (t/K) (the head its local query heads attend with); kv_replicas = t/K, 1 otherwise.
+
+    The matmuls themselves are the caller's `dot` policy (jaxpar.matmul): this class only places the collectives
+    around them.
     """
 
-    axis: str | None = None
+    axis: str = "tensor"
     sequence: bool = False
     kv_replicas: int = 1
 
-    def column(self, h: Array, weights: Sequence[Array], equations: Sequence[str]) -> list[Array]:
+    def column(self, h: Array, weights: Sequence[Array], equations: Sequence[str], dot: Einsum) -> list[Array]:
         """Column-parallel matmuls sharing one input: h (sequence shard under SP, else replicated) → full-sequence
         float32 outputs with the weights' local column split. One f (or one all-gather) for the whole group."""
-        if self.axis is not None and self.sequence:
-            return seq.gather_matmuls(h, tuple(weights), tuple(equations), self.axis)
-        if self.axis is not None:
-            h = copy_to_tensor(h, self.axis)
-        return [jnp.einsum(eq, h, w, preferred_element_type=jnp.float32) for eq, w in zip(equations, weights)]
+        if self.sequence:
+            return seq.gather_matmuls(h, tuple(weights), tuple(equations), self.axis, dot)
+        h = copy_to_tensor(h, self.axis)
+        return [dot(eq, h, w) for eq, w in zip(equations, weights)]
 
-    def row(self, x: Array, w: Array, equation: str) -> Array:
+    def row(self, x: Array, w: Array, equation: str, dot: Einsum) -> Array:
         """Row-parallel matmul: local partial product, then g (or reduce-scatter to sequence shards under SP).
         The partial sums cross the wire in the compute dtype (bf16 on GPUs, as Megatron does); the result is
         float32 for the residual stream."""
-        partial = jnp.einsum(equation, x, w, preferred_element_type=jnp.float32).astype(x.dtype)
-        return self.exit(partial).astype(jnp.float32)
+        return self.exit(dot(equation, x, w).astype(x.dtype)).astype(jnp.float32)
 
     def exit(self, partial: Array) -> Array:
         """Sum partial results over the tensor group: g, or a reduce-scatter onto sequence shards under SP."""
-        if self.axis is None:
-            return partial
         if self.sequence:
             return seq.reduce_scatter_seq(partial, self.axis)
         return reduce_from_tensor(partial, self.axis)
@@ -166,9 +170,7 @@ class TensorParallel:
     def replicated(self, p: Array) -> Array:
         """A tensor-replicated parameter applied to sequence shards (SP norms, output biases, positions): each rank
         sees only part of the tokens, so its gradient is partial — f sums it. Identity without SP."""
-        if self.axis is not None and self.sequence:
-            return copy_to_tensor(p, self.axis)
-        return p
+        return copy_to_tensor(p, self.axis) if self.sequence else p
 
     def kv_weight(self, w: Array) -> Array:
         """The kv heads this rank attends with. w [..., K_local, E] → [..., K_local or 1, E].
@@ -176,7 +178,7 @@ class TensorParallel:
         Replicated kv heads (K < t): every rank slices its one head out of the full weight; the slices' gradients
         land in different rows (or the same row on the t/K ranks sharing it), so f sums them into the full gradient.
         """
-        if self.axis is None or self.kv_replicas == 1:
+        if self.kv_replicas == 1:
             return w
         head = jax.lax.axis_index(self.axis) // self.kv_replicas
         return jax.lax.dynamic_slice_in_dim(copy_to_tensor(w, self.axis), head, 1, axis=-2)
@@ -188,18 +190,12 @@ class TensorParallel:
 
     def seq_shard(self, x: Array) -> Array:
         """This rank's part of a full-sequence array [B, T, …] (its sequence shard under SP; all of it otherwise)."""
-        if self.axis is not None and self.sequence:
-            return seq.local_seq(x, self.axis)
-        return x
+        return seq.local_seq(x, self.axis) if self.sequence else x
 
     def vocab_ids(self, local_vocab: int) -> Array:
         """Global ids of this rank's vocab columns [V/t]."""
-        start = 0 if self.axis is None else jax.lax.axis_index(self.axis) * local_vocab
-        return start + jnp.arange(local_vocab)
+        return jax.lax.axis_index(self.axis) * local_vocab + jnp.arange(local_vocab)
 
     def cross_entropy(self, logits: Array, targets: Array) -> Array:
         """Per-token loss [B, T] from local-vocab logits [B, T, V/t]; targets [B, T]."""
         return vocab_parallel_cross_entropy(logits, targets, self.axis)
-
-
-SINGLE_DEVICE = TensorParallel()

@@ -67,11 +67,11 @@ def build_trainer(config: Config, mesh: Mesh | None, *, explicit: bool = True, a
     tx = make_optimizer(config.train)
     graphdef, state, shardings = create_state(model, tx, config.train.seed, mesh, layout, abstract=abstract)
     specs = param_specs(state.params, layout.rules, layout.param_zero_data) if mesh is not None else None
-    grads_of = sharded_loss_and_grads(graphdef, grad_accum=config.train.grad_accum, remat=parallel.remat, tp=layout.tp,
+    grads_of = sharded_loss_and_grads(graphdef, grad_accum=config.train.grad_accum, remat=parallel.remat, par=layout.par,
                                       mesh=mesh, param_specs=specs, pipe=layout.pipeline)
     train_step, eval_step = compile_steps(
         make_train_step(grads_of, tx, lr_schedule(config.train)),
-        make_eval_step(graphdef, tp=layout.tp, mesh=mesh, param_specs=specs, pipe=layout.pipeline), mesh, shardings)
+        make_eval_step(graphdef, par=layout.par, mesh=mesh, param_specs=specs, pipe=layout.pipeline), mesh, shardings)
     return Trainer(graphdef, state, shardings, train_step, eval_step, mesh, layout, grads_of)
 
 

@@ -26,7 +26,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxpar.model import attention_mask, default_positions, run_layers
 from jaxpar.parallel import pipeline
-from jaxpar.parallel.tensor import SINGLE_DEVICE, TensorParallel
+from jaxpar.parallel.context import SINGLE_DEVICE, Parallel
+from jaxpar.parallel.vma import vary
 from jaxpar.sharding import Pipeline, constrain, logical_to_spec
 from jaxpar.train.state import TrainState
 
@@ -35,18 +36,18 @@ DATA, PIPE = "data", "pipe"
 
 
 def next_token_loss(graphdef: nnx.GraphDef, params: nnx.State, batch: jax.Array, remat: str = "none",
-                    tp: TensorParallel = SINGLE_DEVICE, pipe: Pipeline | None = None) -> jax.Array:
+                    par: Parallel = SINGLE_DEVICE, pipe: Pipeline | None = None) -> jax.Array:
     """Mean cross-entropy (float32, nats/token) of predicting batch[:, 1:] from batch[:, :-1]. batch int [B, T+1].
 
     With `pipe`, these are this stage's rows and the layers run through the circular pipeline."""
     model = nnx.merge(graphdef, params)
     if pipe is not None:
-        return pipeline_loss(model, batch, pipe, remat, tp)
-    logits = model(batch[:, :-1], remat=remat, tp=tp)  # [B, T, V_local] float32
-    return tp.cross_entropy(logits, batch[:, 1:]).mean()
+        return pipeline_loss(model, batch, pipe, remat, par)
+    logits = model(batch[:, :-1], remat=remat, par=par)  # [B, T, V_local] float32
+    return par.cross_entropy(logits, batch[:, 1:]).mean()
 
 
-def pipeline_loss(model, batch: jax.Array, pipe: Pipeline, remat: str, tp: TensorParallel) -> jax.Array:
+def pipeline_loss(model, batch: jax.Array, pipe: Pipeline, remat: str, par: Parallel) -> jax.Array:
     """Embed this stage's rows, run the layers through the circular pipeline, then head and loss on the microbatches
     the stage holds at the end (paired with their targets, which are all-gathered over `pipe`)."""
     p, v, m = pipe.stages, pipe.repeats, pipe.microbatches
@@ -55,20 +56,20 @@ def pipeline_loss(model, batch: jax.Array, pipe: Pipeline, remat: str, tp: Tenso
     R, T = tokens.shape
     mb = R // q
     positions = default_positions(mb, T)
-    x = model.embed_tokens(tokens, default_positions(R, T), tp)  # [R, T(/t), D]
+    x = model.embed_tokens(tokens, default_positions(R, T), par)  # [R, T(/t), D]
     io = x.reshape(q, mb, *x.shape[1:])
     per_pass = jax.tree.map(lambda a: a.reshape(v, a.shape[0] // v, *a.shape[1:]), model.blocks.stacked())
     mask = attention_mask(T, None)
-    stage = lambda layers, h: run_layers(layers, h, positions, mask, model.cfg, remat=remat, tp=tp)  # noqa: E731
+    stage = lambda layers, h: run_layers(layers, h, positions, mask, model.cfg, remat=remat, par=par)  # noqa: E731
     out = pipeline.circular(stage, per_pass, io, stages=p, repeats=v, microbatches=m)
-    logits = model.logits(out.reshape(R, *out.shape[2:]), tp)  # [R, T, V_local]
+    logits = model.logits(out.reshape(R, *out.shape[2:]), par)  # [R, T, V_local]
     held = jnp.asarray(pipeline.output_order(p, v, m))[jax.lax.axis_index(PIPE)]  # [q] microbatch ids held here
     all_targets = jax.lax.all_gather(targets.reshape(q, mb, T), PIPE)  # [p, q, mb, T]
-    return tp.cross_entropy(logits, all_targets[held // q, held % q].reshape(R, T)).mean()
+    return par.cross_entropy(logits, all_targets[held // q, held % q].reshape(R, T)).mean()
 
 
 def loss_and_grads(graphdef: nnx.GraphDef, *, grad_accum: int = 1, remat: str = "none",
-                   tp: TensorParallel = SINGLE_DEVICE, data_axis: str | None = None, pipe: Pipeline | None = None,
+                   par: Parallel = SINGLE_DEVICE, data_axes: tuple[str, ...] = (), pipe: Pipeline | None = None,
                    pipe_replicated=None, zero_dims=None) -> Callable[[nnx.State, jax.Array], tuple[jax.Array, nnx.State]]:
     """(params, batch int [B, T+1]) → (mean loss, gradients), on whatever rows it is given.
 
@@ -77,8 +78,10 @@ def loss_and_grads(graphdef: nnx.GraphDef, *, grad_accum: int = 1, remat: str = 
     data shard contributes B/(data·A) of its own rows to every chunk and no rows move between devices. Chunks are
     equal-sized, so the mean of chunk means is the full-batch mean.
 
-    data_axis: inside shard_map, the axis over which rows are split: loss and gradients are averaged over it once,
-    after accumulation (an all-reduce of the gradients, as in any data-parallel step).
+    data_axes: inside shard_map, the mesh axes over which rows are split as data parallelism: loss and gradients
+    are averaged over them once, after accumulation (one all-reduce of the gradients, as in any data-parallel step).
+    Every axis the batch's rows are split over must be reduced over — `pipe` (size 1) too when there is no
+    pipeline — or the loss would leave the shard_map typed as varying (check_vma rejects that).
 
     pipe: the circular pipeline's counts; rows are then split over `pipe` too. Each stage differentiates
     loss_s / p: autodiff through the pipeline's ppermutes already sums every stage's loss into the gradients of the
@@ -90,10 +93,17 @@ def loss_and_grads(graphdef: nnx.GraphDef, *, grad_accum: int = 1, remat: str = 
     after the last — the whole model is gathered for the step, not layer by layer.
     """
     scale = 1.0 / pipe.stages if pipe is not None else 1.0
-    grad_fn = jax.value_and_grad(lambda p, b: scale * next_token_loss(graphdef, p, b, remat, tp, pipe))
+    batch_axes = tuple(data_axes) + ((PIPE,) if pipe is not None else ())
+    other = tuple(a for a in data_axes if a != DATA)  # averaged after ZeRO's reduce-scatter over data
+    grad_fn = jax.value_and_grad(lambda p, b: scale * next_token_loss(graphdef, p, b, remat, par, pipe))
 
     def run(params: nnx.State, batch: jax.Array) -> tuple[jax.Array, nnx.State]:
         params = gather_zero(params, zero_dims)
+        if batch_axes:
+            # Under check_vma a parameter replicated over the batch axes would be broadcast implicitly where it meets
+            # this shard's rows, and autodiff would psum its gradient there. Typing it as varying first keeps the
+            # gradients local, so the reductions below are the only ones: one pmean over data, one psum over pipe.
+            params = jax.tree.map(lambda x: vary(x, batch_axes), params)
         if grad_accum == 1:
             loss, grads = grad_fn(params, batch)
         else:
@@ -112,15 +122,24 @@ def loss_and_grads(graphdef: nnx.GraphDef, *, grad_accum: int = 1, remat: str = 
         if pipe is not None:
             loss = jax.lax.psum(loss, PIPE)
             grads = jax.tree.map(lambda g, rep: jax.lax.psum(g, PIPE) if rep else g, grads, pipe_replicated)
-        if data_axis is not None:
-            loss = jax.lax.pmean(loss, data_axis)
+        if data_axes:
+            loss = jax.lax.pmean(loss, data_axes)
             dims = zero_dims if zero_dims is not None else jax.tree.map(lambda _: -1, grads)
-            grads = jax.tree.map(lambda g, d: jax.lax.pmean(g, data_axis) if d < 0 else
-                                 jax.lax.psum_scatter(g, data_axis, scatter_dimension=d, tiled=True)
-                                 / jax.lax.axis_size(data_axis), grads, dims)
+            grads = jax.tree.map(lambda g, d: jax.lax.pmean(g, data_axes) if d < 0 else
+                                 _mean(jax.lax.psum_scatter(g, DATA, scatter_dimension=d, tiled=True)
+                                       / jax.lax.axis_size(DATA), other), grads, dims)
         return loss, grads
 
     return run
+
+
+def _mean(x: jax.Array, axes: tuple[str, ...]) -> jax.Array:
+    return jax.lax.pmean(x, axes) if axes else x
+
+
+def row_axes(pipe: Pipeline | None) -> tuple[str, ...]:
+    """The axes a batch's rows are averaged over: data, and pipe too when it is not running a pipeline (size 1)."""
+    return (DATA,) if pipe is not None else (DATA, PIPE)
 
 
 def gather_zero(params: nnx.State, zero_dims) -> nnx.State:
@@ -136,19 +155,19 @@ def _zero_dims(param_specs: nnx.State):
 
 
 def sharded_loss_and_grads(graphdef: nnx.GraphDef, *, grad_accum: int = 1, remat: str = "none",
-                           tp: TensorParallel = SINGLE_DEVICE, mesh: Mesh | None = None,
+                           par: Parallel = SINGLE_DEVICE, mesh: Mesh | None = None,
                            param_specs: nnx.State | None = None, pipe: Pipeline | None = None):
-    """`loss_and_grads` over the global batch: under shard_map when `tp.axis` is set (params laid out by
+    """`loss_and_grads` over the global batch: under shard_map when `par.tensor` is set (params laid out by
     `param_specs`, rows over data and pipe), else as one global computation (single device, or GSPMD on a mesh)."""
-    if tp.axis is None:
+    if par.tensor is None:
         if pipe is not None:  # model_layout refuses this combination; never drop a pipeline silently
-            raise ValueError("a pipeline needs the explicit shard_map step (tp.axis set)")
+            raise ValueError("a pipeline needs the explicit shard_map step (par.tensor set)")
         return loss_and_grads(graphdef, grad_accum=grad_accum, remat=remat)
     replicated = jax.tree.map(lambda spec: PIPE not in _mesh_axes(spec), param_specs)
-    local = loss_and_grads(graphdef, grad_accum=grad_accum, remat=remat, tp=tp, data_axis=DATA, pipe=pipe,
+    local = loss_and_grads(graphdef, grad_accum=grad_accum, remat=remat, par=par, data_axes=row_axes(pipe), pipe=pipe,
                            pipe_replicated=replicated, zero_dims=_zero_dims(param_specs))
     return jax.shard_map(local, mesh=mesh, in_specs=(param_specs, batch_spec()), out_specs=(P(), param_specs),
-                         check_vma=False)
+                         check_vma=True)
 
 
 def _mesh_axes(spec: P) -> set[str]:
@@ -184,22 +203,22 @@ def make_train_step(grads_of: Callable[[nnx.State, jax.Array], tuple[jax.Array, 
     return step
 
 
-def make_eval_step(graphdef: nnx.GraphDef, *, tp: TensorParallel = SINGLE_DEVICE, mesh: Mesh | None = None,
+def make_eval_step(graphdef: nnx.GraphDef, *, par: Parallel = SINGLE_DEVICE, mesh: Mesh | None = None,
                    param_specs: nnx.State | None = None, pipe: Pipeline | None = None
                    ) -> Callable[[nnx.State, jax.Array], jax.Array]:
     """(params, batch int [B, T+1]) → mean next-token loss."""
-    if tp.axis is None:
+    if par.tensor is None:
         return lambda params, batch: next_token_loss(graphdef, params, batch)
 
     zero_dims = _zero_dims(param_specs)
 
     def local(params, batch):
-        loss = next_token_loss(graphdef, gather_zero(params, zero_dims), batch, tp=tp, pipe=pipe)
+        loss = next_token_loss(graphdef, gather_zero(params, zero_dims), batch, par=par, pipe=pipe)
         if pipe is not None:
             loss = jax.lax.pmean(loss, PIPE)
-        return jax.lax.pmean(loss, DATA)
+        return jax.lax.pmean(loss, row_axes(pipe))
 
-    return jax.shard_map(local, mesh=mesh, in_specs=(param_specs, batch_spec()), out_specs=P(), check_vma=False)
+    return jax.shard_map(local, mesh=mesh, in_specs=(param_specs, batch_spec()), out_specs=P(), check_vma=True)
 
 
 def batch_spec() -> P:

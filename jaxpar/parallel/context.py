@@ -1,0 +1,94 @@
+"""The model's one view of parallelism: the boundaries it owns, and nothing else.
+
+The model (jaxpar.model) speaks logical axes and calls these methods where a parallel strategy may need to act:
+
+    column / row        enter and leave a tensor-parallel region around the matmuls of one group
+    replicated          a parameter every tensor rank holds whole, applied to (possibly sequence-sharded) tokens
+    kv_weight           the kv heads this rank attends with (GQA with fewer kv heads than tensor ranks)
+    embed / vocab_ids   the vocab-parallel embedding lookup and the ids of this rank's logit columns
+    cross_entropy       the loss over (possibly vocab-sharded) logits
+    seq_shard           this rank's part of a full-sequence array (sequence parallelism)
+    attention           attention of local queries over keys that may be sharded (context parallelism plugs in
+                        here: ring or all-gather K/V around the same local kernel)
+
+The mixture-of-experts issue adds `dispatch` / `combine` (tokens to experts and back, an all-to-all over `expert`).
+
+`Parallel()` — no strategy — is the plain single-device computation: each method below is the obvious math, so
+the model with the default context *is* the reference every parallel layout is tested against. A strategy is a
+field: `tensor` (jaxpar.parallel.tensor.TensorParallel) today; `context` and `expert` will sit beside it, each
+implemented in its own file under jaxpar/parallel/, so a new strategy widens neither the model nor another strategy.
+Every weight the methods receive is contracted through `dot` (jaxpar.matmul), the seam weight formats replace.
+The plan (jaxpar.sharding.model_layout) builds the context once per model and mesh.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+
+from jaxpar.matmul import PLAIN, Einsum
+from jaxpar.parallel.tensor import TensorParallel, vocab_parallel_cross_entropy
+
+Array = jax.Array
+
+
+@dataclasses.dataclass(frozen=True)
+class Parallel:
+    """The boundaries the model calls. tensor: Megatron TP/SP inside shard_map, or None (single device / GSPMD)."""
+
+    tensor: TensorParallel | None = None
+    dot: Einsum = PLAIN
+
+    def column(self, h: Array, weights: Sequence[Array], equations: Sequence[str]) -> list[Array]:
+        """Matmuls of one column-parallel group sharing the input h [B, T, D] (compute dtype) → float32 outputs."""
+        if self.tensor is not None:
+            return self.tensor.column(h, weights, equations, self.dot)
+        return [self.dot(eq, h, w) for eq, w in zip(equations, weights)]
+
+    def row(self, x: Array, w: Array, equation: str) -> Array:
+        """The matmul that closes a region: x (compute dtype) · w → float32 [B, T, D]. Rounded to the compute dtype
+        once, as the tensor-parallel partial sums are for the wire, so the reference and every layout agree."""
+        if self.tensor is not None:
+            return self.tensor.row(x, w, equation, self.dot)
+        return self.dot(equation, x, w).astype(x.dtype).astype(jnp.float32)
+
+    def replicated(self, p: Array) -> Array:
+        """A parameter held whole by every tensor rank (norm scales, output biases, positions)."""
+        return p if self.tensor is None else self.tensor.replicated(p)
+
+    def kv_weight(self, w: Array) -> Array:
+        """The kv heads of w [..., K, E] this rank attends with."""
+        return w if self.tensor is None else self.tensor.kv_weight(w)
+
+    def embed(self, table: Array, tokens: Array, dtype) -> Array:
+        """Token embedding: table [V, D] as stored, tokens [B, T] → float32 [B, T, D] (rows read in `dtype`)."""
+        rows = self.dot.table(table, dtype)
+        if self.tensor is not None:
+            return self.tensor.embed(rows, tokens)
+        return jnp.take(rows, tokens, axis=0).astype(jnp.float32)
+
+    def seq_shard(self, x: Array) -> Array:
+        """This rank's part of a full-sequence array [B, T, …]."""
+        return x if self.tensor is None else self.tensor.seq_shard(x)
+
+    def vocab_ids(self, local_vocab: int) -> Array:
+        """Global ids of the logit columns this rank holds [V_local]."""
+        return jnp.arange(local_vocab) if self.tensor is None else self.tensor.vocab_ids(local_vocab)
+
+    def cross_entropy(self, logits: Array, targets: Array) -> Array:
+        """Per-token loss [B, T] from float32 logits [B, T, V_local] (padded columns already NEG_INF)."""
+        if self.tensor is not None:
+            return self.tensor.cross_entropy(logits, targets)
+        return vocab_parallel_cross_entropy(logits, targets, None)
+
+    def attention(self, kernel: Callable[[Array, Array, Array, Array | None], Array], q: Array, k: Array, v: Array,
+                  mask: Array | None) -> Array:
+        """kernel(q, k, v, mask) over this rank's queries q [B, T, H, E] and the keys k, v [B, S, K, E]. With heads
+        split by tensor parallelism each rank's heads are self-contained, so this is the kernel itself."""
+        return kernel(q, k, v, mask)
+
+
+SINGLE_DEVICE = Parallel()
