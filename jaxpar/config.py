@@ -23,17 +23,8 @@ from typing import Any
 
 import yaml
 
-from jaxpar.errors import JaxparError
-
-
-class ConfigError(JaxparError, ValueError):
-    """A configuration that cannot run. `str(err)` is one line: field, value, rule and fix."""
-
-    kind = "config error"
-
-    def __init__(self, field: str, value: Any, rule: str, fix: str):
-        self.field, self.value, self.rule, self.fix = field, value, rule, fix
-        super().__init__(f"{field} = {value!r}: {rule}. Fix: {fix}")
+from jaxpar.errors import ConfigError
+from jaxpar.families import FAMILIES
 
 
 def _f(default: Any, help: str) -> Any:
@@ -41,7 +32,6 @@ def _f(default: Any, help: str) -> Any:
     return dataclasses.field(default=default, metadata={"help": help})
 
 
-FAMILIES = ("llama", "gpt2")
 DTYPES = ("float32", "bfloat16", "float16")
 REMAT_POLICIES = ("none", "full", "dots")
 ATTENTION_IMPLS = ("auto", "xla", "cudnn")
@@ -53,14 +43,15 @@ SOURCES = ("default", "synthetic", "text", "tokens")
 class ModelConfig:
     """The transformer's shape and numerics. Sizes of 0 are derived (see each field)."""
 
-    family: str = _f("llama", "'llama' (RMSNorm, RoPE, SwiGLU, GQA) or 'gpt2' (LayerNorm, learned positions, GELU, biases)")
+    family: str = _f("llama", " or ".join(f"'{f.name}' ({f.summary})" for f in FAMILIES.values()))
     vocab_size: int = _f(256, "vocabulary size; must cover the tokenizer (256 for the byte tokenizer)")
     d_model: int = _f(128, "residual stream width h")
     n_layers: int = _f(4, "number of transformer blocks L")
     n_heads: int = _f(4, "query heads a")
     n_kv_heads: int = _f(0, "key/value heads (GQA); 0 means n_heads (plain multi-head attention)")
     head_dim: int = _f(0, "width of one head; 0 means d_model // n_heads")
-    d_ff: int = _f(0, "MLP hidden width; 0 means 4*d_model (gpt2) or 8/3*d_model rounded up to 32 (llama)")
+    d_ff: int = _f(0, "MLP hidden width; 0 means the family's default: 4*d_model (gpt2), 8/3*d_model rounded up "
+                   "to 32 (llama)")
     max_seq_len: int = _f(256, "longest sequence the model accepts (size of the gpt2 position table)")
     rope_theta: float = _f(10000.0, "RoPE base frequency (llama family)")
     rope_scaling: str = _f("none", "RoPE frequency scaling for long context: 'none', 'linear' (positions / "
@@ -82,7 +73,7 @@ class ModelConfig:
 
     def __post_init__(self):
         _check_fields(self, "model")
-        _check_choice("model.family", self.family, FAMILIES)
+        _check_choice("model.family", self.family, tuple(FAMILIES))
         _check_choice("model.dtype", self.dtype, DTYPES)
         _check_choice("model.param_dtype", self.param_dtype, DTYPES)
         _check_choice("model.rope_scaling", self.rope_scaling, ROPE_SCALINGS)
@@ -113,11 +104,8 @@ class ModelConfig:
                                   f"use n_heads among {_divisors(self.d_model)} or set model.head_dim explicitly")
             object.__setattr__(self, "head_dim", self.d_model // self.n_heads)
         if self.d_ff == 0:
-            d_ff = 4 * self.d_model if self.family == "gpt2" else 32 * math.ceil(8 * self.d_model / 3 / 32)
-            object.__setattr__(self, "d_ff", d_ff)
-        if self.family == "llama" and self.head_dim % 2:
-            raise ConfigError("model.head_dim", self.head_dim, "must be even for RoPE (dims rotate in pairs)",
-                              f"use head_dim {self.head_dim + 1}" + (f" or {self.head_dim - 1}" if self.head_dim > 1 else ""))
+            object.__setattr__(self, "d_ff", FAMILIES[self.family].default_d_ff(self.d_model))
+        FAMILIES[self.family].check(self)  # the family's own rules (llama: an even head_dim for RoPE)
         if self.n_heads % self.n_kv_heads:
             raise ConfigError("model.n_kv_heads", self.n_kv_heads,
                               f"must divide model.n_heads = {self.n_heads} (each kv head serves a group of query heads)",

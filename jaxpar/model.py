@@ -1,4 +1,8 @@
-"""Decoder-only transformer in Flax NNX: the Llama family and the GPT-2 family in one file.
+"""Decoder-only transformer in Flax NNX: the layer functions every family shares, and the modules that hold them.
+
+What differs between families (the Llama family, GPT-2) is data in jaxpar/families/: which norm, position scheme and
+MLP a family uses and which parameters a layer holds. The functions here read those fields; none branches on a
+family's name.
 
 Dimension letters used in shapes and einsums (gemma style):
     B batch, T query positions, S key positions, D d_model, H query heads, K kv heads, G = H/K query heads per kv
@@ -33,6 +37,7 @@ import numpy as np
 from flax import nnx
 
 from jaxpar.config import ModelConfig
+from jaxpar.families import Param, family
 from jaxpar.parallel.context import SINGLE_DEVICE, Parallel
 from jaxpar.parallel.tensor import NEG_INF
 from jaxpar.sharding import constrain
@@ -45,54 +50,31 @@ REMAT_POLICIES = {
 }
 
 
-def _param(rngs: nnx.Rngs | None, shape: tuple[int, ...], axes: tuple[str | None, ...], dtype, *, std: float = 0.0,
-           fill: float = 0.0, pad: tuple[tuple[int, int], ...] | None = None) -> nnx.Param:
-    """A parameter with logical axes: normal(0, std) when std > 0, else the constant `fill`; then zero `pad`."""
-    if std > 0:
-        value = std * jax.random.normal(rngs.params(), shape, jnp.float32)
+def _param(rngs: nnx.Rngs, spec: Param, cfg: ModelConfig, *, layers: int | None = None,
+           pad: tuple[tuple[int, int], ...] | None = None) -> nnx.Param:
+    """A parameter from its family spec: stacked on a leading `layers` axis when given, then zero `pad`; its logical
+    axes and weight-decay flag ride along as metadata. Only the normal initialisers draw from `rngs`, so the draws
+    (and the values a seed gives) follow the order the family lists its parameters in."""
+    shape, axes = spec.shape, spec.axes
+    if layers is not None:
+        shape, axes = (layers, *shape), ("layers", *axes)
+    std = {"normal": cfg.init_std, "out": cfg.init_std / math.sqrt(2 * cfg.n_layers), "half": cfg.init_std / 2}
+    if spec.init in std:  # "out": GPT-2 / Megatron scale the projections that write into the residual stream
+        value = std[spec.init] * jax.random.normal(rngs.params(), shape, jnp.float32)
     else:
-        value = jnp.full(shape, fill, jnp.float32)
+        value = jnp.full(shape, 1.0 if spec.init == "ones" else 0.0, jnp.float32)
     if pad is not None:
         value = jnp.pad(value, pad)
-    return nnx.Param(value.astype(dtype), logical_axes=axes)
+    return nnx.Param(value.astype(jnp.dtype(cfg.param_dtype)), logical_axes=axes, weight_decay=spec.decay)
 
 
 class Blocks(nnx.Module):
-    """All L transformer blocks, parameters stacked on a leading `layers` axis.
-
-    Per-layer parameter shapes (drop the leading L):
-        attn_norm [L, D]; wq [L, D, H, E]; wk, wv [L, D, K, E]; wo [L, H, E, D]; mlp_norm [L, D]
-        llama: w_gate, w_up [L, D, F]; w_down [L, F, D]
-        gpt2:  w_up [L, D, F]; w_down [L, F, D]; biases attn_norm_b, mlp_norm_b, bo, b_down [L, D];
-               bq [L, H, E]; bk, bv [L, K, E]; b_up [L, F]
-        llama with qkv_bias (Qwen2): bq [L, H, E]; bk, bv [L, K, E]
-    """
+    """All L transformer blocks: the family's layer parameters (jaxpar.families), each stacked on a leading `layers`
+    axis — e.g. llama's wq [L, D, H, E], w_gate [L, D, F]; gpt2's b_up [L, F]."""
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
-        L, D, H, K, E, F = cfg.n_layers, cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.d_ff
-        pd, std = jnp.dtype(cfg.param_dtype), cfg.init_std
-        out_std = std / math.sqrt(2 * L)  # GPT-2 / Megatron: scale the projections that write into the residual
-        gpt2 = cfg.family == "gpt2"
-        self.attn_norm = _param(None, (L, D), ("layers", "norm"), pd, fill=1.0)
-        self.wq = _param(rngs, (L, D, H, E), ("layers", "embed", "heads", "head_dim"), pd, std=std)
-        self.wk = _param(rngs, (L, D, K, E), ("layers", "embed", "kv_heads", "head_dim"), pd, std=std)
-        self.wv = _param(rngs, (L, D, K, E), ("layers", "embed", "kv_heads", "head_dim"), pd, std=std)
-        self.wo = _param(rngs, (L, H, E, D), ("layers", "heads", "head_dim", "embed"), pd, std=out_std)
-        self.mlp_norm = _param(None, (L, D), ("layers", "norm"), pd, fill=1.0)
-        if not gpt2:
-            self.w_gate = _param(rngs, (L, D, F), ("layers", "embed", "mlp"), pd, std=std)
-        self.w_up = _param(rngs, (L, D, F), ("layers", "embed", "mlp"), pd, std=std)
-        self.w_down = _param(rngs, (L, F, D), ("layers", "mlp", "embed"), pd, std=out_std)
-        if gpt2 or cfg.qkv_bias:
-            self.bq = _param(None, (L, H, E), ("layers", "heads", "head_dim"), pd)
-            self.bk = _param(None, (L, K, E), ("layers", "kv_heads", "head_dim"), pd)
-            self.bv = _param(None, (L, K, E), ("layers", "kv_heads", "head_dim"), pd)
-        if gpt2:
-            self.attn_norm_b = _param(None, (L, D), ("layers", "norm"), pd)
-            self.mlp_norm_b = _param(None, (L, D), ("layers", "norm"), pd)
-            self.bo = _param(None, (L, D), ("layers", "embed"), pd)
-            self.b_up = _param(None, (L, F), ("layers", "mlp"), pd)
-            self.b_down = _param(None, (L, D), ("layers", "embed"), pd)
+        for name, spec in family(cfg).layer_params(cfg).items():
+            setattr(self, name, _param(rngs, spec, cfg, layers=cfg.n_layers))
         self.cfg = cfg
 
     def stacked(self) -> dict[str, Array]:
@@ -178,18 +160,18 @@ class Transformer(nnx.Module):
     """
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, padded_vocab: int | None = None):
-        V, D, pd = cfg.vocab_size, cfg.d_model, jnp.dtype(cfg.param_dtype)
+        V, D, fam = cfg.vocab_size, cfg.d_model, family(cfg)
         self.padded_vocab = Vp = padded_vocab or V
         # Random rows for the real vocab first, then zero rows: the real rows get the same values at any padding.
-        self.embed = _param(rngs, (V, D), ("vocab", "embed"), pd, std=cfg.init_std, pad=((0, Vp - V), (0, 0)))
-        if cfg.family == "gpt2":
-            self.pos_embed = _param(rngs, (cfg.max_seq_len, D), (None, "embed"), pd, std=cfg.init_std / 2)
+        self.embed = _param(rngs, Param((V, D), ("vocab", "embed"), "normal"), cfg, pad=((0, Vp - V), (0, 0)))
+        if fam.positions == "learned":
+            self.pos_embed = _param(rngs, Param((cfg.max_seq_len, D), (None, "embed"), "half"), cfg)
         self.blocks = Blocks(cfg, rngs=rngs)
-        self.final_norm = _param(None, (D,), ("norm",), pd, fill=1.0)
-        if cfg.family == "gpt2":
-            self.final_norm_b = _param(None, (D,), ("norm",), pd)
+        self.final_norm = _param(rngs, Param((D,), ("norm",), "ones", decay=False), cfg)
+        if fam.norm == "layer":
+            self.final_norm_b = _param(rngs, Param((D,), ("norm",), "zeros", decay=False), cfg)
         if not cfg.tie_embeddings:
-            self.lm_head = _param(rngs, (D, V), ("embed", "vocab"), pd, std=cfg.init_std, pad=((0, 0), (0, Vp - V)))
+            self.lm_head = _param(rngs, Param((D, V), ("embed", "vocab"), "normal"), cfg, pad=((0, 0), (0, Vp - V)))
         self.cfg = cfg
 
     def __call__(self, tokens: Array, *, positions: Array | None = None, segment_ids: Array | None = None,
@@ -231,7 +213,7 @@ class Transformer(nnx.Module):
         """tokens [B, T] → residual stream [B, T, D] float32 ([B, T/t, D] under sequence parallelism)."""
         cfg = self.cfg
         x = par.embed(self.embed[...], tokens, cfg.dtype)
-        if cfg.family == "gpt2":
+        if hasattr(self, "pos_embed"):  # learned positions (gpt2)
             pos = jnp.take(par.replicated(self.pos_embed[...]), par.seq_shard(positions), axis=0)
             x = x + pos.astype(jnp.float32)
         return constrain(x, ("batch", "seq", "embed"))
@@ -272,9 +254,10 @@ def block(p: dict[str, Array], x: Array, positions: Array, mask: Array | None, c
 
 
 def norm(x: Array, scale: Array, bias: Array | None, cfg: ModelConfig) -> Array:
-    """RMSNorm (llama) or LayerNorm (gpt2) in float32 → compute dtype. x [B, T, D]."""
+    """The family's norm in float32 → compute dtype: RMSNorm ('rms'), or LayerNorm ('layer': centred first, and a
+    bias). x [B, T, D]."""
     x = x.astype(jnp.float32)
-    if cfg.family == "gpt2":
+    if family(cfg).norm == "layer":
         x = x - x.mean(-1, keepdims=True)
     y = x * jax.lax.rsqrt((x * x).mean(-1, keepdims=True) + cfg.norm_eps) * scale.astype(jnp.float32)
     if bias is not None:
@@ -300,7 +283,7 @@ def attention(p: dict[str, Array], h: Array, positions: Array, mask: Array | Non
     if "bq" in p:  # gpt2, and the llama family with qkv_bias (Qwen2)
         bk, bv = par.kv_weight(p["bk"]), par.kv_weight(p["bv"])
         q, k, v = q + p["bq"].astype(dt), k + bk.astype(dt), v + bv.astype(dt)
-    if cfg.family != "gpt2":
+    if family(cfg).positions == "rope":
         inv_freq = rope_frequencies(q.shape[-1], cfg)
         q, k = rope(q, positions, inv_freq), rope(k, positions, inv_freq)
     q = constrain(q, ("batch", "seq", "heads", "head_dim"))
@@ -346,19 +329,29 @@ def attend(q: Array, k: Array, v: Array, mask: Array | None, cfg: ModelConfig) -
 
 
 def mlp(p: dict[str, Array], h: Array, cfg: ModelConfig, par: Parallel = SINGLE_DEVICE) -> Array:
-    """SwiGLU (llama) or GELU (gpt2) MLP: up/gate column-parallel, down row-parallel. h [B, T, D] → [B, T, D] f32."""
-    dt = cfg.dtype
-    if cfg.family == "gpt2":
-        (up,) = par.column(h, (p["w_up"],), ("btd,df->btf",))  # [B, T, F]
-        act = jax.nn.gelu((up + p["b_up"]).astype(dt), approximate=True)  # GPT-2's tanh GELU ("gelu_new")
-    else:
-        gate, up = par.column(h, (p["w_gate"], p["w_up"]), ("btd,df->btf", "btd,df->btf"))
-        act = (jax.nn.silu(gate) * up).astype(dt)
+    """The family's MLP: up (and gate) column-parallel, its activation local, down row-parallel.
+    h [B, T, D] (compute dtype) → [B, T, D] float32."""
+    act = ACTIVATIONS[family(cfg).mlp](p, h, cfg, par)  # [B, T, F] (F/t local), compute dtype
     act = constrain(act, ("batch", "seq", "mlp"))
     out = par.row(act, p["w_down"], "btf,fd->btd")
     if "b_down" in p:
         out = out + par.replicated(p["b_down"]).astype(jnp.float32)
     return out
+
+
+def swiglu(p: dict[str, Array], h: Array, cfg: ModelConfig, par: Parallel) -> Array:
+    """silu(h·W_gate) ⊙ (h·W_up): two matrices in one column-parallel group (llama)."""
+    gate, up = par.column(h, (p["w_gate"], p["w_up"]), ("btd,df->btf", "btd,df->btf"))
+    return (jax.nn.silu(gate) * up).astype(cfg.dtype)
+
+
+def gelu(p: dict[str, Array], h: Array, cfg: ModelConfig, par: Parallel) -> Array:
+    """gelu(h·W_up + b_up) with GPT-2's tanh GELU ("gelu_new")."""
+    (up,) = par.column(h, (p["w_up"],), ("btd,df->btf",))  # [B, T, F]
+    return jax.nn.gelu((up + p["b_up"]).astype(cfg.dtype), approximate=True)
+
+
+ACTIVATIONS = {"swiglu": swiglu, "gelu": gelu}  # Family.mlp → the layer function
 
 
 def rope_frequencies(E: int, cfg: ModelConfig) -> np.ndarray:

@@ -45,6 +45,7 @@ from __future__ import annotations
 import dataclasses
 
 from jaxpar.config import ModelConfig
+from jaxpar.families import family
 
 TERA = 1e12
 
@@ -122,7 +123,7 @@ def forward_flops_per_token(cfg: ModelConfig, seq_len: int, *, keys: float | Non
     h, a, K, E, F, L = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.d_ff, cfg.n_layers
     if keys is None:
         keys = attended_keys(seq_len, window=cfg.sliding_window)
-    dense = 2 * h * E * (a + 2 * K) + 2 * a * E * h + 2 * h * F * (3 if cfg.family == "llama" else 2)
+    dense = 2 * h * E * (a + 2 * K) + 2 * a * E * h + 2 * h * F * family(cfg).mlp_matrices(cfg)
     return ForwardFlops(layers_dense=L * dense, attention=L * 4 * a * E * keys, head=2 * h * cfg.vocab_size,
                         down_projection=L * 2 * F * h)
 

@@ -4,7 +4,7 @@ A Hugging Face model directory holds `config.json`, the weights as `model.safete
 `model.safetensors.index.json`, and usually `tokenizer.json`. Only those JSON and safetensors files are read —
 never a pickle (`*.bin`, `*.pt`): loading one can run arbitrary code.
 
-The mapping is one table per family (`_rules`): each jaxpar parameter names the Hugging Face tensor it comes from
+The mapping is one table per family, kept in the family's file (jaxpar/families/): each jaxpar parameter names the Hugging Face tensor it comes from
 and the reshape between the two layouts, e.g.
 
     jaxpar blocks.wq [L, D, H, E]  ←  model.layers.{l}.self_attn.q_proj.weight [H·E, D]   (torch Linear: [out, in])
@@ -51,7 +51,7 @@ import math
 import pathlib
 import re
 import shutil
-from typing import Any, Callable
+from typing import Any
 
 import jax
 import numpy as np
@@ -61,14 +61,11 @@ from safetensors.numpy import save_file
 
 from jaxpar.config import ConfigError, ModelConfig
 from jaxpar.errors import JaxparError
+from jaxpar.families import FAMILIES, Rule, family
 from jaxpar.sharding import ModelLayout
 
-ARCHITECTURES = {  # Hugging Face class → (jaxpar family, model_type)
-    "LlamaForCausalLM": ("llama", "llama"),
-    "MistralForCausalLM": ("llama", "mistral"),
-    "Qwen2ForCausalLM": ("llama", "qwen2"),
-    "GPT2LMHeadModel": ("gpt2", "gpt2"),
-}
+ARCHITECTURES = {  # Hugging Face class → (jaxpar family, model_type), from each family's table
+    arch: (fam.name, model_type) for fam in FAMILIES.values() for arch, model_type in fam.hf.architectures.items()}
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
 _DTYPES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}
@@ -96,6 +93,10 @@ class _Keys:
 
     def bad(self, key: str, value: Any, rule: str) -> HFError:
         return HFError(f"{self.path}: {self.prefix}{key} = {value!r}: {rule}")
+
+    def error(self, message: str) -> HFError:
+        """An HFError about this file (a family's reader raises these for what it does not support)."""
+        return HFError(f"{self.path}: {message}")
 
     def raw(self, key: str, default: Any = ...) -> Any:
         """The value as JSON gave it, or `default` (trusted: never checked) when absent; no default: required."""
@@ -167,46 +168,8 @@ def model_config(hf: dict, path: pathlib.Path, **overrides: Any) -> ModelConfig:
     path = path / "config.json" if path.suffix != ".json" else path
     _require_object(hf, path)
     arch = architecture(hf, path)
-    family, model_type = ARCHITECTURES[arch]
-    keys = _Keys(hf, path)
-    if family == "gpt2":
-        names = _GPT2_KEYS
-        act = keys.text("activation_function", "gelu_new")
-        if act not in ("gelu_new", "gelu_pytorch_tanh"):
-            raise HFError(f"{path}: activation_function = {act!r} is not supported; jaxpar's GPT-2 uses the tanh "
-                          "GELU ('gelu_new')")
-        for key in ("scale_attn_by_inverse_layer_idx", "reorder_and_upcast_attn"):
-            if keys.flag(key, False):
-                raise HFError(f"{path}: {key} = true is not supported (jaxpar's GPT-2 attention is the standard one)")
-        if not keys.flag("scale_attn_weights", True):
-            raise HFError(f"{path}: scale_attn_weights = false is not supported (jaxpar's attention always scales "
-                          "by head_dim ** -0.5)")
-        d_model, n_heads = keys.integer("n_embd"), keys.integer("n_head")
-        if d_model % n_heads:  # GPT2Attention's own rule: heads split n_embd evenly (there is no head_dim key)
-            raise keys.bad("n_head", n_heads, f"must divide n_embd = {d_model}")
-        fields = dict(family="gpt2", vocab_size=keys.integer("vocab_size"), d_model=d_model,
-                      n_layers=keys.integer("n_layer"), n_heads=n_heads, d_ff=keys.integer("n_inner", 4 * d_model),
-                      max_seq_len=keys.integer("n_positions"), norm_eps=keys.number("layer_norm_epsilon", 1e-5),
-                      tie_embeddings=keys.flag("tie_word_embeddings", True))
-    else:
-        act = keys.text("hidden_act", "silu")
-        if act != "silu":
-            raise HFError(f"{path}: hidden_act = {act!r} is not supported; jaxpar's llama family uses SwiGLU (silu)")
-        for key in ("mlp_bias", "attention_bias") if model_type == "llama" else ():
-            if keys.flag(key, False):
-                raise HFError(f"{path}: {key} = true is not supported for LlamaForCausalLM (only Qwen2's q/k/v "
-                              "biases are)")
-        n_heads, d_model = keys.integer("num_attention_heads"), keys.integer("hidden_size")
-        n_layers = keys.integer("num_hidden_layers")
-        rope, names = _rope_fields(keys)
-        fields = dict(family="llama", vocab_size=keys.integer("vocab_size"), d_model=d_model, n_layers=n_layers,
-                      n_heads=n_heads, n_kv_heads=keys.integer("num_key_value_heads", n_heads),
-                      # transformers' own default, floor division included
-                      head_dim=keys.integer("head_dim", d_model // n_heads),
-                      d_ff=keys.integer("intermediate_size"), max_seq_len=keys.integer("max_position_embeddings"),
-                      norm_eps=keys.number("rms_norm_eps", 1e-6),
-                      tie_embeddings=keys.flag("tie_word_embeddings", False), qkv_bias=model_type == "qwen2",
-                      sliding_window=_sliding_window(keys, model_type, n_layers), **rope)
+    family_name, model_type = ARCHITECTURES[arch]
+    fields, names = FAMILIES[family_name].hf.read(_Keys(hf, path), model_type)
     dtype = _DTYPES.get(str(hf.get("torch_dtype") or hf.get("dtype") or "float32"), "float32")
     fields.update(param_dtype=dtype, dtype=dtype)
     fields.update(overrides)
@@ -222,72 +185,6 @@ def model_config(hf: dict, path: pathlib.Path, **overrides: Any) -> ModelConfig:
         raise HFError(f"{path}: {names[field]} = {e.value!r}: {rule}; {fix}") from None
 
 
-# jaxpar ModelConfig field → the config.json key it comes from (for ModelConfig's errors)
-_GPT2_KEYS = dict(vocab_size="vocab_size", d_model="n_embd", n_layers="n_layer", n_heads="n_head", d_ff="n_inner",
-                  max_seq_len="n_positions", norm_eps="layer_norm_epsilon")
-_LLAMA_KEYS = dict(vocab_size="vocab_size", d_model="hidden_size", n_layers="num_hidden_layers",
-                   n_heads="num_attention_heads", n_kv_heads="num_key_value_heads", head_dim="head_dim",
-                   d_ff="intermediate_size", max_seq_len="max_position_embeddings", norm_eps="rms_norm_eps",
-                   sliding_window="sliding_window")
-
-
-def _sliding_window(keys: _Keys, model_type: str, n_layers: int) -> int:
-    """The sliding window (0: none). Mistral windows every layer when `sliding_window` is set. Qwen2 windows layer i
-    when use_sliding_window and i >= max_window_layers — or, when config.json lists `layer_types` (transformers
-    ≥ 4.53), the layers marked 'sliding_attention'; jaxpar supports all layers windowed or none."""
-    def window() -> int:  # an absent key is transformers' default (MistralConfig, Qwen2Config: 4096); null is none
-        return keys.integer("sliding_window", 0) if "sliding_window" in keys.d else 4096
-
-    if model_type == "mistral":
-        return window()
-    if model_type != "qwen2":
-        return 0
-    if not keys.flag("use_sliding_window", False):  # transformers then sets sliding_window to None
-        return 0
-    layer_types = keys.raw("layer_types", None)
-    if layer_types is not None:
-        if not isinstance(layer_types, list) or len(layer_types) != n_layers or not set(layer_types) <= {
-                "full_attention", "sliding_attention"}:
-            raise keys.bad("layer_types", layer_types, f"must list 'full_attention' or 'sliding_attention' for each "
-                           f"of the num_hidden_layers = {n_layers} layers")
-        windowed = [t == "sliding_attention" for t in layer_types]
-    else:
-        first = keys.integer("max_window_layers", 0, minimum=0)
-        windowed = [i >= first for i in range(n_layers)]
-    if any(windowed) and not all(windowed):
-        raise HFError(f"{keys.path}: a sliding window on layers {[i for i, w in enumerate(windowed) if w]} only "
-                      "(layer_types / max_window_layers) is not supported; jaxpar windows all layers or none")
-    return window() if all(windowed) else 0
-
-
-def _rope_fields(keys: _Keys) -> tuple[dict, dict]:
-    """(ModelConfig RoPE fields, their config.json key names). RoPE settings come in two spellings: transformers
-    ≥ 5 nests them as `rope_parameters` (rope_theta inside); older versions have top-level `rope_theta` and
-    `rope_scaling` (whose kind is `rope_type`, or `type` in the oldest files)."""
-    nested = keys.raw("rope_parameters", None) is not None
-    section = keys.section("rope_parameters" if nested else "rope_scaling")
-    theta_from = section if nested and section.raw("rope_theta", None) is not None else keys
-    names = dict(_LLAMA_KEYS, rope_theta=theta_from.prefix + "rope_theta", **{
-        field: section.prefix + key for field, key in (
-            ("rope_factor", "factor"), ("rope_low_freq_factor", "low_freq_factor"),
-            ("rope_high_freq_factor", "high_freq_factor"),
-            ("rope_original_max_len", "original_max_position_embeddings"))})
-    fields: dict[str, Any] = dict(rope_theta=theta_from.number("rope_theta", 10000.0))
-    kind = section.text("rope_type", section.text("type", "default"))
-    section.needed_by = f"{kind} RoPE scaling"
-    if kind == "default":
-        return fields, names
-    if kind == "linear":
-        return dict(fields, rope_scaling="linear", rope_factor=section.number("factor")), names
-    if kind == "llama3":
-        return dict(fields, rope_scaling="llama3", rope_factor=section.number("factor"),
-                    rope_low_freq_factor=section.number("low_freq_factor"),
-                    rope_high_freq_factor=section.number("high_freq_factor"),
-                    rope_original_max_len=section.integer("original_max_position_embeddings")), names
-    raise HFError(f"{keys.path}: {section.prefix}rope_type = {kind!r} is not supported; jaxpar implements 'linear' "
-                  "and 'llama3' (dynamic NTK, YaRN and LongRoPE are not implemented)")
-
-
 def hf_config(cfg: ModelConfig, base: dict | None = None, dtype: str | None = None) -> dict:
     """The Hugging Face config.json for `cfg`: `base` (the imported config, when there is one) updated with every
     field jaxpar knows, or a fresh one (architecture chosen by the features: GPT-2, Qwen2 for q/k/v biases,
@@ -295,42 +192,7 @@ def hf_config(cfg: ModelConfig, base: dict | None = None, dtype: str | None = No
     _check_exportable(cfg)
     out = dict(base or {})
     dtype = dtype or cfg.param_dtype
-    if cfg.family == "gpt2":
-        out.update(architectures=["GPT2LMHeadModel"], model_type="gpt2", vocab_size=cfg.vocab_size, n_embd=cfg.d_model,
-                   n_layer=cfg.n_layers, n_head=cfg.n_heads, n_inner=cfg.d_ff, n_positions=cfg.max_seq_len,
-                   n_ctx=cfg.max_seq_len, layer_norm_epsilon=cfg.norm_eps, activation_function="gelu_new",
-                   tie_word_embeddings=cfg.tie_embeddings)
-    else:
-        arch, model_type = ("Qwen2ForCausalLM", "qwen2") if cfg.qkv_bias else (
-            ("MistralForCausalLM", "mistral") if cfg.sliding_window else ("LlamaForCausalLM", "llama"))
-        if base and base.get("architectures"):
-            arch = base["architectures"][0]
-            model_type = ARCHITECTURES.get(arch, (None, base.get("model_type")))[1]
-        out.update(architectures=[arch], model_type=model_type, vocab_size=cfg.vocab_size, hidden_size=cfg.d_model,
-                   num_hidden_layers=cfg.n_layers, num_attention_heads=cfg.n_heads,
-                   num_key_value_heads=cfg.n_kv_heads, head_dim=cfg.head_dim, intermediate_size=cfg.d_ff,
-                   max_position_embeddings=cfg.max_seq_len, rms_norm_eps=cfg.norm_eps,
-                   tie_word_embeddings=cfg.tie_embeddings, hidden_act="silu")
-        if model_type == "mistral":
-            out["sliding_window"] = cfg.sliding_window or None
-        elif model_type == "qwen2":
-            out.update(use_sliding_window=bool(cfg.sliding_window), sliding_window=cfg.sliding_window or None)
-            if cfg.sliding_window:  # Qwen2 windows layers i >= max_window_layers: 0 windows all of them
-                out["max_window_layers"] = 0
-            if "layer_types" in out:  # transformers >= 4.53 reads these first
-                out["layer_types"] = [("sliding" if cfg.sliding_window else "full") + "_attention"] * cfg.n_layers
-        rope: dict[str, Any] = {"rope_type": "default"}
-        if cfg.rope_scaling == "linear":
-            rope = {"rope_type": "linear", "factor": cfg.rope_factor}
-        elif cfg.rope_scaling == "llama3":
-            rope = {"rope_type": "llama3", "factor": cfg.rope_factor, "low_freq_factor": cfg.rope_low_freq_factor,
-                    "high_freq_factor": cfg.rope_high_freq_factor,
-                    "original_max_position_embeddings": cfg.rope_original_max_len}
-        if "rope_parameters" in out:  # transformers >= 5
-            out["rope_parameters"] = {**rope, "rope_theta": cfg.rope_theta}
-        else:
-            out["rope_theta"] = cfg.rope_theta
-            out["rope_scaling"] = None if rope["rope_type"] == "default" else rope
+    family(cfg).hf.write(cfg, out, base)
     out["dtype" if "dtype" in out else "torch_dtype"] = dtype
     return out
 
@@ -338,92 +200,17 @@ def hf_config(cfg: ModelConfig, base: dict | None = None, dtype: str | None = No
 def _check_exportable(cfg: ModelConfig) -> None:
     """Raise a ConfigError naming the first field of `cfg` that the Hugging Face architecture it exports as cannot
     express: transformers would refuse the tensors' shapes or, worse, load them and compute something else."""
-    if cfg.family != "gpt2":
-        return  # Llama, Mistral (window) and Qwen2 (q/k/v biases, window) between them hold every llama option
-    why = "GPT2LMHeadModel cannot express it"
-    if cfg.n_kv_heads != cfg.n_heads:
-        raise ConfigError("model.n_kv_heads", cfg.n_kv_heads, f"must equal model.n_heads = {cfg.n_heads} to export "
-                          f"as GPT-2 ({why}: c_attn holds q, k, v of n_embd columns each)",
-                          "train gpt2 without grouped-query attention, or use the llama family")
-    if cfg.head_dim * cfg.n_heads != cfg.d_model:
-        raise ConfigError("model.head_dim", cfg.head_dim, f"must be d_model / n_heads = {cfg.d_model / cfg.n_heads:g}"
-                          f" to export as GPT-2 ({why}: there is no head_dim key)", "leave model.head_dim = 0")
-    if cfg.sliding_window:
-        raise ConfigError("model.sliding_window", cfg.sliding_window, f"must be 0 to export as GPT-2 ({why}: GPT-2 "
-                          "attends to every earlier position)", "use the llama family (exports as Mistral)")
+    family(cfg).hf.exportable(cfg)
 
 
 # -----------------------------------------------------------------------------------------------------------------
 # The tensor tables
 
 
-@dataclasses.dataclass(frozen=True)
-class Rule:
-    """jaxpar parameter `param` ⇄ Hugging Face tensor `name` ("{l}" = layer index for stacked params).
-
-    to_jax: the HF tensor → the jaxpar array (one layer's, for stacked params); to_hf: the inverse. Several rules
-    may share one HF tensor (GPT-2's fused c_attn): each takes its `part` of `parts` equal slices of the last axis.
-    """
-
-    param: str
-    name: str
-    to_jax: Callable[[np.ndarray], np.ndarray]
-    to_hf: Callable[[np.ndarray], np.ndarray]
-    part: int = 0
-    parts: int = 1
-
-    @property
-    def stacked(self) -> bool:
-        return "{l}" in self.name
-
-
 def _rules(cfg: ModelConfig, names: set[str] | None = None) -> list[Rule]:
-    """The table for `cfg`'s family. `names` (the tensors present) picks GPT-2's prefix ('transformer.' or none)."""
-    D, H, K, E = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
-    same = lambda x: x  # noqa: E731
-    if cfg.family == "gpt2":
-        pre = "transformer." if names is None or "transformer.wte.weight" in names else ""
-        h = pre + "h.{l}."
-        rules = [Rule("embed", pre + "wte.weight", same, same), Rule("pos_embed", pre + "wpe.weight", same, same),
-                 Rule("final_norm", pre + "ln_f.weight", same, same),
-                 Rule("final_norm_b", pre + "ln_f.bias", same, same),
-                 Rule("blocks.attn_norm", h + "ln_1.weight", same, same),
-                 Rule("blocks.attn_norm_b", h + "ln_1.bias", same, same),
-                 Rule("blocks.mlp_norm", h + "ln_2.weight", same, same),
-                 Rule("blocks.mlp_norm_b", h + "ln_2.bias", same, same)]
-        for i, (w, b, n) in enumerate((("wq", "bq", H), ("wk", "bk", K), ("wv", "bv", K))):
-            rules.append(Rule(f"blocks.{w}", h + "attn.c_attn.weight", lambda x, n=n: x.reshape(D, n, E),
-                              lambda x: x.reshape(D, -1), part=i, parts=3))
-            rules.append(Rule(f"blocks.{b}", h + "attn.c_attn.bias", lambda x, n=n: x.reshape(n, E),
-                              lambda x: x.reshape(-1), part=i, parts=3))
-        rules += [Rule("blocks.wo", h + "attn.c_proj.weight", lambda x: x.reshape(H, E, D), lambda x: x.reshape(-1, D)),
-                  Rule("blocks.bo", h + "attn.c_proj.bias", same, same),
-                  Rule("blocks.w_up", h + "mlp.c_fc.weight", same, same),
-                  Rule("blocks.b_up", h + "mlp.c_fc.bias", same, same),
-                  Rule("blocks.w_down", h + "mlp.c_proj.weight", same, same),
-                  Rule("blocks.b_down", h + "mlp.c_proj.bias", same, same)]
-        if not cfg.tie_embeddings:
-            rules.append(Rule("lm_head", "lm_head.weight", lambda x: x.T, lambda x: x.T))
-        return rules
-    lay = "model.layers.{l}."
-    linear_in = lambda n: (lambda x: x.T.reshape(D, n, E), lambda x: x.reshape(D, -1).T)  # noqa: E731
-    rules = [Rule("embed", "model.embed_tokens.weight", same, same), Rule("final_norm", "model.norm.weight", same, same),
-             Rule("blocks.attn_norm", lay + "input_layernorm.weight", same, same),
-             Rule("blocks.mlp_norm", lay + "post_attention_layernorm.weight", same, same),
-             Rule("blocks.wq", lay + "self_attn.q_proj.weight", *linear_in(H)),
-             Rule("blocks.wk", lay + "self_attn.k_proj.weight", *linear_in(K)),
-             Rule("blocks.wv", lay + "self_attn.v_proj.weight", *linear_in(K)),
-             Rule("blocks.wo", lay + "self_attn.o_proj.weight", lambda x: x.T.reshape(H, E, D),
-                  lambda x: x.reshape(-1, D).T),
-             Rule("blocks.w_gate", lay + "mlp.gate_proj.weight", lambda x: x.T, lambda x: x.T),
-             Rule("blocks.w_up", lay + "mlp.up_proj.weight", lambda x: x.T, lambda x: x.T),
-             Rule("blocks.w_down", lay + "mlp.down_proj.weight", lambda x: x.T, lambda x: x.T)]
-    if cfg.qkv_bias:
-        rules += [Rule(f"blocks.{b}", lay + f"self_attn.{p}_proj.bias", lambda x, n=n: x.reshape(n, E),
-                       lambda x: x.reshape(-1)) for b, p, n in (("bq", "q", H), ("bk", "k", K), ("bv", "v", K))]
-    if not cfg.tie_embeddings:
-        rules.append(Rule("lm_head", "lm_head.weight", lambda x: x.T, lambda x: x.T))
-    return rules
+    """The tensor table of `cfg`'s family (each family file holds its own). `names` (the tensors present) settles
+    naming variants (GPT-2's 'transformer.' prefix)."""
+    return family(cfg).hf.tensors(cfg, names)
 
 
 # -----------------------------------------------------------------------------------------------------------------

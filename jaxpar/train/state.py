@@ -38,18 +38,17 @@ def lr_schedule(train: TrainConfig) -> optax.Schedule:
         decay_steps=max(train.steps, train.warmup_steps + 1), end_value=train.lr * train.min_lr_ratio)
 
 
-def _decays(path: tuple, _) -> bool:
-    """Weight decay on matrices and embeddings only: not on norm scales or biases (GPT-2/Megatron practice)."""
-    name = str(getattr(path[-1], "key", path[-1])) if path else ""
-    if name == "value" and len(path) > 1:  # nnx.Variable nodes add a trailing 'value' key on some versions
-        name = str(getattr(path[-2], "key", path[-2]))
-    return not ("norm" in name or name.startswith("b"))
+def decay_mask(params: nnx.State) -> nnx.State:
+    """True where AdamW's weight decay applies: the `weight_decay` metadata each parameter carries from its family
+    spec (jaxpar.families.base.Param.decay — matrices and embeddings yes, norm scales and biases no)."""
+    return jax.tree.map(lambda v: bool(v.get_metadata().get("weight_decay", True)), params,
+                        is_leaf=lambda x: isinstance(x, nnx.Variable))
 
 
 def make_optimizer(train: TrainConfig) -> optax.GradientTransformation:
     """Global-norm clipping, then AdamW with the warmup + cosine schedule."""
     adamw = optax.adamw(lr_schedule(train), b1=train.b1, b2=train.b2, weight_decay=train.weight_decay,
-                        mask=lambda params: jax.tree_util.tree_map_with_path(_decays, params))
+                        mask=decay_mask)
     if train.grad_clip > 0:
         return optax.chain(optax.clip_by_global_norm(train.grad_clip), adamw)
     return adamw

@@ -1,0 +1,123 @@
+"""What a model family is: the contract each file of jaxpar/families/ fills in.
+
+A family is data, not code paths: which shared layer functions of jaxpar.model it uses (a norm, a position scheme,
+an MLP), the parameters a layer holds (shape, logical axes, initialiser), its config rules, and its Hugging Face
+mapping (architectures, config.json keys, tensor names). The model, the HF interop, the FLOP formulas and the config
+checks read these fields; none of them branches on a family's name. Adding a family is adding a file (and its line
+in `jaxpar/families/__init__.py`); a family that needs a layer kind the model does not have adds that one function
+to jaxpar.model.
+
+This module and the family files import no jax: the config imports them to validate and derive sizes, and a config
+error must print before jax loads.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, Mapping
+
+# Dimension letters (as in jaxpar.model): D d_model, H query heads, K kv heads, E head_dim, F d_ff, P positions.
+
+
+
+@dataclasses.dataclass(frozen=True)
+class Param:
+    """One parameter: its shape (without the stacked layer dim), the logical axis of each dim, its initialiser.
+
+    init: 'normal' N(0, init_std); 'out' N(0, init_std/√(2·n_layers)) for projections that write into the residual
+    stream (GPT-2 / Megatron); 'half' N(0, init_std/2) (GPT-2's position table); 'ones'; 'zeros'.
+    decay: whether weight decay applies — carried onto the nnx.Param as metadata, which the optimizer reads
+    (GPT-2 / Megatron practice: not on norm scales or biases).
+    """
+
+    shape: tuple[int, ...]
+    axes: tuple[str | None, ...]
+    init: str
+    decay: bool = True  # AdamW weight decay applies (matrices, embeddings); False for norm scales and biases
+
+
+@dataclasses.dataclass(frozen=True)
+class Rule:
+    """jaxpar parameter `param` ⇄ Hugging Face tensor `name` ("{l}" = layer index for stacked params).
+
+    to_jax: the HF tensor → the jaxpar array (one layer's, for stacked params); to_hf: the inverse. Several rules
+    may share one HF tensor (GPT-2's fused c_attn): each takes its `part` of `parts` equal slices of the last axis.
+    """
+
+    param: str
+    name: str
+    to_jax: Callable[[Any], Any]
+    to_hf: Callable[[Any], Any]
+    part: int = 0
+    parts: int = 1
+
+    @property
+    def stacked(self) -> bool:
+        return "{l}" in self.name
+
+
+def same(x):
+    return x
+
+
+@dataclasses.dataclass(frozen=True)
+class HuggingFace:
+    """A family's Hugging Face mapping.
+
+    architectures: HF class name → model_type, for every class this family imports.
+    read(keys, model_type) → (ModelConfig fields, {jaxpar field: config.json key}); `keys` is the type-checked
+        config.json reader of jaxpar.interop.hf (`keys.integer("n_embd")`, `keys.error(message)` → an HFError).
+    write(cfg, out, base): fill config.json dict `out` for cfg (`base`: the imported config.json, or None).
+    exportable(cfg): raise ConfigError for a cfg the architecture it exports as cannot express.
+    tensors(cfg, names) → [Rule]: the tensor table; `names` (the tensors present, or None) settles naming variants.
+    """
+
+    architectures: Mapping[str, str]
+    read: Callable[[Any, str], tuple[dict, dict]]
+    write: Callable[[Any, dict, dict | None], None]
+    exportable: Callable[[Any], None]
+    tensors: Callable[[Any, set[str] | None], list[Rule]]
+
+
+@dataclasses.dataclass(frozen=True)
+class Family:
+    """One model family. norm / positions / mlp name the shared layer functions of jaxpar.model it is built from."""
+
+    name: str
+    summary: str  # one line, for the config reference
+    norm: str  # 'rms' (RMSNorm: scale) or 'layer' (LayerNorm: scale and bias)
+    positions: str  # 'rope' (rotary, in attention) or 'learned' (a position table added to the embedding)
+    mlp: str  # 'swiglu' (gate, up, down) or 'gelu' (up, down, biases)
+    layer_params: Callable[[Any], dict[str, Param]]  # cfg → one layer's parameters, in initialisation order
+    default_d_ff: Callable[[int], int]  # d_model → the MLP width a d_ff of 0 means
+    check: Callable[[Any], None]  # cfg → raise ConfigError for what the family cannot run
+    hf: HuggingFace
+
+    def mlp_matrices(self, cfg) -> int:
+        """How many D×F weight matrices one layer's MLP holds (3 for SwiGLU, 2 for a plain MLP): FLOP formulas."""
+        return sum(1 for p in self.layer_params(cfg).values() if len(p.axes) == 2 and "mlp" in p.axes)
+
+
+def attention_params(cfg, *, norm_bias: bool) -> dict[str, Param]:
+    """The parameters every family's attention and its two pre-norms hold (shared layout: GQA, heads split)."""
+    D, H, K, E = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+    params = {
+        "attn_norm": Param((D,), ("norm",), "ones", decay=False),
+        "wq": Param((D, H, E), ("embed", "heads", "head_dim"), "normal"),
+        "wk": Param((D, K, E), ("embed", "kv_heads", "head_dim"), "normal"),
+        "wv": Param((D, K, E), ("embed", "kv_heads", "head_dim"), "normal"),
+        "wo": Param((H, E, D), ("heads", "head_dim", "embed"), "out"),
+        "mlp_norm": Param((D,), ("norm",), "ones", decay=False),
+    }
+    if norm_bias:
+        params.update(attn_norm_b=Param((D,), ("norm",), "zeros", decay=False),
+                      mlp_norm_b=Param((D,), ("norm",), "zeros", decay=False))
+    return params
+
+
+def qkv_bias_params(cfg) -> dict[str, Param]:
+    """Biases of the q, k, v projections: bq [H, E]; bk, bv [K, E]."""
+    H, K, E = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+    return {"bq": Param((H, E), ("heads", "head_dim"), "zeros", decay=False),
+            "bk": Param((K, E), ("kv_heads", "head_dim"), "zeros", decay=False),
+            "bv": Param((K, E), ("kv_heads", "head_dim"), "zeros", decay=False)}

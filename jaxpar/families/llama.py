@@ -1,0 +1,199 @@
+"""The Llama family — Llama 2 and 3, Mistral (sliding window), Qwen2 (q/k/v biases).
+
+A layer: x + attention(RMSNorm(x)), then + SwiGLU(RMSNorm(x)). Attention is grouped-query with rotary positions
+(Hugging Face's rotate-half convention, optional linear / Llama 3.1 frequency scaling) and an optional sliding
+window. No biases except Qwen2's on q, k, v.
+
+    per layer   attn_norm [D]; wq [D, H, E]; wk, wv [D, K, E]; wo [H, E, D]; mlp_norm [D];
+                w_gate, w_up [D, F]; w_down [F, D]; with qkv_bias: bq [H, E]; bk, bv [K, E]
+
+Hugging Face: `model.layers.{l}.*` of LlamaForCausalLM / MistralForCausalLM / Qwen2ForCausalLM. torch Linear weights
+are [out, in], so each is transposed (and the head dims split) on the way in.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from jaxpar.errors import ConfigError
+from jaxpar.families.base import Family, HuggingFace, Param, Rule, attention_params, qkv_bias_params, same
+
+
+def layer_params(cfg) -> dict[str, Param]:
+    D, F = cfg.d_model, cfg.d_ff
+    params = attention_params(cfg, norm_bias=False)
+    params.update(w_gate=Param((D, F), ("embed", "mlp"), "normal"), w_up=Param((D, F), ("embed", "mlp"), "normal"),
+                  w_down=Param((F, D), ("mlp", "embed"), "out"))
+    if cfg.qkv_bias:
+        params.update(qkv_bias_params(cfg))
+    return params
+
+
+def default_d_ff(d_model: int) -> int:
+    """8/3·d_model rounded up to a multiple of 32: SwiGLU's three matrices cost what a 4·d_model MLP's two do."""
+    return 32 * math.ceil(8 * d_model / 3 / 32)
+
+
+def check(cfg) -> None:
+    if cfg.head_dim % 2:
+        raise ConfigError("model.head_dim", cfg.head_dim, "must be even for RoPE (dims rotate in pairs)",
+                          f"use head_dim {cfg.head_dim + 1}" + (f" or {cfg.head_dim - 1}" if cfg.head_dim > 1 else ""))
+
+
+# -----------------------------------------------------------------------------------------------------------------
+# Hugging Face
+
+ARCHITECTURES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2"}
+
+# jaxpar ModelConfig field → the config.json key it comes from (for ModelConfig's errors)
+KEYS = dict(vocab_size="vocab_size", d_model="hidden_size", n_layers="num_hidden_layers",
+            n_heads="num_attention_heads", n_kv_heads="num_key_value_heads", head_dim="head_dim",
+            d_ff="intermediate_size", max_seq_len="max_position_embeddings", norm_eps="rms_norm_eps",
+            sliding_window="sliding_window")
+
+
+def read(keys, model_type: str) -> tuple[dict, dict]:
+    """ModelConfig fields from a Llama / Mistral / Qwen2 config.json, and their key names."""
+    act = keys.text("hidden_act", "silu")
+    if act != "silu":
+        raise keys.error(f"hidden_act = {act!r} is not supported; jaxpar's llama family uses SwiGLU (silu)")
+    for key in ("mlp_bias", "attention_bias") if model_type == "llama" else ():
+        if keys.flag(key, False):
+            raise keys.error(f"{key} = true is not supported for LlamaForCausalLM (only Qwen2's q/k/v biases are)")
+    n_heads, d_model = keys.integer("num_attention_heads"), keys.integer("hidden_size")
+    n_layers = keys.integer("num_hidden_layers")
+    rope, names = _rope_fields(keys)
+    fields = dict(family="llama", vocab_size=keys.integer("vocab_size"), d_model=d_model, n_layers=n_layers,
+                  n_heads=n_heads, n_kv_heads=keys.integer("num_key_value_heads", n_heads),
+                  # transformers' own default, floor division included
+                  head_dim=keys.integer("head_dim", d_model // n_heads),
+                  d_ff=keys.integer("intermediate_size"), max_seq_len=keys.integer("max_position_embeddings"),
+                  norm_eps=keys.number("rms_norm_eps", 1e-6),
+                  tie_embeddings=keys.flag("tie_word_embeddings", False), qkv_bias=model_type == "qwen2",
+                  sliding_window=_sliding_window(keys, model_type, n_layers), **rope)
+    return fields, names
+
+
+def _sliding_window(keys, model_type: str, n_layers: int) -> int:
+    """The sliding window (0: none). Mistral windows every layer when `sliding_window` is set. Qwen2 windows layer i
+    when use_sliding_window and i >= max_window_layers — or, when config.json lists `layer_types` (transformers
+    ≥ 4.53), the layers marked 'sliding_attention'; jaxpar supports all layers windowed or none."""
+    def window() -> int:  # an absent key is transformers' default (MistralConfig, Qwen2Config: 4096); null is none
+        return keys.integer("sliding_window", 0) if "sliding_window" in keys.d else 4096
+
+    if model_type == "mistral":
+        return window()
+    if model_type != "qwen2":
+        return 0
+    if not keys.flag("use_sliding_window", False):  # transformers then sets sliding_window to None
+        return 0
+    layer_types = keys.raw("layer_types", None)
+    if layer_types is not None:
+        if not isinstance(layer_types, list) or len(layer_types) != n_layers or not set(layer_types) <= {
+                "full_attention", "sliding_attention"}:
+            raise keys.bad("layer_types", layer_types, f"must list 'full_attention' or 'sliding_attention' for each "
+                           f"of the num_hidden_layers = {n_layers} layers")
+        windowed = [t == "sliding_attention" for t in layer_types]
+    else:
+        first = keys.integer("max_window_layers", 0, minimum=0)
+        windowed = [i >= first for i in range(n_layers)]
+    if any(windowed) and not all(windowed):
+        raise keys.error(f"a sliding window on layers {[i for i, w in enumerate(windowed) if w]} only "
+                         "(layer_types / max_window_layers) is not supported; jaxpar windows all layers or none")
+    return window() if all(windowed) else 0
+
+
+def _rope_fields(keys) -> tuple[dict, dict]:
+    """(ModelConfig RoPE fields, their config.json key names). RoPE settings come in two spellings: transformers
+    ≥ 5 nests them as `rope_parameters` (rope_theta inside); older versions have top-level `rope_theta` and
+    `rope_scaling` (whose kind is `rope_type`, or `type` in the oldest files)."""
+    nested = keys.raw("rope_parameters", None) is not None
+    section = keys.section("rope_parameters" if nested else "rope_scaling")
+    theta_from = section if nested and section.raw("rope_theta", None) is not None else keys
+    names = dict(KEYS, rope_theta=theta_from.prefix + "rope_theta", **{
+        field: section.prefix + key for field, key in (
+            ("rope_factor", "factor"), ("rope_low_freq_factor", "low_freq_factor"),
+            ("rope_high_freq_factor", "high_freq_factor"),
+            ("rope_original_max_len", "original_max_position_embeddings"))})
+    fields: dict[str, Any] = dict(rope_theta=theta_from.number("rope_theta", 10000.0))
+    kind = section.text("rope_type", section.text("type", "default"))
+    section.needed_by = f"{kind} RoPE scaling"
+    if kind == "default":
+        return fields, names
+    if kind == "linear":
+        return dict(fields, rope_scaling="linear", rope_factor=section.number("factor")), names
+    if kind == "llama3":
+        return dict(fields, rope_scaling="llama3", rope_factor=section.number("factor"),
+                    rope_low_freq_factor=section.number("low_freq_factor"),
+                    rope_high_freq_factor=section.number("high_freq_factor"),
+                    rope_original_max_len=section.integer("original_max_position_embeddings")), names
+    raise keys.error(f"{section.prefix}rope_type = {kind!r} is not supported; jaxpar implements 'linear' and 'llama3' "
+                     "(dynamic NTK, YaRN and LongRoPE are not implemented)")
+
+
+def write(cfg, out: dict, base: dict | None) -> None:
+    """config.json for cfg: Qwen2 for q/k/v biases, Mistral for a sliding window, else Llama (or the imported
+    config's own architecture)."""
+    arch, model_type = ("Qwen2ForCausalLM", "qwen2") if cfg.qkv_bias else (
+        ("MistralForCausalLM", "mistral") if cfg.sliding_window else ("LlamaForCausalLM", "llama"))
+    if base and base.get("architectures"):
+        arch = base["architectures"][0]
+        model_type = ARCHITECTURES.get(arch, base.get("model_type"))
+    out.update(architectures=[arch], model_type=model_type, vocab_size=cfg.vocab_size, hidden_size=cfg.d_model,
+               num_hidden_layers=cfg.n_layers, num_attention_heads=cfg.n_heads,
+               num_key_value_heads=cfg.n_kv_heads, head_dim=cfg.head_dim, intermediate_size=cfg.d_ff,
+               max_position_embeddings=cfg.max_seq_len, rms_norm_eps=cfg.norm_eps,
+               tie_word_embeddings=cfg.tie_embeddings, hidden_act="silu")
+    if model_type == "mistral":
+        out["sliding_window"] = cfg.sliding_window or None
+    elif model_type == "qwen2":
+        out.update(use_sliding_window=bool(cfg.sliding_window), sliding_window=cfg.sliding_window or None)
+        if cfg.sliding_window:  # Qwen2 windows layers i >= max_window_layers: 0 windows all of them
+            out["max_window_layers"] = 0
+        if "layer_types" in out:  # transformers >= 4.53 reads these first
+            out["layer_types"] = [("sliding" if cfg.sliding_window else "full") + "_attention"] * cfg.n_layers
+    rope: dict[str, Any] = {"rope_type": "default"}
+    if cfg.rope_scaling == "linear":
+        rope = {"rope_type": "linear", "factor": cfg.rope_factor}
+    elif cfg.rope_scaling == "llama3":
+        rope = {"rope_type": "llama3", "factor": cfg.rope_factor, "low_freq_factor": cfg.rope_low_freq_factor,
+                "high_freq_factor": cfg.rope_high_freq_factor,
+                "original_max_position_embeddings": cfg.rope_original_max_len}
+    if "rope_parameters" in out:  # transformers >= 5
+        out["rope_parameters"] = {**rope, "rope_theta": cfg.rope_theta}
+    else:
+        out["rope_theta"] = cfg.rope_theta
+        out["rope_scaling"] = None if rope["rope_type"] == "default" else rope
+
+
+def exportable(cfg) -> None:
+    """Llama, Mistral (window) and Qwen2 (q/k/v biases, window) between them hold every llama option."""
+
+
+def tensors(cfg, names: set[str] | None = None) -> list[Rule]:
+    D, H, K, E = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+    lay = "model.layers.{l}."
+    linear_in = lambda n: (lambda x: x.T.reshape(D, n, E), lambda x: x.reshape(D, -1).T)  # noqa: E731
+    rules = [Rule("embed", "model.embed_tokens.weight", same, same), Rule("final_norm", "model.norm.weight", same, same),
+             Rule("blocks.attn_norm", lay + "input_layernorm.weight", same, same),
+             Rule("blocks.mlp_norm", lay + "post_attention_layernorm.weight", same, same),
+             Rule("blocks.wq", lay + "self_attn.q_proj.weight", *linear_in(H)),
+             Rule("blocks.wk", lay + "self_attn.k_proj.weight", *linear_in(K)),
+             Rule("blocks.wv", lay + "self_attn.v_proj.weight", *linear_in(K)),
+             Rule("blocks.wo", lay + "self_attn.o_proj.weight", lambda x: x.T.reshape(H, E, D),
+                  lambda x: x.reshape(-1, D).T),
+             Rule("blocks.w_gate", lay + "mlp.gate_proj.weight", lambda x: x.T, lambda x: x.T),
+             Rule("blocks.w_up", lay + "mlp.up_proj.weight", lambda x: x.T, lambda x: x.T),
+             Rule("blocks.w_down", lay + "mlp.down_proj.weight", lambda x: x.T, lambda x: x.T)]
+    if cfg.qkv_bias:
+        rules += [Rule(f"blocks.{b}", lay + f"self_attn.{p}_proj.bias", lambda x, n=n: x.reshape(n, E),
+                       lambda x: x.reshape(-1)) for b, p, n in (("bq", "q", H), ("bk", "k", K), ("bv", "v", K))]
+    if not cfg.tie_embeddings:
+        rules.append(Rule("lm_head", "lm_head.weight", lambda x: x.T, lambda x: x.T))
+    return rules
+
+
+FAMILY = Family(name="llama", summary="RMSNorm, RoPE, SwiGLU, GQA (Llama, Mistral, Qwen2)", norm="rms",
+                positions="rope", mlp="swiglu", layer_params=layer_params, default_d_ff=default_d_ff, check=check,
+                hf=HuggingFace(ARCHITECTURES, read, write, exportable, tensors))
