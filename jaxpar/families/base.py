@@ -19,7 +19,6 @@ from typing import Any, Callable, Mapping
 # Dimension letters (as in jaxpar.model): D d_model, H query heads, K kv heads, E head_dim, F d_ff, P positions.
 
 
-
 @dataclasses.dataclass(frozen=True)
 class Param:
     """One parameter: its shape (without the stacked layer dim), the logical axis of each dim, its initialiser.
