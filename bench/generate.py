@@ -58,9 +58,8 @@ from jaxpar.config import ModelConfig, ParallelConfig  # noqa: E402
 from jaxpar.infer import decode, sampling  # noqa: E402
 from jaxpar.infer.decode import CACHE_AXES  # noqa: E402
 from jaxpar.mesh import make_mesh  # noqa: E402
-from jaxpar.model import KVCache, Transformer, pad_vocab  # noqa: E402
+from jaxpar.model import KVCache, Transformer, abstract_model, pad_vocab  # noqa: E402
 from jaxpar.sharding import constrain, model_layout, param_shardings  # noqa: E402
-from jaxpar.train.state import abstract_model  # noqa: E402
 
 
 @dataclasses.dataclass(frozen=True)

@@ -24,9 +24,9 @@ from jaxpar.infer import decode
 from jaxpar.infer.sampling import check_sampling_args
 from jaxpar.interop import hf
 from jaxpar.mesh import make_mesh
+from jaxpar.model import abstract_model
 from jaxpar.sharding import model_layout, param_shardings
-from jaxpar.train import checkpoint
-from jaxpar.train.state import abstract_model
+from jaxpar.store import checkpoint
 
 
 @dataclasses.dataclass
