@@ -15,7 +15,7 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from jaxpar import data as data_lib
-from jaxpar.analysis import flops
+from jaxpar import flops
 from jaxpar.config import Config
 from jaxpar.distributed import batch_rows
 from jaxpar.errors import CheckpointError, OutputError
