@@ -132,7 +132,7 @@ def test_convert_exports_params_that_generate_reads(tmp_path):
 
     result = run("(2,2,2) v=2", tmp_path / "src", 2)
     assert convert(tmp_path / "src", tmp_path / "bf16", dtype="bfloat16") == 2
-    loaded = load_workdir(tmp_path / "bf16")
+    loaded = load(tmp_path / "bf16")
     assert loaded.config.model.param_dtype == "bfloat16" and loaded.step == 2
     want = canonical_host(result.state.params, result.config, result.mesh)
     got = jax.tree.map(np.asarray, nnx.to_pure_dict(nnx.state(loaded.model, nnx.Param)))

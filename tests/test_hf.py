@@ -25,7 +25,7 @@ from safetensors.numpy import load_file, save_file
 from jaxpar.cli import main
 from jaxpar.config import Config, ConfigError, DataConfig, ParallelConfig, TrainConfig
 from jaxpar.infer import decode
-from jaxpar.infer.sampling import generate as generate_no_cache
+from jaxpar.infer.sampling import generate_uncached
 from jaxpar.infer.text import generate_text, load
 from jaxpar.interop import hf
 
@@ -91,7 +91,7 @@ def test_kv_cache_decoding_equals_cache_free_decoding(name):
     graphdef, params = nnx.split(loaded.model)
     logits_fn = jax.jit(lambda t: nnx.merge(graphdef, params)(t)[..., :loaded.config.model.vocab_size])
     # The cache-free loop samples step t with fold_in(rng, t) as the cached one does, so one seed gives one text.
-    free = generate_no_cache(logits_fn, prompt, max_new_tokens=24, max_len=prompt.shape[1] + 24,
+    free = generate_uncached(logits_fn, prompt, max_new_tokens=24, max_len=prompt.shape[1] + 24,
                              rng=jax.random.key(3), **kw)
     np.testing.assert_array_equal(cached, free)
 

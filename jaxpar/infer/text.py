@@ -113,9 +113,6 @@ def _stop_ids(path: pathlib.Path, hf_cfg: dict | None, tokenizer) -> tuple[int, 
     return () if eos is None else (int(eos),)
 
 
-load_workdir = load  # the name earlier releases used
-
-
 def generate_text(loaded: LoadedModel, prompts: list[str], *, max_new_tokens: int, seed: int = 0,
                   temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
                   stop: Sequence[int] | None = None) -> list[str]:
