@@ -55,7 +55,8 @@ class TrainState(Protocol):
     params: nnx.State
     opt_state: Any
 
-    def replace(self, **fields) -> TrainState: ...
+    def replace(self, **fields) -> TrainState:
+        """A copy with `fields` replaced (flax.struct dataclasses have it)."""
 
 
 VOCAB_PARAMS = ("embed", "lm_head")
