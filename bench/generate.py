@@ -7,7 +7,8 @@ the rules table, GSPMD partitioning the computation) it prints two tables.
 
 1. End to end: B prompts of P tokens extended by N greedy tokens with `jaxpar.infer.decode.generate` (prefill, then
    a `lax.while_loop` of one-token steps reading a KV cache, all in one jit) and with
-   `jaxpar.infer.sampling.generate_uncached` (every step re-runs the full causal forward over a fixed [B, P + N] buffer).
+   `jaxpar.infer.sampling.generate_uncached` (every step re-runs the full causal forward over a fixed [B, P + N]
+   buffer).
    tokens/s = B·N / median wall time (compiled once beforehand; prefill included in the cached path), the speed-up,
    and the fraction of generated tokens on which the two agree (a sanity check, not a timing: both are greedy on
    the same weights, so they differ only where float rounding flips a near-tie).

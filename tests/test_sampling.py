@@ -178,7 +178,7 @@ def test_generate_sliding_window_matches_reference(P, max_new_tokens, max_len):
     fn, traces = _counted(_first_of_window)
     prompt = (np.arange(2 * P, dtype=np.int32).reshape(2, P) + np.array([[1], [4]])) % V
     got = generate_uncached(fn, prompt, max_new_tokens=max_new_tokens, max_len=max_len, rng=jax.random.key(0),
-                   temperature=0.0)
+                            temperature=0.0)
     want = [_reference_first_of_window(row.tolist(), max_new_tokens, max_len) for row in prompt]
     np.testing.assert_array_equal(got, want)
     assert len(traces) == 1  # same buffer shape every step, sliding included
@@ -189,14 +189,15 @@ def test_generate_eos_pads_and_stops_early():
     prompt = np.array([[1], [4]], np.int32)
     eos = 5
     # Row 0: 2 3 4 5(eos) -> pads; row 1: 5(eos) at once. All done after step 4, so 4 tokens, not 10.
-    got = generate_uncached(fn, prompt, max_new_tokens=10, max_len=16, rng=jax.random.key(0), temperature=0.0, eos_id=eos)
+    got = generate_uncached(fn, prompt, max_new_tokens=10, max_len=16, rng=jax.random.key(0), temperature=0.0,
+                            eos_id=eos)
     np.testing.assert_array_equal(got, [[2, 3, 4, 5], [5, 5, 5, 5]])
 
 
 def test_generate_eos_unreached_runs_to_max():
     fn, _ = _counted(_bigram)
     got = generate_uncached(fn, np.array([[0]]), max_new_tokens=3, max_len=4, rng=jax.random.key(0), temperature=0.0,
-                   eos_id=6)
+                            eos_id=6)
     np.testing.assert_array_equal(got, [[1, 2, 3]])
 
 
