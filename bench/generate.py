@@ -7,7 +7,8 @@ the rules table, GSPMD partitioning the computation) it prints two tables.
 
 1. End to end: B prompts of P tokens extended by N greedy tokens with `jaxpar.infer.decode.generate` (prefill, then
    a `lax.while_loop` of one-token steps reading a KV cache, all in one jit) and with
-   `jaxpar.infer.sampling.generate` (every step re-runs the full causal forward over a fixed [B, P + N] buffer).
+   `jaxpar.infer.sampling.generate_uncached` (every step re-runs the full causal forward over a fixed [B, P + N]
+   buffer).
    tokens/s = B·N / median wall time (compiled once beforehand; prefill included in the cached path), the speed-up,
    and the fraction of generated tokens on which the two agree (a sanity check, not a timing: both are greedy on
    the same weights, so they differ only where float rounding flips a near-tie).
@@ -58,9 +59,8 @@ from jaxpar.config import ModelConfig, ParallelConfig  # noqa: E402
 from jaxpar.infer import decode, sampling  # noqa: E402
 from jaxpar.infer.decode import CACHE_AXES  # noqa: E402
 from jaxpar.mesh import make_mesh  # noqa: E402
-from jaxpar.model import KVCache, Transformer, pad_vocab  # noqa: E402
+from jaxpar.model import KVCache, Transformer, abstract_model, pad_vocab  # noqa: E402
 from jaxpar.sharding import constrain, model_layout, param_shardings  # noqa: E402
-from jaxpar.train.state import abstract_model  # noqa: E402
 
 
 @dataclasses.dataclass(frozen=True)
@@ -102,7 +102,7 @@ def seconds(fn: Callable[[], object], repeats: int, stat: Callable[[list[float]]
 def place_model(cfg: ModelConfig, params: nnx.State, tensor: int
                 ) -> tuple[jax.sharding.Mesh, nnx.GraphDef, nnx.State]:
     """`params` on a (1, 1, tensor) mesh of the first `tensor` devices, sharded by the rules table with the vocab
-    padded to a multiple of tensor: the layout `jaxpar.infer.text.load_workdir` gives a trained model. Every degree
+    padded to a multiple of tensor: the layout `jaxpar.infer.text.load` gives a trained model. Every degree
     gets the same weights (initialised once: compiling the init costs more than a quick run's measurements)."""
     parallel = ParallelConfig(data=1, pipe=1, tensor=tensor)
     mesh = make_mesh(parallel, jax.devices()[:tensor])
@@ -144,8 +144,8 @@ def end_to_end(sizes: Sizes, mesh, graphdef, params, rng: np.random.Generator) -
 
     def cache_free() -> np.ndarray:
         with jax.set_mesh(mesh):
-            return sampling.generate(forward, prompts, max_new_tokens=N, max_len=Pn + N, rng=jax.random.key(0),
-                                     temperature=0.0)
+            return sampling.generate_uncached(forward, prompts, max_new_tokens=N, max_len=Pn + N,
+                                              rng=jax.random.key(0), temperature=0.0)
 
     kv_s = seconds(cached, sizes.repeats)
     free_s = seconds(cache_free, sizes.repeats)

@@ -6,7 +6,7 @@
 3. A ~1B Llama (d_model 2048, 16 layers, 16 heads of 128, 8 kv heads, d_ff 8192, vocab 128256 tied, seq 2048, bf16
    compute, fp32 master weights and AdamW state; `configs/llama_1b.py` with 16 heads) trained for `--steps` steps on
    random tokens, data-parallel over the local GPUs; per-step wall times after the compiling step. Printed:
-   tokens/s, model TFLOP/s per device (`jaxpar.analysis.flops`, causal attention pairs, no recomputation), MFU
+   tokens/s, model TFLOP/s per device (`jaxpar.flops`, causal attention pairs, no recomputation), MFU
    against the datasheet peak and against the measured ceiling, HFU, and peak device memory.
 `--dry-run`: the same path on CPU with a tiny model and a 512 matmul (a CI test runs it), so the script cannot rot.
 The last line is `GPU-RESULT {json}` with every figure, for bench/RESULTS.md. Being a one-shot run on lent time, it
@@ -62,7 +62,7 @@ def main(argv: list[str] | None = None) -> int:
     import jax
     import jax.numpy as jnp
 
-    from jaxpar.analysis import flops
+    from jaxpar import flops
     from jaxpar.analysis.hlo import memory
     from jaxpar.config import load_config
     from jaxpar.mesh import make_mesh

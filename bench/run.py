@@ -9,7 +9,7 @@ Sections (each device count runs in its own subprocess: the simulated device cou
    processes' load barely moves). A last row drives jaxpar's step the way `fit` does (one host read of the step's
    `skipped` flag after every step) to show what that sync costs.
 2. 8 simulated CPU devices — the tiny model's step time per (data, pipe, tensor) layout, with model FLOP/s per
-   device (`jaxpar.analysis.flops`; a CPU has no peak, so no MFU); beside each, from `jaxpar.analysis.report`:
+   device (`jaxpar.flops`; a CPU has no peak, so no MFU); beside each, from `jaxpar.analysis.report`:
    tensor-axis bytes against Megatron's analytic count and, with a pipeline, executed/useful FLOPs against
    (v·m + p − 1)/(v·m).
 3. compile time against depth (4, 16, 32 layers) at the demo layout (2, 2, 2): layers are scanned, so it should
@@ -62,7 +62,7 @@ def single_device(steps: int, repeats: int) -> None:
     import jax
 
     from bench import plain
-    from jaxpar.analysis import flops
+    from jaxpar import flops
     from jaxpar.config import load_config
     from jaxpar.train import build_trainer
 
@@ -119,7 +119,7 @@ def single_device(steps: int, repeats: int) -> None:
 def layouts(steps: int, depths: tuple[int, ...]) -> None:
     """Sections 2 and 3 (run with 8 devices)."""
     from bench.pipeline import compile_seconds, timed_steps
-    from jaxpar.analysis import flops
+    from jaxpar import flops
     from jaxpar.analysis.report import analyze
     from jaxpar.config import load_config
 

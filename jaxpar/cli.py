@@ -159,7 +159,7 @@ def _convert(args, overrides: list[str]) -> int:
     elif args.src_hf is not None:
         raise UsageError(f"--to-hf {args.dst_hf}: Hugging Face to Hugging Face is not a conversion; use --to WORKDIR")
     else:
-        from jaxpar.train.checkpoint import convert
+        from jaxpar.store.checkpoint import convert
 
         step = convert(args.src, args.dst, step=args.step, dtype=args.dtype)
         print(f"exported step {step} of {args.src} to {args.dst} (params only, canonical layout)")

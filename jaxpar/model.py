@@ -436,7 +436,12 @@ def permute_layers(params: nnx.State, order) -> nnx.State:
     return out
 
 
+def abstract_model(cfg: ModelConfig, padded_vocab: int | None = None) -> tuple[nnx.GraphDef, nnx.State]:
+    """(graphdef, abstract params) — shapes, dtypes and logical axes, no memory."""
+    model = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0), padded_vocab=padded_vocab))
+    return nnx.split(model, nnx.Param)[:2]
+
+
 def count_params(cfg: ModelConfig) -> int:
     """Number of parameters, from the abstract model (no allocation)."""
-    abstract = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))
-    return sum(x.size for x in jax.tree.leaves(nnx.state(abstract, nnx.Param)))
+    return sum(x.size for x in jax.tree.leaves(abstract_model(cfg)[1]))

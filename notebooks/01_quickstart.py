@@ -54,7 +54,7 @@ from jax.sharding import PartitionSpec as P
 from jaxpar import data as data_lib
 from jaxpar import sharding
 from jaxpar.config import load_config
-from jaxpar.infer.text import generate_text, load_workdir
+from jaxpar.infer.text import generate_text, load
 from jaxpar.mesh import make_mesh
 from jaxpar.train import build_trainer, fit
 
@@ -308,14 +308,14 @@ plt.show()
 # %% [markdown]
 # ## Sample
 #
-# `load_workdir` restores the checkpoint onto a tensor-parallel mesh (checkpoints are layout-free, so this is a
+# `load` restores the checkpoint onto a tensor-parallel mesh (checkpoints are layout-free, so this is a
 # different layout from training: `data = pipe = 1`), and `generate_text` continues a prompt; `temperature=0` is
 # greedy argmax. At a loss near the corpus's byte unigram entropy the model knows little more than
 # which bytes are common, so greedy decoding repeats the most common ones (indentation spaces); `make demo`'s 600
 # steps get to recognisable Python.
 
 # %%
-loaded = load_workdir(workdir)
+loaded = load(workdir)
 print("restored step", loaded.step, "onto", loaded.mesh)
 text = generate_text(loaded, ["def "], max_new_tokens=32, temperature=0.0)[0]
 print("greedy:", repr(text))

@@ -10,8 +10,9 @@ from flax import nnx
 from jaxpar.config import load_config
 from jaxpar.mesh import make_mesh
 from jaxpar.sharding import model_layout
-from jaxpar.train import build_trainer, checkpoint, fit
-from jaxpar.train.checkpoint import to_canonical
+from jaxpar.store import checkpoint
+from jaxpar.store.checkpoint import to_canonical
+from jaxpar.train import build_trainer, fit
 
 MODEL = ["model.d_model=48", "model.n_layers=4", "model.n_heads=4", "model.n_kv_heads=2", "train.batch_size=16",
          "train.seq_len=32", "train.log_every=1", "train.eval_every=0", "train.eval_batches=1", "train.warmup_steps=2"]
@@ -126,12 +127,12 @@ def test_resume_after_a_clean_stop_is_bitwise_equal(tmp_path):
 
 
 def test_convert_exports_params_that_generate_reads(tmp_path):
-    from jaxpar.infer.text import generate_tokens, load_workdir
-    from jaxpar.train.checkpoint import convert
+    from jaxpar.infer.text import generate_tokens, load
+    from jaxpar.store.checkpoint import convert
 
     result = run("(2,2,2) v=2", tmp_path / "src", 2)
     assert convert(tmp_path / "src", tmp_path / "bf16", dtype="bfloat16") == 2
-    loaded = load_workdir(tmp_path / "bf16")
+    loaded = load(tmp_path / "bf16")
     assert loaded.config.model.param_dtype == "bfloat16" and loaded.step == 2
     want = canonical_host(result.state.params, result.config, result.mesh)
     got = jax.tree.map(np.asarray, nnx.to_pure_dict(nnx.state(loaded.model, nnx.Param)))

@@ -1,4 +1,4 @@
-"""FLOP formulas (`jaxpar.analysis.flops`) against what XLA compiles, and the device peak table.
+"""FLOP formulas (`jaxpar.flops`) against what XLA compiles, and the device peak table.
 
 Causal-mask convention: model FLOPs (MFU's numerator) count only the (query, key) pairs the causal mask keeps,
 (s + 1)/2 keys per query — the attention term halved. XLA's attention (every CPU run) computes the whole s × s score
@@ -16,7 +16,8 @@ import jax.numpy as jnp
 import pytest
 from flax import nnx
 
-from jaxpar.analysis import cost, dot_flops, flops
+from jaxpar import flops
+from jaxpar.analysis import cost, dot_flops
 from jaxpar.config import ModelConfig, load_config
 from jaxpar.model import KVCache, Transformer
 from jaxpar.train import build_trainer

@@ -25,7 +25,7 @@ from safetensors.numpy import load_file, save_file
 from jaxpar.cli import main
 from jaxpar.config import Config, ConfigError, DataConfig, ParallelConfig, TrainConfig
 from jaxpar.infer import decode
-from jaxpar.infer.sampling import generate as generate_no_cache
+from jaxpar.infer.sampling import generate_uncached
 from jaxpar.infer.text import generate_text, load
 from jaxpar.interop import hf
 
@@ -91,7 +91,7 @@ def test_kv_cache_decoding_equals_cache_free_decoding(name):
     graphdef, params = nnx.split(loaded.model)
     logits_fn = jax.jit(lambda t: nnx.merge(graphdef, params)(t)[..., :loaded.config.model.vocab_size])
     # The cache-free loop samples step t with fold_in(rng, t) as the cached one does, so one seed gives one text.
-    free = generate_no_cache(logits_fn, prompt, max_new_tokens=24, max_len=prompt.shape[1] + 24,
+    free = generate_uncached(logits_fn, prompt, max_new_tokens=24, max_len=prompt.shape[1] + 24,
                              rng=jax.random.key(3), **kw)
     np.testing.assert_array_equal(cached, free)
 
@@ -229,7 +229,7 @@ def test_training_starts_from_hf_weights_on_a_pipelined_layout(tmp_path):
     (≈ lr per element) of the Hugging Face tensor it came from — so each landed in the right place (pipeline layer
     order, vocab padding, head split)."""
     from jaxpar.train import fit
-    from jaxpar.train.checkpoint import to_canonical
+    from jaxpar.store.checkpoint import to_canonical
     from jaxpar.sharding import model_layout
 
     base = Config(parallel=ParallelConfig(data=2, pipe=2, tensor=2, microbatches=2),
@@ -242,7 +242,7 @@ def test_training_starts_from_hf_weights_on_a_pipelined_layout(tmp_path):
     layout = model_layout(result.config.model, result.config.parallel, result.mesh)
     trained = nnx.to_pure_dict(to_canonical(result.state.params, layout, config.model.vocab_size))
     cfg = config.model
-    from jaxpar.train.state import abstract_model
+    from jaxpar.model import abstract_model
 
     _, abstract = abstract_model(cfg)
     original = nnx.to_pure_dict(hf.load_params(FIXTURES / "gpt2", cfg, abstract))
@@ -337,7 +337,7 @@ def test_half_and_double_precision_weights_import_rounded_to_the_param_dtype(tmp
     """F16, BF16 and F64 tensors (mixed in one file) load as the run's float32 params: the stored values, exactly
     (F16/BF16 widen exactly; F64 rounds to nearest)."""
     import ml_dtypes
-    from jaxpar.train.state import abstract_model
+    from jaxpar.model import abstract_model
 
     d = damaged_copy(tmp_path, "gpt2")
     weights = load_file(str(d / "model.safetensors"))
@@ -470,7 +470,7 @@ def test_a_run_override_error_stays_a_config_error():
                                   "checkpoint_names"])
 @pytest.mark.parametrize("kind", ["missing", "file"])
 def test_a_path_that_is_not_a_directory_is_a_one_line_error(tmp_path, call, kind):
-    from jaxpar.train.state import abstract_model
+    from jaxpar.model import abstract_model
 
     path = tmp_path / "nothing"
     if kind == "file":
@@ -543,7 +543,7 @@ def test_a_malformed_index_is_a_one_line_error(tmp_path, index, message):
 
 
 def test_export_refuses_a_dtype_that_is_not_a_float(tmp_path):
-    from jaxpar.train.state import abstract_model
+    from jaxpar.model import abstract_model
 
     cfg = hf.model_config(hf.read_config(FIXTURES / "gpt2"), FIXTURES / "gpt2")
     abstract = abstract_model(cfg)[1]  # refused before any weight is read

@@ -40,8 +40,8 @@ from flax import nnx
 from jaxpar.config import ConfigError, ModelConfig, load_config
 from jaxpar.infer.text import load
 from jaxpar.interop.hf import export_workdir, save_params
+from jaxpar.model import abstract_model
 from jaxpar.train import fit
-from jaxpar.train.state import abstract_model
 
 FIXTURES = pathlib.Path(__file__).parent / "fixtures" / "hf"
 ROOT = pathlib.Path(__file__).parent.parent

@@ -30,8 +30,9 @@ import pytest
 from jaxpar.cli import main
 from jaxpar.config import ConfigError, load_config
 from jaxpar.errors import JaxparError
-from jaxpar.train import checkpoint, fit
-from jaxpar.train.lock import WorkdirLock
+from jaxpar.store import checkpoint
+from jaxpar.store.lock import WorkdirLock
+from jaxpar.train import fit
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 FIXTURES = ROOT / "tests" / "fixtures" / "hf"

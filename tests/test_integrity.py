@@ -16,13 +16,14 @@ from flax import nnx
 
 from jaxpar.config import ConfigError, load_config
 from jaxpar.errors import CheckpointError, WorkdirLocked
+from jaxpar.model import abstract_model
 from jaxpar.sharding import ModelLayout
-from jaxpar.train import checkpoint, fit
-from jaxpar.train.checkpoint import restore_params
-from jaxpar.train.fingerprint import fingerprints
-from jaxpar.train.lock import WorkdirLock
+from jaxpar.store import checkpoint
+from jaxpar.store.checkpoint import restore_params
+from jaxpar.store.fingerprint import fingerprints
+from jaxpar.store.lock import WorkdirLock
+from jaxpar.train import fit
 from jaxpar.train.loop import TrainingDiverged
-from jaxpar.train.state import abstract_model
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 # One device and a 2-layer model of odd width: every run here compiles in seconds.

@@ -232,7 +232,7 @@ def test_pipe_across_processes_matches_one_process_to_rounding(references, tmp_p
     one whose devices share a process, and gloo sums the 4 devices of a tensor group in another order than XLA's
     in-process all-reduce (a sum of 2 cannot differ). Layouts whose reduction groups all have at most 2 devices, like
     (2, 2, 2) above, are bit for bit."""
-    from jaxpar.train.checkpoint import read_canonical
+    from jaxpar.store.checkpoint import read_canonical
 
     ref_dir, _ = references((1, 2, 4))
     workdir = tmp_path / "two"

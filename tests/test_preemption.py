@@ -15,10 +15,10 @@ import pytest
 from flax import nnx
 
 from jaxpar.config import load_config
+from jaxpar.model import abstract_model
+from jaxpar.store.checkpoint import restore_params
 from jaxpar.train import build_trainer, fit
-from jaxpar.train.checkpoint import restore_params
 from jaxpar.train.loop import TrainingDiverged
-from jaxpar.train.state import abstract_model
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 ENV = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=8"}

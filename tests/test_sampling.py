@@ -1,4 +1,4 @@
-"""Tests for `jaxpar.infer.sampling`: sampling rules on hand-made distributions, and `generate` on toy models.
+"""Tests for `jaxpar.infer.sampling`: sampling rules on hand-made distributions, and `generate_uncached` on toy models.
 
 Distribution tests draw many samples in one call (one row per draw, a fixed seed) and compare frequencies with a
 chi-square statistic, so they are deterministic and fast. The toy models are exact (one-hot logits), so greedy
@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxpar.infer import generate, sample_logits
+from jaxpar.infer import generate_uncached, sample_logits
 
 N_DRAWS = 20_000
 # Chi-square critical values at p = 0.001 by degrees of freedom: a fixed-seed test fails only on a real bug.
@@ -166,7 +166,7 @@ def _reference_first_of_window(prompt_row, max_new_tokens, max_len):
 def test_generate_greedy_bigram():
     fn, traces = _counted(_bigram)
     prompt = np.array([[3, 4], [0, 6]], np.int32)
-    got = generate(fn, prompt, max_new_tokens=5, max_len=8, rng=jax.random.key(0), temperature=0.0)
+    got = generate_uncached(fn, prompt, max_new_tokens=5, max_len=8, rng=jax.random.key(0), temperature=0.0)
     assert got.dtype == np.int32 and got.shape == (2, 5)
     np.testing.assert_array_equal(got, [[5, 6, 0, 1, 2], [0, 1, 2, 3, 4]])
     assert len(traces) == 1
@@ -177,8 +177,8 @@ def test_generate_sliding_window_matches_reference(P, max_new_tokens, max_len):
     # (3, 9, 5): the window fills mid-generation; (6, 4, 4): the prompt alone overflows; (2, 3, 5): never full.
     fn, traces = _counted(_first_of_window)
     prompt = (np.arange(2 * P, dtype=np.int32).reshape(2, P) + np.array([[1], [4]])) % V
-    got = generate(fn, prompt, max_new_tokens=max_new_tokens, max_len=max_len, rng=jax.random.key(0),
-                   temperature=0.0)
+    got = generate_uncached(fn, prompt, max_new_tokens=max_new_tokens, max_len=max_len, rng=jax.random.key(0),
+                            temperature=0.0)
     want = [_reference_first_of_window(row.tolist(), max_new_tokens, max_len) for row in prompt]
     np.testing.assert_array_equal(got, want)
     assert len(traces) == 1  # same buffer shape every step, sliding included
@@ -189,14 +189,15 @@ def test_generate_eos_pads_and_stops_early():
     prompt = np.array([[1], [4]], np.int32)
     eos = 5
     # Row 0: 2 3 4 5(eos) -> pads; row 1: 5(eos) at once. All done after step 4, so 4 tokens, not 10.
-    got = generate(fn, prompt, max_new_tokens=10, max_len=16, rng=jax.random.key(0), temperature=0.0, eos_id=eos)
+    got = generate_uncached(fn, prompt, max_new_tokens=10, max_len=16, rng=jax.random.key(0), temperature=0.0,
+                            eos_id=eos)
     np.testing.assert_array_equal(got, [[2, 3, 4, 5], [5, 5, 5, 5]])
 
 
 def test_generate_eos_unreached_runs_to_max():
     fn, _ = _counted(_bigram)
-    got = generate(fn, np.array([[0]]), max_new_tokens=3, max_len=4, rng=jax.random.key(0), temperature=0.0,
-                   eos_id=6)
+    got = generate_uncached(fn, np.array([[0]]), max_new_tokens=3, max_len=4, rng=jax.random.key(0), temperature=0.0,
+                            eos_id=6)
     np.testing.assert_array_equal(got, [[1, 2, 3]])
 
 
@@ -205,7 +206,7 @@ def test_generate_sampling_reproducible_per_seed():
         return jnp.zeros((*tokens.shape, V))
 
     prompt = np.zeros((4, 2), np.int32)
-    run = lambda seed: generate(uniform, prompt, max_new_tokens=12, max_len=8, rng=jax.random.key(seed))
+    run = lambda seed: generate_uncached(uniform, prompt, max_new_tokens=12, max_len=8, rng=jax.random.key(seed))
     a, b, c = run(0), run(0), run(1)
     np.testing.assert_array_equal(a, b)
     assert (a != c).any()
@@ -213,5 +214,5 @@ def test_generate_sampling_reproducible_per_seed():
 
 
 def test_generate_zero_new_tokens():
-    got = generate(_bigram, np.array([[1, 2]]), max_new_tokens=0, max_len=4, rng=jax.random.key(0))
+    got = generate_uncached(_bigram, np.array([[1, 2]]), max_new_tokens=0, max_len=4, rng=jax.random.key(0))
     assert got.shape == (1, 0) and got.dtype == np.int32

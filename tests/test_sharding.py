@@ -9,8 +9,9 @@ from jax.sharding import PartitionSpec as P
 
 from jaxpar.config import ConfigError, ModelConfig, TrainConfig
 from jaxpar.mesh import AXES, make_mesh
+from jaxpar.model import abstract_model
 from jaxpar.sharding import logical_to_spec, param_specs
-from jaxpar.train.state import abstract_model, create_state, make_optimizer
+from jaxpar.train.state import create_state, make_optimizer
 
 
 def layout(data, pipe, tensor):

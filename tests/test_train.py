@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from jaxpar.config import load_config
-from jaxpar.infer.text import generate_text, generate_tokens, load_workdir
+from jaxpar.infer.text import generate_text, generate_tokens, load
 from jaxpar.mesh import make_mesh
 from jaxpar.train import build_trainer, fit
 
@@ -97,7 +97,7 @@ def test_training_on_default_corpus_lowers_held_out_loss(trained):
 
 def test_generate_produces_requested_number_of_tokens(trained):
     workdir, _ = trained
-    loaded = load_workdir(workdir)
+    loaded = load(workdir)
     assert loaded.step == 60 and loaded.mesh.shape["tensor"] == 2
     prompt = np.array([list(b"def "), list(b"for ")], np.int32)
     new = generate_tokens(loaded, prompt, max_new_tokens=23, seed=1, temperature=0.8)

@@ -32,7 +32,7 @@ hold is the scaling: with SP everything per layer divides by t.
 from __future__ import annotations
 
 from jaxpar.config import Config
-from jaxpar.analysis import flops
+from jaxpar import flops
 
 
 def _dims(config: Config, padded_vocab: int) -> dict:

@@ -4,11 +4,11 @@
 top-k and/or top-p (nucleus). The order is the one HF's `generate` uses: scale by temperature, keep the k largest,
 then keep the nucleus of what remains (its probabilities renormalised over the k survivors).
 
-`generate` is the cache-free reference decoder (the KV-cache one is `jaxpar.infer.decode.generate`, checked against
-it): every step runs the model's full causal forward over a fixed `[B, max_len]` token buffer and reads the logits at
-the last filled position. That costs O(max_len) model work per new token instead of O(1) with a KV cache, but it
-needs nothing from the model except
-`logits_fn(tokens) -> logits`, and because the buffer's shape never changes `logits_fn` compiles exactly once.
+`generate_uncached` is the cache-free reference decoder (the KV-cache one is `jaxpar.infer.decode.generate`, checked
+against it): every step runs the model's full causal forward over a fixed `[B, max_len]` token buffer and reads the
+logits at the last filled position. That costs O(max_len) model work per new token instead of O(1) with a KV cache,
+but it needs nothing from the model except `logits_fn(tokens) -> logits`, and because the buffer's shape never
+changes `logits_fn` compiles exactly once.
 
 The step loop is a Python loop; only the cheap "pick the next token and write it into the buffer" part is a jitted
 function of ours (`_next_token`). Positions, step counters and rng keys enter it as traced arrays, so it too
@@ -143,7 +143,7 @@ def _next_token(
     return tok, tokens, done
 
 
-def generate(
+def generate_uncached(
     logits_fn: Callable[[jax.Array], jax.Array],
     prompt: jax.Array | np.ndarray,
     *,
@@ -160,7 +160,7 @@ def generate(
     logits_fn: tokens int32 [B, max_len] -> logits [B, max_len, V], a full *causal* forward pass (jitted and sharded
         by the caller). It is always called with the same shape, so it compiles once. Positions past the filled
         length hold 0s; causality makes them invisible to the position we read.
-    prompt: int32 [B, P], P >= 1. Every row has the same length P (no left-padding or per-row lengths yet).
+    prompt: int32 [B, P], P >= 1. Every row has the same length P (ragged prompts: the cached `generate`).
     max_len: the buffer length, at most the model's longest sequence.
     rng: a key; step t samples with `jax.random.fold_in(rng, t)`, so one seed reproduces one output.
     temperature, top_k, top_p: as in `sample_logits` (temperature 0 is greedy).

@@ -24,9 +24,9 @@ from jaxpar.infer import decode
 from jaxpar.infer.sampling import check_sampling_args
 from jaxpar.interop import hf
 from jaxpar.mesh import make_mesh
+from jaxpar.model import abstract_model
 from jaxpar.sharding import model_layout, param_shardings
-from jaxpar.train import checkpoint
-from jaxpar.train.state import abstract_model
+from jaxpar.store import checkpoint
 
 
 @dataclasses.dataclass
@@ -111,9 +111,6 @@ def _stop_ids(path: pathlib.Path, hf_cfg: dict | None, tokenizer) -> tuple[int, 
             return tuple(int(i) for i in np.atleast_1d(eos))
     eos = getattr(tokenizer, "eos_id", None)
     return () if eos is None else (int(eos),)
-
-
-load_workdir = load  # the name earlier releases used
 
 
 def generate_text(loaded: LoadedModel, prompts: list[str], *, max_new_tokens: int, seed: int = 0,

@@ -14,7 +14,7 @@ and the reshape between the two layouts, e.g.
 Import places every parameter straight onto its mesh layout with `jax.make_array_from_callback`: each device's
 shard is cut from the per-layer tensors it covers, read one at a time from the memory-mapped files, so host memory
 peaks at about one parameter's local shard, never the model. Layer order (pipeline) and vocab padding (tensor
-parallelism) are applied on the way in, exactly as checkpoints are (`jaxpar.train.checkpoint`). Export is the
+parallelism) are applied on the way in, exactly as checkpoints are (`jaxpar.store.checkpoint`). Export is the
 inverse and writes safetensors shards of at most `max_shard_bytes` plus the index, so `transformers` (or jaxpar)
 loads the result with `from_pretrained`.
 
@@ -59,10 +59,12 @@ from flax import nnx
 from safetensors import SafetensorError, safe_open
 from safetensors.numpy import save_file
 
-from jaxpar.config import ConfigError, ModelConfig
+from jaxpar.config import Config, ConfigError, DataConfig, ModelConfig
 from jaxpar.errors import JaxparError
 from jaxpar.families import FAMILIES, Rule, family
+from jaxpar.model import abstract_model
 from jaxpar.sharding import ModelLayout
+from jaxpar.store import checkpoint
 
 ARCHITECTURES = {  # Hugging Face class → (jaxpar family, model_type), from each family's table
     arch: (fam.name, model_type) for fam in FAMILIES.values() for arch, model_type in fam.hf.architectures.items()}
@@ -477,7 +479,7 @@ def load_params(path: str | pathlib.Path, cfg: ModelConfig, abstract: nnx.State,
 def save_params(params: nnx.State, cfg: ModelConfig, path: str | pathlib.Path, *, base_config: dict | None = None,
                 dtype: str | None = None, tokenizer: str | pathlib.Path | None = None, max_shard_bytes: int = 2 << 30,
                 names: set[str] | None = None) -> pathlib.Path:
-    """Write canonical `params` (layers in model order, as `jaxpar.train.checkpoint.read_canonical` gives them) as a
+    """Write canonical `params` (layers in model order, as `jaxpar.store.checkpoint.read_canonical` gives them) as a
     Hugging Face directory `path`: config.json, safetensors shards of at most `max_shard_bytes` (one
     `model.safetensors` when it fits, else shards plus the index), and tokenizer.json when given. `dtype`: the
     tensors' dtype (default: the params'). `names`: the imported checkpoint's tensor names, to keep GPT-2's prefix.
@@ -606,10 +608,6 @@ def check_matches(cfg: ModelConfig, path: str | pathlib.Path) -> None:
 def import_to_workdir(src: str | pathlib.Path, dst: str | pathlib.Path, *, dtype: str | None = None) -> pathlib.Path:
     """Write the Hugging Face model `src` as a params-only jaxpar workdir `dst` (step 0): config.json, the
     checkpoint, its tokenizer.json, and hf_source.json (so that export reproduces the original names and config)."""
-    from jaxpar.config import Config, DataConfig
-    from jaxpar.train import checkpoint
-    from jaxpar.train.state import abstract_model
-
     src, dst = pathlib.Path(src), pathlib.Path(dst)
     hf_cfg = read_config(src)
     cfg = model_config(hf_cfg, src, **({"dtype": dtype, "param_dtype": dtype} if dtype else {}))
@@ -631,8 +629,6 @@ def export_workdir(src: str | pathlib.Path, dst: str | pathlib.Path, *, step: in
                    dtype: str | None = None, max_shard_bytes: int = 2 << 30) -> int:
     """Write checkpoint `step` (default: latest) of jaxpar workdir `src` as a Hugging Face directory `dst`.
     Returns the step. An imported workdir keeps its original config.json fields and tensor names."""
-    from jaxpar.train import checkpoint
-
     src = pathlib.Path(src)
     config, params, step = checkpoint.read_canonical(src, step)
     source = json.loads((src / SOURCE).read_text()) if (src / SOURCE).is_file() else {}

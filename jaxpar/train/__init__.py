@@ -1,4 +1,4 @@
-"""Training: state creation (born sharded), the step, the loop `fit`, metrics and checkpoints."""
+"""Training: state creation (born sharded), the step, the loop `fit` and metrics (checkpoints: `jaxpar.store`)."""
 
 from jaxpar.train.loop import FitResult, Trainer, build_trainer, fit
 from jaxpar.train.state import TrainState, create_state, lr_schedule, make_optimizer

@@ -15,13 +15,14 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from jaxpar import data as data_lib
-from jaxpar.analysis import flops
+from jaxpar import flops
 from jaxpar.config import Config
 from jaxpar.distributed import batch_rows
 from jaxpar.errors import CheckpointError, OutputError
+from jaxpar.interop import hf
 from jaxpar.mesh import describe_mesh, make_mesh
-from jaxpar.train import checkpoint
-from jaxpar.train.lock import WorkdirLock
+from jaxpar.store import checkpoint
+from jaxpar.store.lock import WorkdirLock
 from jaxpar.train.metrics import MetricsWriter, StepProfiler
 from jaxpar.sharding import ModelLayout, model_layout, param_specs
 from jaxpar.train.state import TrainState, create_state, lr_schedule, make_optimizer
@@ -141,8 +142,6 @@ def _fit(config: Config, workdir: pathlib.Path, devices: list, progress: bool) -
 def _prepare(config: Config, workdir: pathlib.Path, devices: list, progress: bool, mngr) -> FitResult:
     train, model_cfg = config.train, config.model
     if train.init_from_hf:
-        from jaxpar.interop import hf
-
         hf.check_matches(model_cfg, train.init_from_hf)  # before anything compiles
     tokenizer = data_lib.make_tokenizer(config.data.tokenizer)
     data_lib.check_vocab(tokenizer, model_cfg.vocab_size)
@@ -182,8 +181,6 @@ def _run(config: Config, workdir: pathlib.Path, devices: list, progress: bool, t
             raise CheckpointError(f"the data stream differs from the one {workdir}'s checkpoints were saved from "
                                   f"({e}); restore the data files, or start a new --workdir") from None
     elif train.init_from_hf:  # a fresh run that starts from Hugging Face weights (Adam's moments start at zero)
-        from jaxpar.interop import hf
-
         state = state.replace(params=hf.load_params(train.init_from_hf, model_cfg, state.params, trainer.layout,
                                                     None if shardings is None else shardings.params))
     if jax.process_index() == 0:  # (the workdir exists: taking its lock made it)

@@ -18,7 +18,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxpar.config import ModelConfig, TrainConfig
-from jaxpar.model import Transformer, permute_layers
+from jaxpar.model import Transformer, abstract_model, permute_layers
 from jaxpar.sharding import ModelLayout, param_shardings
 
 
@@ -52,12 +52,6 @@ def make_optimizer(train: TrainConfig) -> optax.GradientTransformation:
     if train.grad_clip > 0:
         return optax.chain(optax.clip_by_global_norm(train.grad_clip), adamw)
     return adamw
-
-
-def abstract_model(cfg: ModelConfig, padded_vocab: int | None = None) -> tuple[nnx.GraphDef, nnx.State]:
-    """(graphdef, abstract params) — shapes, dtypes and logical axes, no memory."""
-    model = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0), padded_vocab=padded_vocab))
-    return nnx.split(model, nnx.Param)[:2]
 
 
 def state_shardings(abstract_state: TrainState, mesh: Mesh, layout: ModelLayout = ModelLayout()) -> TrainState:

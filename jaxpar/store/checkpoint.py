@@ -7,7 +7,7 @@ One format, used by training and generation alike. Each checkpoint holds three i
 - `train`: step and optimizer state, its parameter-shaped parts (Adam's moments) canonical in the same way;
 - `data`: the data loader's position (JSON), so a continued run sees the batches an uninterrupted one would;
 - `config`: the resolved config that wrote it (a resumed run must be compatible: `check_resumable`);
-- `checksums`: a layout-independent 64-bit fingerprint of every array above (`jaxpar.train.fingerprint`) and a
+- `checksums`: a layout-independent 64-bit fingerprint of every array above (`jaxpar.store.fingerprint`) and a
   SHA-256 of the data item, computed from the values being written (the config item is only compared, never
   restored into the run).
 Orbax writes each step to a temporary directory and renames it when complete, so a crash mid-save never leaves a
@@ -31,7 +31,7 @@ import pathlib
 import shutil
 import time
 import warnings
-from typing import Callable
+from typing import Any, Callable, Protocol
 
 import jax
 import numpy as np
@@ -41,11 +41,23 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxpar.config import Config, ConfigError, config_from_dict
 from jaxpar.errors import CheckpointError, InputNotFound
-from jaxpar.model import pad_vocab, permute_layers
+from jaxpar.model import abstract_model, pad_vocab, permute_layers
 from jaxpar.sharding import ModelLayout
-from jaxpar.train.fingerprint import fingerprints, leaf_path
-from jaxpar.train.lock import WorkdirLock
-from jaxpar.train.state import TrainState, abstract_model
+from jaxpar.store.fingerprint import fingerprints, leaf_path
+from jaxpar.store.lock import WorkdirLock
+
+
+class TrainState(Protocol):
+    """What `save` writes and `restore_train` rebuilds: `jaxpar.train.state.TrainState` (a flax.struct dataclass).
+    Described by its fields, not imported, because the store sits below the training stack that uses it."""
+
+    step: jax.Array  # int32 []
+    params: nnx.State
+    opt_state: Any
+
+    def replace(self, **fields) -> TrainState:
+        """A copy with `fields` replaced (flax.struct dataclasses have it)."""
+
 
 VOCAB_PARAMS = ("embed", "lm_head")
 
@@ -390,7 +402,7 @@ def _restore_train_step(mngr, step, like: TrainState, shardings: TrainState, lay
     params = _into_layout(restored["params"], like.params, layout, shardings.params)
     opt_state = jax.tree.map(lambda x, canon, s: _into_layout(canon, x, layout, s) if _is_state(x) else canon,
                              like.opt_state, restored["train"]["opt_state"], shardings.opt_state, is_leaf=_is_state)
-    return TrainState(step=restored["train"]["step"], params=params, opt_state=opt_state), restored["data"]
+    return like.replace(step=restored["train"]["step"], params=params, opt_state=opt_state), restored["data"]
 
 
 def _require_workdir(workdir: str | pathlib.Path) -> pathlib.Path:
