@@ -23,8 +23,9 @@ PACKAGE = ROOT / "jaxpar"
 # names that share a layer are siblings and must not import each other.
 LAYERS = (
     ("errors",),                                          # the user-error types
-    ("parallel.axes", "distributed", "perf", "launch"),   # mesh-axis names and rules (pure data, read by config);
-                                                          # process setup and local launch: need only errors
+    ("parallel.axes", "families", "matmul",               # mesh-axis names and rules, model families as data (both
+     "distributed", "perf", "launch"),                    # pure data, read by config); the matmul seam; process
+                                                          # setup and local launch: need only errors
     ("config",),                                          # typed config, every check
     ("parallel",),                                        # one file per parallelism: f/g, SP, the pipeline
     ("mesh", "sharding"),                                 # devices → mesh; logical axes → specs
