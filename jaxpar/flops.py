@@ -1,12 +1,13 @@
 """Model FLOPs per token (training and inference), recomputation, and the peak FLOP/s of the device: MFU and HFU.
 
 Only matmuls are counted (elementwise work — norms, softmax, RoPE, the optimizer — is a few percent at most and no
-accelerator's peak figure is about it). Notation as in `jaxpar.analysis.expected`: h d_model, a query heads,
-K kv heads, E head_dim, F d_ff, V vocab, L layers, s sequence length. Per token and per layer, forward:
+accelerator's peak figure is about it). Notation: h d_model, a query heads, K kv heads, E head_dim, F d_ff,
+V vocab, L layers, s sequence length. Per token and per layer, forward (`layer_forward_flops`, the one formula the
+analysis compares compiled programs against too):
 
     q, k, v projections   2·h·E·(a + 2K)          (GQA: k and v are K heads wide, not a)
     output projection     2·a·E·h
-    MLP                   2·h·F·3 (llama: gate, up, down)  or  2·h·F·2 (gpt2: up, down)
+    MLP                   2·h·F·n, n = the family's D×F matrices (llama's SwiGLU: gate, up, down = 3; gpt2: 2)
     attention             2·a·E·c (scores q·kᵀ) + 2·a·E·c (probabilities · v) = 4·a·E·c
 
 where c is the number of keys a query attends to, averaged over the sequence. And once per token, the LM head
@@ -32,7 +33,7 @@ square on XLA's attention path, and the recomputation of `parallel.remat` —
             probability·value products have batch dimensions (batch, heads), so they are recomputed
             (+1 forward of the attention term only).
 The circular pipeline's bubble iterations are counted in neither: their stages run on filler data (the executed
-over useful ratio of `jaxpar.analysis.expected.step_flops` and `jaxpar analyze`), time that lowers both.
+over useful ratio of `jaxpar analyze`), time that lowers both.
 
 **Peak FLOP/s** come from the NVIDIA datasheets, dense (the "with sparsity" figures are twice these), per GPU. With
 JAX's default matmul precision a float32 matmul on Ampere and later runs on TF32 tensor cores, so float32 compute is
@@ -117,15 +118,35 @@ class ForwardFlops:
         return self.layers_dense + self.attention + self.head
 
 
+@dataclasses.dataclass(frozen=True)
+class LayerFlops:
+    """One layer's forward matmul FLOPs per token: `dense` (projections and MLP; `down_projection` is the MLP-down
+    part of it) and `attention` (scores and probabilities·values for the keys counted)."""
+
+    dense: float
+    attention: float
+    down_projection: float
+
+
+def layer_forward_flops(cfg: ModelConfig, keys: float, tensor: int = 1) -> LayerFlops:
+    """One layer's forward matmul FLOPs per token on one of `tensor` ranks (the Megatron split: query heads and MLP
+    columns divided by t; kv heads too, unless there are fewer of them than ranks — then each rank computes the
+    one it attends with). `keys`: how many keys each query's attention costs. tensor = 1 is the whole layer."""
+    h, E, F, t = cfg.d_model, cfg.head_dim, cfg.d_ff, tensor
+    a, K = cfg.n_heads / t, max(cfg.n_kv_heads / t, 1)
+    down = 2 * F / t * h
+    dense = 2 * h * E * (a + 2 * K) + 2 * a * E * h + family(cfg).mlp_matrices(cfg) * 2 * h * F / t
+    return LayerFlops(dense=dense, attention=4 * a * E * keys, down_projection=down)
+
+
 def forward_flops_per_token(cfg: ModelConfig, seq_len: int, *, keys: float | None = None) -> ForwardFlops:
     """Forward matmul FLOPs per token of a sequence of `seq_len`; `keys` (default: the causal count of
     `attended_keys`, honouring `cfg.sliding_window`) is how many keys each query's attention costs."""
-    h, a, K, E, F, L = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.d_ff, cfg.n_layers
     if keys is None:
         keys = attended_keys(seq_len, window=cfg.sliding_window)
-    dense = 2 * h * E * (a + 2 * K) + 2 * a * E * h + 2 * h * F * family(cfg).mlp_matrices(cfg)
-    return ForwardFlops(layers_dense=L * dense, attention=L * 4 * a * E * keys, head=2 * h * cfg.vocab_size,
-                        down_projection=L * 2 * F * h)
+    layer, L = layer_forward_flops(cfg, keys), cfg.n_layers
+    return ForwardFlops(layers_dense=L * layer.dense, attention=L * layer.attention,
+                        head=2 * cfg.d_model * cfg.vocab_size, down_projection=L * layer.down_projection)
 
 
 def train_flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
