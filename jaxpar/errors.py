@@ -11,11 +11,23 @@ code written against those keeps working.
 
 from __future__ import annotations
 
+from typing import Any
+
 
 class JaxparError(Exception):
     """A user error: bad input, not a bug. `kind` is the word the CLI prints before the message."""
 
     kind = "error"
+
+
+class ConfigError(JaxparError, ValueError):
+    """A configuration that cannot run. `str(err)` is one line: field, value, rule and fix."""
+
+    kind = "config error"
+
+    def __init__(self, field: str, value: Any, rule: str, fix: str):
+        self.field, self.value, self.rule, self.fix = field, value, rule, fix
+        super().__init__(f"{field} = {value!r}: {rule}. Fix: {fix}")
 
 
 class CheckpointError(JaxparError):
@@ -54,4 +66,4 @@ class OutputError(JaxparError):
     kind = "cannot write"
 
 
-__all__ = ["CheckpointError", "GenerateError", "InputNotFound", "JaxparError", "OutputError", "UsageError", "WorkdirLocked"]
+__all__ = ["CheckpointError", "ConfigError", "GenerateError", "InputNotFound", "JaxparError", "OutputError", "UsageError", "WorkdirLocked"]

@@ -58,7 +58,7 @@ MEMORY = ["model.vocab_size=256", "model.d_model=64", "model.n_layers=2", "model
 def per_layer(tensor, sequence):
     config = load_config(None, MEMORY + [f"parallel.tensor={tensor}", f"parallel.sequence_parallel={sequence}",
                                          "parallel.data=1"])
-    mesh = make_mesh(types.SimpleNamespace(data=1, pipe=1, tensor=tensor), jax.devices()[:tensor])
+    mesh = make_mesh(types.SimpleNamespace(data=1, pipe=1, expert=1, context=1, tensor=tensor), jax.devices()[:tensor])
     return activation_bytes_per_layer(config, mesh)["per_layer"]
 
 

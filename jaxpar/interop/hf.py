@@ -61,7 +61,7 @@ from safetensors.numpy import save_file
 
 from jaxpar.config import ConfigError, ModelConfig
 from jaxpar.errors import JaxparError
-from jaxpar.sharding import ModelLayout
+from jaxpar.parallel.plan import Plan
 
 ARCHITECTURES = {  # Hugging Face class → (jaxpar family, model_type)
     "LlamaForCausalLM": ("llama", "llama"),
@@ -601,7 +601,7 @@ def _hf_shape(rule: Rule, abstract_layer_shape: tuple[int, ...]) -> tuple[int, .
     return rule.to_hf(np.zeros(abstract_layer_shape, np.int8)).shape
 
 
-def load_params(path: str | pathlib.Path, cfg: ModelConfig, abstract: nnx.State, layout: ModelLayout = ModelLayout(),
+def load_params(path: str | pathlib.Path, cfg: ModelConfig, abstract: nnx.State, layout: Plan = Plan(),
                 shardings: nnx.State | None = None) -> nnx.State:
     """The Hugging Face weights of directory `path` as the runtime params of `abstract` (shapes, dtypes), placed
     with `shardings` (None: the default device) in `layout`'s layer order and vocab padding.
