@@ -135,7 +135,7 @@ class ParallelConfig:
         _check_fields(self, "parallel")
         if self.data != -1:
             _check_positive("parallel.data", self.data, fix="use a positive degree, or -1 to fill the remaining devices")
-        for name in ("pipe", "expert", "context", "tensor", "repeats", "microbatches"):
+        for name in [a for a in axes.AXES if a != axes.DATA] + ["repeats", "microbatches"]:
             _check_positive(f"parallel.{name}", getattr(self, name))
         # Axes whose strategy does not exist yet are in the mesh at size 1 (free), so layouts, checkpoints and
         # analyses already speak them; a degree above 1 would only replicate the work. Refuse it.
@@ -238,6 +238,13 @@ class CheckpointConfig:
         _check_positive("checkpoint.every", self.every, allow_zero="allowed")
         _check_positive("checkpoint.keep", self.keep)
         _check_positive("checkpoint.permanent_every", self.permanent_every, allow_zero="allowed")
+        # Only saved steps can be kept: with no periodic saves, or a period that is not a multiple of the saving
+        # cadence, most of the "permanent" steps would never exist, and the run would keep fewer than asked.
+        if self.permanent_every and (not self.every or self.permanent_every % self.every):
+            raise ConfigError("checkpoint.permanent_every", self.permanent_every,
+                              f"must be a multiple of checkpoint.every = {self.every} > 0 (only saved steps can be "
+                              "kept)", f"set checkpoint.every to a divisor of {self.permanent_every}, or "
+                              "checkpoint.permanent_every=0")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -30,7 +30,7 @@ from jaxpar.model import attention_mask, default_positions, run_layers
 from jaxpar.parallel import pipeline
 from jaxpar.parallel.axes import DATA, PIPE
 from jaxpar.parallel.pipeline import Pipeline
-from jaxpar.parallel.plan import Plan, batch_sharding, batch_spec  # noqa: F401 (batch_spec: the step's too)
+from jaxpar.parallel.plan import Plan, batch_sharding, batch_spec  # noqa: F401 (the batch layout, for callers)
 from jaxpar.parallel.tensor import SINGLE_DEVICE, TensorParallel
 from jaxpar.sharding import constrain
 from jaxpar.train.state import TrainState
