@@ -58,9 +58,9 @@ from jaxpar.analysis import dot_flops  # noqa: E402
 from jaxpar.config import ModelConfig, ParallelConfig  # noqa: E402
 from jaxpar.infer import decode, sampling  # noqa: E402
 from jaxpar.infer.decode import CACHE_AXES  # noqa: E402
-from jaxpar.mesh import make_mesh  # noqa: E402
 from jaxpar.model import KVCache, Transformer, abstract_model, pad_vocab  # noqa: E402
-from jaxpar.sharding import constrain, model_layout, param_shardings  # noqa: E402
+from jaxpar.parallel.plan import make_plan  # noqa: E402
+from jaxpar.sharding import constrain, param_shardings  # noqa: E402
 
 
 @dataclasses.dataclass(frozen=True)
@@ -101,15 +101,14 @@ def seconds(fn: Callable[[], object], repeats: int, stat: Callable[[list[float]]
 
 def place_model(cfg: ModelConfig, params: nnx.State, tensor: int
                 ) -> tuple[jax.sharding.Mesh, nnx.GraphDef, nnx.State]:
-    """`params` on a (1, 1, tensor) mesh of the first `tensor` devices, sharded by the rules table with the vocab
+    """`params` on a mesh of the first `tensor` devices (data 1, tensor `tensor`), sharded by the rules table with the vocab
     padded to a multiple of tensor: the layout `jaxpar.infer.text.load` gives a trained model. Every degree
     gets the same weights (initialised once: compiling the init costs more than a quick run's measurements)."""
     parallel = ParallelConfig(data=1, pipe=1, tensor=tensor)
-    mesh = make_mesh(parallel, jax.devices()[:tensor])
-    layout = model_layout(cfg, parallel, mesh, explicit=False)  # GSPMD inserts the collectives
-    graphdef, abstract = abstract_model(cfg, layout.padded_vocab)
-    placed = jax.device_put(pad_vocab(params, layout.padded_vocab), param_shardings(abstract, mesh, layout.rules))
-    return mesh, graphdef, placed
+    plan = make_plan(cfg, parallel, jax.devices()[:tensor], explicit=False)  # GSPMD inserts the collectives
+    graphdef, abstract = abstract_model(cfg, plan.padded_vocab)
+    placed = jax.device_put(pad_vocab(params, plan.padded_vocab), param_shardings(abstract, plan.mesh, plan.rules))
+    return plan.mesh, graphdef, placed
 
 
 def make_forward(graphdef: nnx.GraphDef) -> Callable:

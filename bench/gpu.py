@@ -65,7 +65,6 @@ def main(argv: list[str] | None = None) -> int:
     from jaxpar import flops
     from jaxpar.analysis.hlo import memory
     from jaxpar.config import load_config
-    from jaxpar.mesh import make_mesh
     from jaxpar.train import build_trainer
     from jaxpar.model import count_params
 
@@ -94,7 +93,7 @@ def main(argv: list[str] | None = None) -> int:
         overrides = (TINY if args.dry_run else ONE_B) + [f"train.batch_size={per_device * len(devices)}",
                                                           f"train.steps={steps + 1}"] + extra
         config = load_config(preset, overrides).resolve_for_devices(len(devices))
-        trainer = build_trainer(config, make_mesh(config.parallel, devices))
+        trainer = build_trainer(config, devices)
         batch = trainer.random_batch(config)
         start = time.perf_counter()
         step = trainer.train_step.lower(trainer.state, batch).compile()

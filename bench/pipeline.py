@@ -24,9 +24,7 @@ import jax.numpy as jnp  # noqa: E402
 
 from jaxpar.analysis.report import analyze  # noqa: E402
 from jaxpar.config import load_config  # noqa: E402
-from jaxpar.mesh import make_mesh  # noqa: E402
 from jaxpar.train import build_trainer  # noqa: E402
-from jaxpar.train.step import batch_sharding  # noqa: E402
 
 SWEEP = [(1, 1, 1), (2, 1, 2), (2, 1, 4), (2, 2, 4), (2, 4, 4), (4, 1, 4), (4, 1, 8), (4, 2, 8)]
 DEFAULTS = ["model.n_layers=8", "model.d_model=64", "train.batch_size=32", "parallel.tensor=1"]
@@ -41,7 +39,7 @@ def timed_steps(config, steps: int, *, keep=None) -> tuple[float, float]:
     """(compile seconds, median step seconds) of the real step. keep: a dict that receives the compiled step
     under "compiled" (to analyse it without compiling it again)."""
     config = config.resolve_for_devices(8)
-    trainer = build_trainer(config, make_mesh(config.parallel))
+    trainer = build_trainer(config, jax.devices())
     batch = trainer.random_batch(config)
     start = time.perf_counter()
     step = trainer.train_step.lower(trainer.state, batch).compile()
@@ -61,10 +59,9 @@ def compile_seconds(config) -> float:
     """Seconds to lower and compile the train step of `config` on all devices, from abstract state (nothing is
     allocated or run)."""
     config = config.resolve_for_devices(len(jax.devices()))
-    mesh = make_mesh(config.parallel)
-    trainer = build_trainer(config, mesh, abstract=True)
+    trainer = build_trainer(config, jax.devices(), abstract=True)
     t = config.train
-    batch = jax.ShapeDtypeStruct((t.batch_size, t.seq_len + 1), jnp.int32, sharding=batch_sharding(mesh))
+    batch = jax.ShapeDtypeStruct((t.batch_size, t.seq_len + 1), jnp.int32, sharding=trainer.plan.batch_sharding)
     start = time.perf_counter()
     trainer.train_step.lower(trainer.state, batch).compile()
     return time.perf_counter() - start

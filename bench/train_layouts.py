@@ -21,17 +21,16 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
 from jaxpar.config import load_config  # noqa: E402
-from jaxpar.mesh import make_mesh  # noqa: E402
 from jaxpar.train import build_trainer  # noqa: E402
 
 
 def time_layout(config, layout, batches):
-    mesh = None
+    devices = None  # one device, no mesh
     if layout is not None:
         parallel = dataclasses.replace(config.parallel, data=layout[0], tensor=layout[1])
         config = dataclasses.replace(config, parallel=parallel)
-        mesh = make_mesh(parallel, jax.devices()[: layout[0] * layout[1]])
-    trainer = build_trainer(config, mesh)
+        devices = jax.devices()[: layout[0] * layout[1]]
+    trainer = build_trainer(config, devices)
     state, step, put = trainer.state, trainer.train_step, trainer.put
     start = time.perf_counter()
     state, m = step(state, put(batches[0]))

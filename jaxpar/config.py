@@ -25,6 +25,7 @@ import yaml
 
 from jaxpar.errors import ConfigError
 from jaxpar.families import FAMILIES
+from jaxpar.parallel import axes
 
 
 def _f(default: Any, help: str) -> Any:
@@ -112,12 +113,27 @@ class ModelConfig:
                               f"use one of {_divisors(self.n_heads)}")
 
 
+def resolve_attention(cfg: ModelConfig, device: Any) -> ModelConfig:
+    """`cfg` with attention 'auto' replaced by the kernel for `device` (a jax device): cuDNN flash attention on an
+    NVIDIA GPU for a 16-bit compute dtype and a head width it supports (≤ 128, a multiple of 8), XLA otherwise.
+    The plan calls it where the config meets its devices, so the model never probes devices; a model built directly
+    from a config that still says 'auto' runs the XLA kernel."""
+    if cfg.attention != "auto":
+        return cfg
+    nvidia = device.platform == "gpu" and "nvidia" in device.device_kind.lower()
+    fits = cfg.dtype in ("bfloat16", "float16") and cfg.head_dim <= 128 and cfg.head_dim % 8 == 0
+    return dataclasses.replace(cfg, attention="cudnn" if nvidia and fits else "xla")
+
+
 @dataclasses.dataclass(frozen=True)
 class ParallelConfig:
-    """Degrees of parallelism on the mesh axes (data, pipe, tensor) and how the step is cut up."""
+    """Degrees of parallelism on the mesh axes (jaxpar.parallel.axes) and how the step is cut up."""
 
     data: int = _f(-1, "data-parallel degree (batch sharded over 'data'); -1 fills the devices left over")
     pipe: int = _f(1, "pipeline stages on 'pipe'")
+    expert: int = _f(1, "expert-parallel degree on 'expert' (MoE experts; not implemented yet: must be 1)")
+    context: int = _f(1, "context-parallel degree on 'context' (sequence dim of activations; not implemented yet: "
+                      "must be 1)")
     tensor: int = _f(1, "tensor-parallel degree on 'tensor' (innermost mesh axis, fastest links)")
     sequence_parallel: bool = _f(False, "shard norms/residuals on the sequence dim inside tensor-parallel regions")
     repeats: int = _f(1, "circular pipeline passes through the stages (1 is GPipe)")
@@ -129,8 +145,20 @@ class ParallelConfig:
         _check_fields(self, "parallel")
         if self.data != -1:
             _check_positive("parallel.data", self.data, fix="use a positive degree, or -1 to fill the remaining devices")
-        for name in ("pipe", "tensor", "repeats", "microbatches"):
+        for name in [a for a in axes.AXES if a != axes.DATA] + ["repeats", "microbatches"]:
             _check_positive(f"parallel.{name}", getattr(self, name))
+        # Axes whose strategy does not exist yet are in the mesh at size 1 (free), so layouts, checkpoints and
+        # analyses already speak them; a degree above 1 would only replicate the work. Refuse it.
+        for axis in axes.MESH_AXES:
+            if axis.missing and getattr(self, axis.name) != 1:
+                raise ConfigError(axis.field, getattr(self, axis.name), f"nothing splits over '{axis.name}' yet: "
+                                  f"{axis.missing}", f"set {axis.field}=1")
+        if self.sequence_parallel and self.tensor == 1:
+            # SP swaps the tensor-parallel boundaries for all-gather/reduce-scatter over `tensor`: with one rank
+            # there is nothing to shard, and the flag would silently do nothing.
+            raise ConfigError("parallel.sequence_parallel", True, "sequence parallelism shards activations over the "
+                              "tensor axis, and parallel.tensor = 1", "set parallel.tensor > 1, or "
+                              "parallel.sequence_parallel=false")
         _check_choice("parallel.zero", self.zero, (0, 1, 3))
         _check_choice("parallel.remat", self.remat, REMAT_POLICIES)
         if self.pipe == 1 and (self.repeats != 1 or self.microbatches != 1):
@@ -220,6 +248,13 @@ class CheckpointConfig:
         _check_positive("checkpoint.every", self.every, allow_zero="allowed")
         _check_positive("checkpoint.keep", self.keep)
         _check_positive("checkpoint.permanent_every", self.permanent_every, allow_zero="allowed")
+        # Only saved steps can be kept: with no periodic saves, or a period that is not a multiple of the saving
+        # cadence, most of the "permanent" steps would never exist, and the run would keep fewer than asked.
+        if self.permanent_every and (not self.every or self.permanent_every % self.every):
+            raise ConfigError("checkpoint.permanent_every", self.permanent_every,
+                              f"must be a multiple of checkpoint.every = {self.every} > 0 (only saved steps can be "
+                              "kept)", f"set checkpoint.every to a divisor of {self.permanent_every}, or "
+                              "checkpoint.permanent_every=0")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -269,14 +304,16 @@ class Config:
                               f"use batch_size {_nearest_multiples(t.batch_size, per_step)}")
 
     @property
-    def mesh_shape(self) -> tuple[int, int, int]:
-        """(data, pipe, tensor); only meaningful after `resolve_for_devices` has filled data=-1."""
-        return (self.parallel.data, self.parallel.pipe, self.parallel.tensor)
+    def mesh_shape(self) -> tuple[int, ...]:
+        """The degrees in mesh-axis order (jaxpar.parallel.axes.AXES: data, pipe, expert, context, tensor); only
+        meaningful after `resolve_for_devices` has filled data=-1."""
+        return axes.mesh_shape(self.parallel)
 
     def resolve_for_devices(self, n_devices: int) -> "Config":
         """Fill `parallel.data = -1` from the device count and check the mesh product matches it."""
         p = self.parallel
-        resolved = dataclasses.replace(self, parallel=dataclasses.replace(p, data=data_degree(p, n_devices)))
+        data = axes.resolve_degrees(p, n_devices)[axes.DATA]
+        resolved = dataclasses.replace(self, parallel=dataclasses.replace(p, data=data))
         resolved._check_batch(resolved.parallel.data)
         return resolved
 
@@ -287,25 +324,6 @@ class Config:
     def to_json(self) -> str:
         """The config as sorted, indented JSON (config.json); `config_from_dict` reads it back."""
         return json.dumps(self.to_dict(), indent=2, sort_keys=True)
-
-
-def data_degree(parallel, n_devices: int) -> int:
-    """The data degree of a (data, pipe, tensor) layout on `n_devices`: `data = -1` is filled; any other value must
-    make the mesh product equal the device count. `parallel` is anything with data, pipe, tensor attributes."""
-    fixed = parallel.pipe * parallel.tensor
-    if parallel.data == -1:
-        if n_devices % fixed:
-            raise ConfigError("parallel.tensor", parallel.tensor,
-                              f"pipe*tensor = {fixed} must divide the {n_devices} available devices",
-                              f"use pipe*tensor among {_divisors(n_devices)}")
-        return n_devices // fixed
-    if parallel.data * fixed != n_devices:
-        raise ConfigError("parallel.data", parallel.data,
-                          f"mesh data*pipe*tensor = {parallel.data}*{parallel.pipe}*{parallel.tensor} = "
-                          f"{parallel.data * fixed} must equal the {n_devices} available devices",
-                          f"set parallel.data={n_devices // fixed} (or -1 to fill)" if n_devices % fixed == 0
-                          else f"choose pipe*tensor among {_divisors(n_devices)}, then parallel.data=-1")
-    return parallel.data
 
 
 SECTIONS: dict[str, type] = {"model": ModelConfig, "parallel": ParallelConfig, "train": TrainConfig, "data": DataConfig,

@@ -301,18 +301,6 @@ def attention(p: dict[str, Array], h: Array, positions: Array, mask: Array | Non
     return out, new_cache
 
 
-def resolve_attention(cfg: ModelConfig, device) -> ModelConfig:
-    """`cfg` with attention 'auto' replaced by the kernel for `device`: cuDNN flash attention on an NVIDIA GPU for a
-    16-bit compute dtype and a head width it supports (≤ 128, a multiple of 8), XLA otherwise. Called where a config
-    meets its devices (the plan), so the model never probes devices; a model built directly from a config that
-    still says 'auto' runs the XLA kernel."""
-    if cfg.attention != "auto":
-        return cfg
-    nvidia = device.platform == "gpu" and "nvidia" in device.device_kind.lower()
-    fits = cfg.dtype in ("bfloat16", "float16") and cfg.head_dim <= 128 and cfg.head_dim % 8 == 0
-    return dataclasses.replace(cfg, attention="cudnn" if nvidia and fits else "xla")
-
-
 def attend(q: Array, k: Array, v: Array, mask: Array | None, cfg: ModelConfig) -> Array:
     """softmax(q·kᵀ/√E + mask) v for GQA, through `jax.nn.dot_product_attention` (XLA or cuDNN flash attention).
 

@@ -55,7 +55,6 @@ from jaxpar import data as data_lib
 from jaxpar import sharding
 from jaxpar.config import load_config
 from jaxpar.infer.text import generate_text, load
-from jaxpar.mesh import make_mesh
 from jaxpar.train import build_trainer, fit
 
 assert jax.device_count() == 8, jax.devices()
@@ -76,7 +75,7 @@ print(jax.device_count(), "devices:", jax.devices())
 overrides = ["model.d_model=48", "train.steps=30", "train.batch_size=16", "train.seq_len=64",
              "train.warmup_steps=10", "train.log_every=5", "train.eval_every=15"]
 config = load_config("configs/tiny.py", overrides)
-print("as loaded:  ", config.mesh_shape, "(data, pipe, tensor)")
+print("as loaded:  ", config.mesh_shape, "(data, pipe, expert, context, tensor)")
 config = config.resolve_for_devices(jax.device_count())
 print("for 8 devs: ", config.mesh_shape)
 m, par, tr = config.model, config.parallel, config.train
@@ -84,7 +83,7 @@ print(f"model: L={m.n_layers} D={m.d_model} heads={m.n_heads} kv_heads={m.n_kv_h
       f"d_ff={m.d_ff} vocab={m.vocab_size}")
 print(f"pipeline: stages={par.pipe} repeats={par.repeats} microbatches={par.microbatches}")
 
-assert config.mesh_shape == (2, 2, 2)
+assert config.mesh_shape == (2, 2, 1, 1, 2)
 assert (m.head_dim, m.d_ff) == (48 // 4, 128)
 # Batch arithmetic: 16 rows / 2 data shards = 8 rows per shard, cut into 4 microbatches of 2 rows.
 assert tr.batch_size // par.data // par.microbatches == 2
@@ -97,6 +96,9 @@ assert tr.batch_size // par.data // par.microbatches == 2
 # - **`pipe` = 2**: a *circular* pipeline. The 4 layers are split over 2 stages and the activations go round the
 #   stages `repeats = 2` times (stage 0 runs layers 0 and 2, stage 1 runs 1 and 3), microbatch by microbatch; the
 #   bubble is $(p-1)/(v\,m+p-1) = 1/(2\cdot4+1) = 1/9$ of the iterations.
+# - **`expert` = 1, `context` = 1**: axes reserved for mixture-of-experts and context parallelism. They are in the
+#   mesh at size 1 (which costs nothing) so that every layout already speaks all five axes; nothing splits over them
+#   yet, and the config refuses a degree above 1.
 # - **`tensor` = 2**: Megatron tensor parallelism. Each layer's heads and MLP columns (and the vocabulary) are split
 #   over a pair of devices that exchange partial sums inside every layer, so it is the innermost axis: a tensor pair
 #   is two neighbouring devices (on a GPU host, NVLink peers).
@@ -104,41 +106,43 @@ assert tr.batch_size // par.data // par.microbatches == 2
 # %% [markdown]
 # ## 2. Mesh
 #
-# `make_mesh` lays the 8 devices out as a `2 × 2 × 2` array with axes `("data", "pipe", "tensor")`. Tensor is
-# innermost (fastest varying), so device $i$ sits at $(d, p, t)$ with $i = 4d + 2p + t$.
+# `build_trainer(config, devices)` starts from one *plan* (`jaxpar.parallel.plan.make_plan`): it checks the layout
+# against the devices once and lays the 8 devices out as a `2 × 2 × 1 × 1 × 2` array with the axes of
+# `jaxpar/parallel/axes.py`, `("data", "pipe", "expert", "context", "tensor")`. Tensor is innermost (fastest
+# varying), so device $i$ sits at $(d, p, t)$ with $i = 4d + 2p + t$ (the size-1 axes add nothing to the index).
+#
+# `build_trainer` also creates the optimizer, the train/eval steps and the state. The state is *born sharded*: the
+# parameter shapes come from `nnx.eval_shape`, the rules turn their logical axes into `PartitionSpec`s, and
+# `jit(init, out_shardings=...)` creates each shard directly on its device, so no device ever holds a full copy.
 
 # %%
-mesh = make_mesh(config.parallel)
+trainer = build_trainer(config, jax.devices())
+mesh = trainer.mesh
 print(mesh)
-print(np.vectorize(lambda d: d.id)(mesh.devices))
+grid = mesh.devices[:, :, 0, 0, :]  # [data, pipe, tensor]: expert and context have size 1
+print(np.vectorize(lambda d: d.id)(grid))
 
-ids = np.vectorize(lambda d: d.id)(mesh.devices)  # [data, pipe, tensor]
-assert dict(mesh.shape) == {"data": 2, "pipe": 2, "tensor": 2}
+ids = np.vectorize(lambda d: d.id)(grid)
+assert dict(mesh.shape) == {"data": 2, "pipe": 2, "expert": 1, "context": 1, "tensor": 2}
 assert all(ids[d, p, t] == 4 * d + 2 * p + t for d in range(2) for p in range(2) for t in range(2))
 
 # %% [markdown]
 # ## 3. Model: the rules table and born-sharded parameters
 #
 # The model never names a mesh axis. Each parameter carries *logical* axes (`wq: ("layers", "embed", "heads",
-# "head_dim")`), and this one table in `jaxpar/sharding.py` maps logical names to mesh axes (anything mapped to
-# `None` is replicated):
+# "head_dim")`), and one table maps logical names to mesh axes (anything mapped to `None` is replicated). It is
+# derived from the mesh-axis table of `jaxpar/parallel/axes.py`, where each axis lists the logical names it splits:
 
 # %%
 for logical, mesh_axes in sharding.RULES:
     print(f"{logical:9s} -> {mesh_axes}")
 
 # %% [markdown]
-# `build_trainer(config, mesh)` creates the optimizer, the train/eval steps and the state. The state is *born
-# sharded*: the parameter shapes come from `nnx.eval_shape`, the rules turn their logical axes into
-# `PartitionSpec`s, and `jit(init, out_shardings=...)` creates each shard directly on its device, so no device ever
-# holds a full copy.
-#
 # Reading a spec: entry $k$ names the mesh axis that dim $k$ is split over. For `wq [L, D, H, E]`:
 # `layers → pipe`, `heads → tensor`, the rest replicated, so each device holds
 # $[L/2, D, H/2, E] = [2, 48, 2, 12]$.
 
 # %%
-trainer = build_trainer(config, mesh)
 params = trainer.state.params
 
 print(f"{'param':8s} {'shape':16s} {'logical axes':42s} spec -> per-device shard")
@@ -165,7 +169,7 @@ assert w_up.addressable_shards[0].data.shape == (2, 48, 64)
 #   replicated over `data` and `pipe` with the `tensor` split kept.
 # - **The whole stack of `w_up`** viewed as `[L·D, F] = [192, 128]` (a reshape of the outermost dim, so the layout
 #   carries over): rows split by stage, columns by tensor rank. The stacked layer axis is kept in *pipeline order*
-#   (stage-major), so stage 0's two slots hold model layers 0 and 2 (`trainer.layout.layer_order`).
+#   (stage-major), so stage 0's two slots hold model layers 0 and 2 (`trainer.plan.layer_order`).
 #
 # `visualize_array_sharding` needs `rich`; if it cannot draw we print each device's block of indices instead.
 
@@ -190,12 +194,12 @@ show_sharding(layer0, "w_up[0] [D, F]")
 L, D, F = w_up.shape
 stack = jax.jit(lambda w: w.reshape(L * D, F), out_shardings=jax.NamedSharding(mesh, P("pipe", "tensor")))(w_up)
 show_sharding(stack, "w_up as [L*D, F]")
-print("layer_order (model layer at each slot of the stacked axis):", trainer.layout.layer_order)
+print("layer_order (model layer at each slot of the stacked axis):", trainer.plan.layer_order)
 
 # Who holds what, checked from the device index maps (device at mesh position (d, p, t) → its block).
 def blocks_of(arr):
     index = arr.sharding.devices_indices_map(arr.shape)
-    return {(d, p, t): index[mesh.devices[d, p, t]] for d in range(2) for p in range(2) for t in range(2)}
+    return {(d, p, t): index[grid[d, p, t]] for d in range(2) for p in range(2) for t in range(2)}
 
 
 half = lambda t, n: slice(n // 2 * t, n // 2 * (t + 1))  # tensor rank t's half of n
@@ -205,7 +209,7 @@ assert all(b[:2] == (slice(2 * p, 2 * p + 2), slice(None)) and b[2] == half(t, 1
            for (d, p, t), b in blocks_of(w_up).items())
 for a, b in zip(w_up.addressable_shards, stack.addressable_shards):  # the [L*D, F] view moved no data
     assert a.device == b.device and np.array_equal(np.asarray(a.data).reshape(-1, 64), np.asarray(b.data))
-assert list(trainer.layout.layer_order) == [0, 2, 1, 3]
+assert list(trainer.plan.layer_order) == [0, 2, 1, 3]
 
 
 # %% [markdown]
@@ -238,8 +242,8 @@ assert [x.sharding for x in moments] == [x.sharding for x in leaves] * 2
 # ## Activations: the batch
 #
 # A training batch is `int32 [B, T + 1]`: each row is a window of $T+1$ bytes, inputs `row[:-1]`, targets
-# `row[1:]`. Its logical axes are `("batch", None)`, and the rule `batch → ("data", "pipe")` splits the $B = 16$
-# rows 4 ways: over `data` (data parallelism) and over `pipe`, because embedding, final norm, LM head and loss run
+# `row[1:]`. Its logical axes are `("batch", None)`, and the rule `batch → ("data", "pipe", "expert")` splits the
+# $B = 16$ rows 4 ways (`expert` has size 1): over `data` (data parallelism) and over `pipe`, because embedding, final norm, LM head and loss run
 # *outside* the pipeline loop on each stage's own rows. Tensor ranks get the same rows. `trainer.put` places a host
 # batch this way (here, the first batch of the default corpus, this Python's standard-library sources).
 
@@ -254,7 +258,7 @@ batch = trainer.put(rows)
 show_sharding(batch, "batch [B, T+1]")
 
 assert rows.shape == (tr.batch_size, tr.seq_len + 1)
-assert batch.sharding.spec == P(("data", "pipe"), None)
+assert batch.sharding.spec == P(("data", "pipe", "expert"), None)
 for shard in batch.addressable_shards:
     d, p, t = map(int, np.argwhere(ids == shard.device.id)[0])
     assert shard.data.shape == (4, 65)
@@ -323,6 +327,6 @@ print("greedy:", repr(text))
 common = np.argsort(np.bincount(tokens, minlength=256))[::-1][:4]  # the corpus's 4 most frequent bytes
 print("most frequent bytes:", [chr(b) for b in common])
 assert loaded.step == tr.steps
-assert dict(loaded.mesh.shape) == {"data": 1, "pipe": 1, "tensor": 2}
+assert dict(loaded.mesh.shape) == {"data": 1, "pipe": 1, "expert": 1, "context": 1, "tensor": 2}
 assert len(text.encode()) == 32 and set(text.encode()) <= set(common.tolist())
 assert text == generate_text(loaded, ["def "], max_new_tokens=32, temperature=0.0)[0]  # greedy is deterministic

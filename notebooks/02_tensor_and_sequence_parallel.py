@@ -293,7 +293,8 @@ assert sp_layers / tp_layers == 10 / 8
 
 # %%
 def act_per_layer(tensor, sp):
-    mesh_t = make_mesh(types.SimpleNamespace(data=1, pipe=1, tensor=tensor), jax.devices()[:tensor])
+    one_shard = types.SimpleNamespace(data=1, pipe=1, expert=1, context=1, tensor=tensor)
+    mesh_t = make_mesh(one_shard, jax.devices()[:tensor])
     return activation_bytes_per_layer(small_config(tensor, 1, sp), mesh_t)["per_layer"]
 
 

@@ -259,7 +259,8 @@ for p, v, m in [(4, 1, 4), (4, 2, 4)]:  # same p and m: GPipe, then 2 passes (k 
 # is `loss_and_grads` on one device (layers in model order, scanned). The pipelined run is the full composition at
 # `(data, pipe, tensor) = (2, 2, 2)`, `v = 2`, `m = 4`, on 8 layers (`k = 2`), under one `shard_map`:
 #
-# 1. `model_layout` gives the rules table, the vocab padded to a multiple of `tensor` (263 → 264) and the layer order;
+# 1. `make_plan` builds the mesh and gives the rules table, the vocab padded to a multiple of `tensor` (263 → 264)
+#    and the layer order;
 # 2. `pad_vocab` + `permute_layers` put the reference parameters in that layout, `param_shardings` places them;
 # 3. `sharded_loss_and_grads` runs the step; its gradients are permuted back (`argsort(order)`) and unpadded.
 #
@@ -269,10 +270,10 @@ for p, v, m in [(4, 1, 4), (4, 2, 4)]:  # same p and m: GPipe, then 2 passes (k 
 
 # %%
 from jaxpar.config import ModelConfig, ParallelConfig
-from jaxpar.mesh import make_mesh
 from jaxpar.model import Transformer, pad_vocab, permute_layers
-from jaxpar.sharding import model_layout, param_shardings, param_specs
-from jaxpar.train.step import batch_sharding, loss_and_grads, sharded_loss_and_grads
+from jaxpar.parallel.plan import make_plan
+from jaxpar.sharding import param_shardings, param_specs
+from jaxpar.train.step import loss_and_grads, sharded_loss_and_grads
 
 cfg = ModelConfig(vocab_size=263, d_model=20, n_layers=8, n_heads=4, n_kv_heads=2, head_dim=6, d_ff=28,
                   max_seq_len=8)
@@ -284,22 +285,21 @@ want_loss, want_grads = jax.jit(loss_and_grads(graphdef))(params, batch)
 
 # pipelined: the same parameters, laid out for the mesh
 parallel = ParallelConfig(data=2, pipe=2, tensor=2, repeats=2, microbatches=4)
-mesh = make_mesh(parallel)
-lay = model_layout(cfg, parallel, mesh)
-print("mesh", dict(mesh.shape), "| padded vocab", lay.padded_vocab, "| stored layer order", lay.layer_order.tolist())
-assert lay.padded_vocab == 264 and lay.layer_order.tolist() == pipeline_order(8, 2, 2).tolist()
+plan = make_plan(cfg, parallel, jax.devices())
+mesh = plan.mesh
+print("mesh", dict(mesh.shape), "| padded vocab", plan.padded_vocab, "| stored layer order", plan.layer_order.tolist())
+assert plan.padded_vocab == 264 and plan.layer_order.tolist() == pipeline_order(8, 2, 2).tolist()
 
-pipe_graphdef = nnx.graphdef(Transformer(cfg, rngs=nnx.Rngs(0), padded_vocab=lay.padded_vocab))
-laid_out = permute_layers(pad_vocab(params, lay.padded_vocab), lay.layer_order)
-laid_out = jax.device_put(laid_out, param_shardings(laid_out, mesh, lay.rules))
+pipe_graphdef = nnx.graphdef(Transformer(cfg, rngs=nnx.Rngs(0), padded_vocab=plan.padded_vocab))
+laid_out = permute_layers(pad_vocab(params, plan.padded_vocab), plan.layer_order)
+laid_out = jax.device_put(laid_out, param_shardings(laid_out, mesh, plan.rules))
 wq = laid_out["blocks"]["wq"][...]
 print("wq", wq.shape, wq.sharding.spec, "→ per device", wq.addressable_shards[0].data.shape)
 assert wq.addressable_shards[0].data.shape == (4, 20, 2, 6)  # [v·k layers of this stage, D, heads/t, head_dim]
 
-fn = sharded_loss_and_grads(pipe_graphdef, par=lay.par, mesh=mesh, param_specs=param_specs(laid_out, lay.rules),
-                            pipe=lay.pipeline)
-loss, grads = jax.jit(fn)(laid_out, jax.device_put(batch, batch_sharding(mesh)))
-grads = pad_vocab(permute_layers(grads, np.argsort(lay.layer_order)), cfg.vocab_size)  # back to model order
+fn = sharded_loss_and_grads(pipe_graphdef, plan, param_specs=param_specs(laid_out, plan.rules))
+loss, grads = jax.jit(fn)(laid_out, jax.device_put(batch, plan.batch_sharding))
+grads = pad_vocab(permute_layers(grads, np.argsort(plan.layer_order)), cfg.vocab_size)  # back to model order
 
 # %%
 print(f"loss: sequential {float(want_loss):.7f}, pipelined {float(loss):.7f}")

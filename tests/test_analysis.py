@@ -58,7 +58,7 @@ MEMORY = ["model.vocab_size=256", "model.d_model=64", "model.n_layers=2", "model
 def per_layer(tensor, sequence):
     config = load_config(None, MEMORY + [f"parallel.tensor={tensor}", f"parallel.sequence_parallel={sequence}",
                                          "parallel.data=1"])
-    mesh = make_mesh(types.SimpleNamespace(data=1, pipe=1, tensor=tensor), jax.devices()[:tensor])
+    mesh = make_mesh(types.SimpleNamespace(data=1, pipe=1, expert=1, context=1, tensor=tensor), jax.devices()[:tensor])
     return activation_bytes_per_layer(config, mesh)["per_layer"]
 
 
@@ -81,6 +81,6 @@ def test_analyze_cli_reports_json_sections(tmp_path):
     assert out.returncode == 0, out.stderr[-3000:]
     report = json.loads(out.stdout)
     assert {"collectives", "flops", "memory", "expected", "ratio"} <= set(report)
-    assert report["config"]["mesh"] == {"data": 2, "pipe": 1, "tensor": 4}
+    assert report["config"]["mesh"] == {"data": 2, "pipe": 1, "expert": 1, "context": 1, "tensor": 4}
     assert report["memory"]["activations"]["per_layer"] > 0
     assert 0.98 <= report["ratio"]["tensor_sent_bytes"] <= 1.02

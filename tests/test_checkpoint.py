@@ -8,8 +8,7 @@ import pytest
 from flax import nnx
 
 from jaxpar.config import load_config
-from jaxpar.mesh import make_mesh
-from jaxpar.sharding import model_layout
+from jaxpar.parallel.plan import make_plan
 from jaxpar.store import checkpoint
 from jaxpar.store.checkpoint import to_canonical
 from jaxpar.train import build_trainer, fit
@@ -42,8 +41,8 @@ def run(name, workdir, steps):
 
 
 def canonical_host(params, config, mesh):
-    layout = model_layout(config.model, config.parallel, mesh)
-    return jax.tree.map(np.asarray, nnx.to_pure_dict(to_canonical(params, layout, config.model.vocab_size)))
+    plan = make_plan(config.model, config.parallel, mesh)
+    return jax.tree.map(np.asarray, nnx.to_pure_dict(to_canonical(params, plan, config.model.vocab_size)))
 
 
 def canonical_state(state, config, mesh) -> dict:
@@ -96,16 +95,16 @@ def test_restore_onto_another_layout(written, source, target, tmp_path):
     params-only reader of inference/convert), and training continues there to the source's own fourth loss."""
     workdir, want, fourth = written(source)
     config = config_at(target, 4).resolve_for_devices(LAYOUTS[target][1])
-    mesh = make_mesh(config.parallel, jax.devices()[: LAYOUTS[target][1]])
-    like = build_trainer(config, mesh, abstract=True)  # the target's state layout and shardings; nothing allocated
+    like = build_trainer(config, jax.devices()[: LAYOUTS[target][1]], abstract=True)  # the target's state layout
+    mesh = like.mesh  # and shardings; nothing allocated
     mngr = checkpoint.manager(workdir / "src")
     try:
-        state, _ = checkpoint.restore_train(mngr, like.state, like.shardings, like.layout, config.model.vocab_size)
+        state, _ = checkpoint.restore_train(mngr, like.state, like.shardings, like.plan, config.model.vocab_size)
     finally:
         mngr.close()
     assert int(state.step) == 3
     assert_states_equal(canonical_state(state, config, mesh), want)
-    params, step = checkpoint.restore_params(workdir / "src", like.state.params, like.layout, config.model.vocab_size,
+    params, step = checkpoint.restore_params(workdir / "src", like.state.params, like.plan, config.model.vocab_size,
                                              like.shardings.params)
     assert step == 3
     assert_states_equal(canonical_host(params, config, mesh), want["params"])

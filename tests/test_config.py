@@ -63,7 +63,8 @@ def test_preset_loads_and_resolves(path):
     assert isinstance(cfg, Config)
     n = DEVICES.get(path.stem, 8)
     resolved = cfg.resolve_for_devices(n)
-    data, pipe, tensor = resolved.mesh_shape
+    data, pipe, expert, context, tensor = resolved.mesh_shape
+    assert expert == context == 1  # axes without a strategy yet stay at size 1
     assert data > 0 and data * pipe * tensor == n
     # The resolved config survives the JSON round trip that WORKDIR/config.json relies on.
     assert config_from_dict(json.loads(resolved.to_json())) == resolved
@@ -102,7 +103,7 @@ def test_tiny_preset_shape():
     assert (m.family, m.vocab_size, cfg.data.tokenizer) == ("llama", 256, "bytes")
     assert m.n_kv_heads < m.n_heads and m.head_dim == m.d_model // m.n_heads
     assert (p.data, p.tensor) == (-1, 2)
-    assert cfg.resolve_for_devices(8).mesh_shape == (2, 2, 2)  # the demo layout: data, pipe, tensor
+    assert cfg.resolve_for_devices(8).mesh_shape == (2, 2, 1, 1, 2)  # the demo layout: data, pipe, tensor
 
 
 def test_recipe_with_base_overrides_base():
@@ -314,7 +315,7 @@ def test_d_ff_not_divisible_by_tensor():
 
 
 def test_vocab_not_divisible_by_tensor_is_padded_not_refused():
-    # Like Megatron's make-vocab-size-divisible-by: jaxpar.sharding.model_layout pads the embedding instead.
+    # Like Megatron's make-vocab-size-divisible-by: jaxpar.parallel.plan.make_plan pads the embedding instead.
     assert config_from_dict(_tiny(model={"vocab_size": 257})).model.vocab_size == 257
 
 
@@ -359,8 +360,8 @@ def test_n_layers_not_divisible_by_pipe_times_repeats():
 def test_mesh_product_must_match_devices():
     cfg = config_from_dict(_tiny(parallel={"data": 3, "tensor": 2}, train={"batch_size": 33}))
     msg = _raises("parallel.data", cfg.resolve_for_devices, 8)
-    assert "3*1*2 = 6" in msg
-    assert cfg.resolve_for_devices(6).mesh_shape == (3, 1, 2)
+    assert "3*1*1*1*2 = 6" in msg  # data*pipe*expert*context*tensor
+    assert cfg.resolve_for_devices(6).mesh_shape == (3, 1, 1, 1, 2)
 
 
 def test_tensor_must_divide_devices():
@@ -373,8 +374,8 @@ def test_tensor_must_divide_devices():
 def test_data_fill():
     cfg = config_from_dict(_tiny())
     assert cfg.parallel.data == -1
-    assert cfg.resolve_for_devices(8).mesh_shape == (4, 1, 2)
-    assert cfg.resolve_for_devices(2).mesh_shape == (1, 1, 2)
+    assert cfg.resolve_for_devices(8).mesh_shape == (4, 1, 1, 1, 2)
+    assert cfg.resolve_for_devices(2).mesh_shape == (1, 1, 1, 1, 2)
 
 
 @pytest.mark.parametrize(
@@ -392,7 +393,7 @@ def test_batch_not_divisible_by_data_times_accum(train, parallel):
 
 def test_batch_divisible_by_data_times_accum():
     cfg = config_from_dict(_tiny(train={"batch_size": 36, "grad_accum": 3}, parallel={"data": 4}))
-    assert cfg.resolve_for_devices(8).mesh_shape == (4, 1, 2)
+    assert cfg.resolve_for_devices(8).mesh_shape == (4, 1, 1, 1, 2)
 
 
 # ---------------------------------------------------------------------------------------------------------------------

@@ -230,7 +230,7 @@ def test_training_starts_from_hf_weights_on_a_pipelined_layout(tmp_path):
     order, vocab padding, head split)."""
     from jaxpar.train import fit
     from jaxpar.store.checkpoint import to_canonical
-    from jaxpar.sharding import model_layout
+    from jaxpar.parallel.plan import make_plan
 
     base = Config(parallel=ParallelConfig(data=2, pipe=2, tensor=2, microbatches=2),
                   train=TrainConfig(batch_size=4, seq_len=16, steps=1, lr=1e-3, warmup_steps=0, eval_every=0,
@@ -239,8 +239,8 @@ def test_training_starts_from_hf_weights_on_a_pipelined_layout(tmp_path):
     config = hf.init_config(base, FIXTURES / "gpt2")
     assert config.data.tokenizer.endswith("tokenizer.json") and config.model.vocab_size == 515
     result = fit(config, tmp_path / "run", progress=False)
-    layout = model_layout(result.config.model, result.config.parallel, result.mesh)
-    trained = nnx.to_pure_dict(to_canonical(result.state.params, layout, config.model.vocab_size))
+    plan = make_plan(result.config.model, result.config.parallel, result.mesh)
+    trained = nnx.to_pure_dict(to_canonical(result.state.params, plan, config.model.vocab_size))
     cfg = config.model
     from jaxpar.model import abstract_model
 

@@ -17,7 +17,7 @@ from flax import nnx
 from jaxpar.config import ConfigError, load_config
 from jaxpar.errors import CheckpointError, WorkdirLocked
 from jaxpar.model import abstract_model
-from jaxpar.sharding import ModelLayout
+from jaxpar.parallel.plan import make_plan
 from jaxpar.store import checkpoint
 from jaxpar.store.checkpoint import restore_params
 from jaxpar.store.fingerprint import fingerprints
@@ -42,7 +42,7 @@ def run_fit(workdir, *overrides):
 def params_of(workdir, step=None):
     cfg = load_config("configs/tiny.py", ONE)
     _, abstract = abstract_model(cfg.model)
-    params, at = restore_params(workdir, abstract, ModelLayout(padded_vocab=cfg.model.vocab_size),
+    params, at = restore_params(workdir, abstract, make_plan(cfg.model),
                                 cfg.model.vocab_size, step=step)
     return at, jax.tree.map(np.asarray, nnx.to_pure_dict(params))
 
@@ -194,7 +194,7 @@ def test_a_save_orbax_declines_is_an_error(six_steps, tmp_path):
     state = trainer.state.replace(step=trainer.state.step + 3)  # step 3 already exists
     mngr = checkpoint.manager(workdir, keep=10)
     with pytest.raises(CheckpointError, match="step 3 .* was not saved"):
-        checkpoint.save(mngr, state, {"grain": {}}, trainer.layout, cfg.to_dict())
+        checkpoint.save(mngr, state, {"grain": {}}, trainer.plan, cfg.to_dict())
     mngr.close()
 
 

@@ -104,15 +104,15 @@ def fake_devices(processes, per_process):
 
 
 def test_hybrid_order_keeps_tensor_and_pipe_inside_a_process_and_data_across():
-    order = hybrid_device_order(fake_devices(4, 8), (8, 2, 2))  # 4 hosts x 8 GPUs at (data, pipe, tensor) = (8,2,2)
+    order = hybrid_device_order(fake_devices(4, 8), (8, 2, 1, 1, 2))  # 4 hosts x 8 GPUs at (data, pipe, tensor) = (8,2,2)
     procs = np.vectorize(lambda d: d.process_index)(order)
-    assert (procs == np.arange(4).repeat(2)[:, None, None]).all()  # data rows 2p, 2p+1 on process p
+    assert (procs == np.arange(4).repeat(2)[:, None, None, None, None]).all()  # data rows 2p, 2p+1 on process p
     with pytest.raises(ConfigError, match="parallel.tensor"):
-        hybrid_device_order(fake_devices(4, 8), (2, 1, 16))  # a tensor group across hosts
-    order = hybrid_device_order(fake_devices(4, 8), (2, 4, 4))  # pipe spans 2 hosts: processes 0, 1 share slice 0
+        hybrid_device_order(fake_devices(4, 8), (2, 1, 1, 1, 16))  # a tensor group across hosts
+    order = hybrid_device_order(fake_devices(4, 8), (2, 4, 1, 1, 4))  # pipe spans 2 hosts: processes 0, 1 share slice 0
     assert {d.process_index for d in order[0].flat} == {0, 1}
     with pytest.raises(ConfigError, match="parallel.pipe"):
-        hybrid_device_order(fake_devices(3, 4), (2, 3, 2))  # a data slice of 6 devices over processes of 4
+        hybrid_device_order(fake_devices(3, 4), (2, 3, 1, 1, 2))  # a data slice of 6 devices over processes of 4
 
 
 # ------------------------------------------------------------------------------- real processes (CPU, gloo) ----

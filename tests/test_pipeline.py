@@ -10,12 +10,12 @@ from jax.sharding import PartitionSpec as P
 from jaxpar.analysis import hlo
 from jaxpar.analysis.report import analyze
 from jaxpar.config import ConfigError, ModelConfig, ParallelConfig, load_config
-from jaxpar.mesh import make_mesh
 from jaxpar.model import Transformer, pad_vocab, permute_layers
 from jaxpar.parallel import pipeline
-from jaxpar.sharding import model_layout, param_shardings, param_specs
+from jaxpar.parallel.plan import make_plan
+from jaxpar.sharding import param_shardings, param_specs
 from jaxpar.train import build_trainer, fit
-from jaxpar.train.step import batch_sharding, loss_and_grads, sharded_loss_and_grads
+from jaxpar.train.step import loss_and_grads, sharded_loss_and_grads
 
 from _parity import assert_grads_match, exactly_zero
 
@@ -34,15 +34,13 @@ def reference(cfg, batch):
 def pipelined(cfg, params, batch, data, pipe, tensor, repeats, microbatches, sequence=False, remat="none"):
     parallel = ParallelConfig(data=data, pipe=pipe, tensor=tensor, repeats=repeats, microbatches=microbatches,
                               sequence_parallel=sequence)
-    mesh = make_mesh(parallel)
-    lay = model_layout(cfg, parallel, mesh)
-    graphdef = nnx.graphdef(Transformer(cfg, rngs=nnx.Rngs(0), padded_vocab=lay.padded_vocab))
-    laid_out = permute_layers(pad_vocab(params, lay.padded_vocab), lay.layer_order)
-    laid_out = jax.device_put(laid_out, param_shardings(laid_out, mesh, lay.rules))
-    fn = sharded_loss_and_grads(graphdef, par=lay.par, mesh=mesh, param_specs=param_specs(laid_out, lay.rules),
-                                pipe=lay.pipeline, remat=remat)
-    loss, grads = jax.jit(fn)(laid_out, jax.device_put(batch, batch_sharding(mesh)))
-    canonical = np.argsort(lay.layer_order)  # position of each model layer in memory
+    plan = make_plan(cfg, parallel, jax.devices())
+    graphdef = nnx.graphdef(Transformer(cfg, rngs=nnx.Rngs(0), padded_vocab=plan.padded_vocab))
+    laid_out = permute_layers(pad_vocab(params, plan.padded_vocab), plan.layer_order)
+    laid_out = jax.device_put(laid_out, param_shardings(laid_out, plan.mesh, plan.rules))
+    fn = sharded_loss_and_grads(graphdef, plan, param_specs=param_specs(laid_out, plan.rules), remat=remat)
+    loss, grads = jax.jit(fn)(laid_out, jax.device_put(batch, plan.batch_sharding))
+    canonical = np.argsort(plan.layer_order)  # position of each model layer in memory
     return loss, pad_vocab(permute_layers(grads, canonical), cfg.vocab_size)
 
 
@@ -175,10 +173,9 @@ def test_twenty_steps_track_single_device_loss_curve(tmp_path):
 def compiled_step(config):
     """The train step of `config` at its layout on the 8 devices, lowered and compiled from abstract state."""
     config = config.resolve_for_devices(8)
-    mesh = make_mesh(config.parallel)
-    trainer = build_trainer(config, mesh, abstract=True)
+    trainer = build_trainer(config, jax.devices(), abstract=True)
     batch = jax.ShapeDtypeStruct((config.train.batch_size, config.train.seq_len + 1), jnp.int32,
-                                 sharding=batch_sharding(mesh))
+                                 sharding=trainer.plan.batch_sharding)
     return trainer.train_step.lower(trainer.state, batch).compile()
 
 

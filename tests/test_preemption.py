@@ -36,9 +36,9 @@ def final_params(workdir):
     """Canonical parameters of the newest checkpoint, on the host."""
     cfg = load_config("configs/tiny.py", SMALL)
     _, abstract = abstract_model(cfg.model)
-    from jaxpar.sharding import ModelLayout
+    from jaxpar.parallel.plan import make_plan
 
-    params, step = restore_params(workdir, abstract, ModelLayout(padded_vocab=cfg.model.vocab_size),
+    params, step = restore_params(workdir, abstract, make_plan(cfg.model),
                                   cfg.model.vocab_size)
     return step, jax.tree.map(np.asarray, nnx.to_pure_dict(params))
 
@@ -123,9 +123,7 @@ def test_truncated_checkpoint_falls_back_to_previous_step(tmp_path):
 def test_non_finite_update_is_skipped_and_state_kept():
     config = load_config("configs/tiny.py", SMALL + ["train.lr=1e30", "train.warmup_steps=0"])
     config = config.resolve_for_devices(8)
-    from jaxpar.mesh import make_mesh
-
-    trainer = build_trainer(config, make_mesh(config.parallel))
+    trainer = build_trainer(config, jax.devices())
     before = jax.tree.map(np.asarray, nnx.to_pure_dict(trainer.state.params))
     rows = np.random.default_rng(0).integers(0, 256, (16, 33)).astype(np.int32)
     state, metrics = trainer.train_step(trainer.state, trainer.put(rows))

@@ -8,19 +8,21 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from jaxpar.config import ConfigError, ModelConfig, TrainConfig
-from jaxpar.mesh import AXES, make_mesh
+from jaxpar.mesh import make_mesh
 from jaxpar.model import abstract_model
+from jaxpar.parallel.axes import AXES
+from jaxpar.parallel.plan import make_plan
 from jaxpar.sharding import logical_to_spec, param_specs
 from jaxpar.train.state import create_state, make_optimizer
 
 
 def layout(data, pipe, tensor):
-    return types.SimpleNamespace(data=data, pipe=pipe, tensor=tensor)
+    return types.SimpleNamespace(data=data, pipe=pipe, expert=1, context=1, tensor=tensor)
 
 
 def test_make_mesh_axes_fill_and_errors():
     mesh = make_mesh(layout(-1, 1, 2))
-    assert mesh.axis_names == AXES and dict(mesh.shape) == {"data": 4, "pipe": 1, "tensor": 2}
+    assert mesh.axis_names == AXES and dict(mesh.shape) == {"data": 4, "pipe": 1, "expert": 1, "context": 1, "tensor": 2}
     with pytest.raises(ConfigError, match="parallel.data"):
         make_mesh(layout(3, 1, 2))
     with pytest.raises(ConfigError, match="parallel.tensor"):
@@ -35,8 +37,8 @@ def test_tensor_is_innermost_axis():
 
 
 def test_logical_to_spec_uses_each_mesh_axis_once():
-    assert logical_to_spec(("batch", "seq", "embed")) == P(("data", "pipe"), None, None)
-    assert logical_to_spec(("layers", "batch")) == P("pipe", "data")  # 'pipe' is taken: batch keeps 'data' only
+    assert logical_to_spec(("batch", "seq", "embed")) == P(("data", "pipe", "expert"), "context", None)
+    assert logical_to_spec(("layers", "batch")) == P("pipe", ("data", "expert"))  # 'pipe' is taken: batch keeps the rest
     assert logical_to_spec(("heads", "mlp")) == P("tensor", None)  # second use of 'tensor' falls back to replicated
     with pytest.raises(KeyError, match="no rule"):
         logical_to_spec(("nonsense",))
@@ -89,7 +91,7 @@ def test_partition_spec_of_every_parameter_at_2_2_2(family):
 def test_state_is_born_sharded_and_optimizer_moments_follow_params():
     cfg = ModelConfig(vocab_size=256, d_model=32, n_layers=2, n_heads=4, n_kv_heads=4, d_ff=48)
     mesh = make_mesh(layout(2, 1, 4))
-    _, state, _ = create_state(cfg, make_optimizer(TrainConfig()), seed=0, mesh=mesh)
+    _, state, _ = create_state(cfg, make_optimizer(TrainConfig()), seed=0, plan=make_plan(cfg, None, mesh))
     wq = state.params["blocks"]["wq"][...]
     assert wq.sharding.spec == P("pipe", None, "tensor", None)
     assert wq.addressable_shards[0].data.shape == (2, 32, 1, 8)  # each device holds 1 of 4 heads
@@ -111,4 +113,4 @@ def test_gspmd_baseline_refuses_what_it_cannot_run(overrides, field):
 
     cfg = load_config("configs/tiny.py", overrides).resolve_for_devices(8)
     with pytest.raises(ConfigError, match=rf"^{field} = .*GSPMD baseline"):
-        build_trainer(cfg, make_mesh(cfg.parallel), explicit=False, abstract=True)
+        build_trainer(cfg, jax.devices(), explicit=False, abstract=True)

@@ -14,8 +14,9 @@ from jaxpar.config import ConfigError, ParallelConfig, load_config
 from jaxpar.mesh import make_mesh
 from jaxpar.model import Transformer, pad_vocab
 from jaxpar.parallel.tensor import copy_to_tensor, reduce_from_tensor, vocab_parallel_cross_entropy
-from jaxpar.sharding import model_layout, param_shardings, param_specs
-from jaxpar.train.step import batch_sharding, batch_spec, loss_and_grads
+from jaxpar.parallel.plan import make_plan
+from jaxpar.sharding import param_shardings, param_specs
+from jaxpar.train.step import loss_and_grads
 
 from _parity import assert_grads_match, exactly_zero
 
@@ -28,7 +29,7 @@ B, T = 8, 16
 
 
 def layout(data, tensor):
-    return types.SimpleNamespace(data=data, pipe=1, tensor=tensor)
+    return types.SimpleNamespace(data=data, pipe=1, expert=1, context=1, tensor=tensor)
 
 
 def reference(cfg, batch):
@@ -41,16 +42,17 @@ def reference(cfg, batch):
 
 def parallel(cfg, params, batch, data, tensor, sequence):
     """The same parameters, vocab-padded and sharded, through the shard_map'd loss and gradients."""
-    mesh = make_mesh(layout(data, tensor), jax.devices()[: data * tensor])
-    lay = model_layout(cfg, ParallelConfig(data=data, tensor=tensor, sequence_parallel=sequence), mesh)
-    padded = pad_vocab(params, lay.padded_vocab)
-    graphdef = nnx.graphdef(Transformer(cfg, rngs=nnx.Rngs(0), padded_vocab=lay.padded_vocab))
-    padded = jax.device_put(padded, param_shardings(padded, mesh, lay.rules))
-    specs = param_specs(padded, lay.rules)
-    fn = jax.shard_map(loss_and_grads(graphdef, par=lay.par, data_axes=("data", "pipe")), mesh=mesh,
-                       in_specs=(specs, batch_spec()), out_specs=(P(), specs), check_vma=True)
-    loss, grads = jax.jit(fn)(padded, jax.device_put(batch, batch_sharding(mesh)))
-    return loss, grads, lay
+    plan = make_plan(cfg, ParallelConfig(data=data, tensor=tensor, sequence_parallel=sequence),
+                     jax.devices()[: data * tensor])
+    mesh = plan.mesh
+    padded = pad_vocab(params, plan.padded_vocab)
+    graphdef = nnx.graphdef(Transformer(cfg, rngs=nnx.Rngs(0), padded_vocab=plan.padded_vocab))
+    padded = jax.device_put(padded, param_shardings(padded, mesh, plan.rules))
+    specs = param_specs(padded, plan.rules)
+    fn = jax.shard_map(loss_and_grads(graphdef, par=plan.parallel, grad_axes=plan.grad_axes), mesh=mesh,
+                       in_specs=(specs, plan.batch_spec), out_specs=(P(), specs), check_vma=True)
+    loss, grads = jax.jit(fn)(padded, jax.device_put(batch, plan.batch_sharding))
+    return loss, grads, plan
 
 
 @pytest.fixture(scope="module", params=["llama", "gpt2"])
@@ -70,7 +72,7 @@ def test_tensor_parallel_matches_reference(family_reference, tensor, sequence):
     loss, grads, lay = parallel(cfg, params, batch, data, tensor, sequence)
     assert lay.padded_vocab % tensor == 0 and lay.padded_vocab >= cfg.vocab_size
     if cfg.n_kv_heads < tensor:
-        assert lay.par.tensor.kv_replicas == tensor // cfg.n_kv_heads
+        assert lay.tensor.kv_replicas == tensor // cfg.n_kv_heads
     np.testing.assert_allclose(loss, want_loss, rtol=1e-5)
     # Padded vocab rows get exactly zero gradient; the real rows match the reference.
     emb = np.asarray(grads["embed"][...])
@@ -122,4 +124,4 @@ def test_config_errors_for_tensor_parallel():
         load_config(None, ["parallel.tensor=8", "model.n_heads=4"])
     # An indivisible vocab is not an error: it is padded (and said so in the log).
     cfg = load_config(None, ["parallel.tensor=2", "model.vocab_size=257"])
-    assert model_layout(cfg.model, cfg.parallel, make_mesh(layout(4, 2))).padded_vocab == 258
+    assert make_plan(cfg.model, cfg.parallel, jax.devices()).padded_vocab == 258

@@ -21,7 +21,7 @@ FLOPs (matmuls only, per device; training = 3 × forward: forward, input gradien
     forward per token, per layer: 2h·E·(a_loc + 2·K_loc) + 4·s·E·a_loc + 2·a_loc·E·h + 2·h·F/t·(3 llama | 2 gpt2)
     with a_loc = a/t and K_loc = max(K/t, 1) (replicated kv heads are computed on every rank);
     the full causal score matrix is computed (masking does not halve the work here, so it is not halved); plus the
-    LM head 2·h·V/t per token. Model FLOPs per token (the 6N + 12·L·h·s rule; `jaxpar.analysis.flops`) are reported beside it.
+    LM head 2·h·V/t per token. Model FLOPs per token (the 6N + 12·L·h·s rule; `jaxpar.flops`) are reported beside it.
 
 Activation memory per layer (Korthikanti et al. 2022, 16-bit, GELU MLP of 4h, with dropout):
     no parallelism s·b·h·(34 + 5·a·s/h);  TP: s·b·h·(10 + 24/t + 5·a·s/(h·t));  TP+SP: s·b·h·(34/t + 5·a·s/(h·t)).
@@ -31,8 +31,17 @@ hold is the scaling: with SP everything per layer divides by t.
 
 from __future__ import annotations
 
+import math
+
+from jaxpar.parallel.axes import GRAD_AXES
 from jaxpar.config import Config
 from jaxpar import flops
+
+
+def rows_per_data_shard(config: Config) -> int:
+    """b: the batch rows of one data-parallel shard — the global batch over the gradient axes' degrees (data, and
+    expert: MoE ranks are data-parallel outside their layers). A pipeline splits them further over its stages."""
+    return config.train.batch_size // math.prod(getattr(config.parallel, a) for a in GRAD_AXES)
 
 
 def _dims(config: Config, padded_vocab: int) -> dict:
@@ -40,7 +49,7 @@ def _dims(config: Config, padded_vocab: int) -> dict:
     `layer_execs`: layer applications over the step and `tokens_per_exec` the tokens each one processes —
     L·A of (b/A)·s without a pipeline, (v·m + p − 1)·k·A of mb·s with one (bubbles included); A = grad_accum."""
     m, p, t = config.model, config.parallel, config.train
-    b = t.batch_size // p.data
+    b = rows_per_data_shard(config)
     d = dict(b=b, s=t.seq_len, h=m.d_model, a=m.n_heads, E=m.head_dim, K=m.n_kv_heads, F=m.d_ff, V=padded_vocab,
              L=m.n_layers, t=p.tensor, sp=p.sequence_parallel, A=t.grad_accum,
              beta=4 if m.dtype == "float32" else 2, llama=m.family == "llama", gpt2=m.family == "gpt2")

@@ -23,7 +23,7 @@ import jax.numpy as jnp
 from jaxpar.analysis import expected
 from jaxpar.analysis.hlo import collective_summary, collectives, cost, dot_flops, memory
 from jaxpar.config import Config
-from jaxpar.mesh import make_mesh
+from jaxpar.parallel.axes import PIPE, TENSOR
 from jaxpar.train.loop import build_trainer
 from jaxpar.train.step import batch_sharding
 
@@ -61,24 +61,24 @@ def analyze(config: Config, devices: list | None = None, *, activations: bool = 
     here from abstract state."""
     devices = list(jax.devices() if devices is None else devices)
     config = config.resolve_for_devices(len(devices))
-    mesh = make_mesh(config.parallel, devices)
-    trainer = build_trainer(config, mesh, abstract=True)
+    trainer = build_trainer(config, devices, abstract=True)
+    mesh = trainer.mesh
     if compiled is None:
         compiled = trainer.train_step.lower(trainer.state, _abstract_batch(config, mesh)).compile()
 
     cols = collectives(compiled, mesh)
     # Scalar-only reductions on the tensor axis are the optimizer's global gradient norm (partial sums of squares of
     # tensor-sharded gradients, inserted by the compiler outside the shard_map): reported apart from Megatron's.
-    scalar = [c for c in cols if c.axes == ("tensor",) and _all_scalars(c.shape)]
-    tensor_cols = [c for c in cols if c.axes == ("tensor",) and c not in scalar]
+    scalar = [c for c in cols if c.axes == (TENSOR,) and _all_scalars(c.shape)]
+    tensor_cols = [c for c in cols if c.axes == (TENSOR,) and c not in scalar]
     tensor_sent = sum(c.sent_bytes * c.count for c in tensor_cols)
-    padded = trainer.layout.padded_vocab
+    padded = trainer.plan.padded_vocab
     want_bytes = expected.tensor_bytes(config, padded)
     want_flops = expected.step_flops(config, padded)
     measured_flops = dot_flops(compiled)
     report = {
         "config": {"mesh": dict(mesh.shape), "sequence_parallel": config.parallel.sequence_parallel,
-                   "batch_per_data_shard": config.train.batch_size // config.parallel.data,
+                   "batch_per_data_shard": expected.rows_per_data_shard(config),
                    "seq_len": config.train.seq_len, "d_model": config.model.d_model,
                    "n_layers": config.model.n_layers, "padded_vocab": padded, "dtype": config.model.dtype},
         "collectives": {
@@ -112,7 +112,7 @@ def _pipeline_section(config: Config, cols, measured_flops: float, want_flops: d
     (v·m + p − 1)/(v·m) for the layers), and collective-permute bytes per iteration (measured and expected)."""
     p = config.parallel
     want = expected.pipeline_bytes(config)
-    permute = sum(c.sent_bytes * c.count for c in cols if c.kind == "collective-permute" and c.axes == ("pipe",))
+    permute = sum(c.sent_bytes * c.count for c in cols if c.kind == "collective-permute" and c.axes == (PIPE,))
     iterations = want["iterations"] * config.train.grad_accum
     return {
         "stages": p.pipe, "repeats": p.repeats, "microbatches": p.microbatches,

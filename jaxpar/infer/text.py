@@ -23,9 +23,9 @@ from jaxpar.errors import GenerateError, InputNotFound
 from jaxpar.infer import decode
 from jaxpar.infer.sampling import check_sampling_args
 from jaxpar.interop import hf
-from jaxpar.mesh import make_mesh
 from jaxpar.model import abstract_model
-from jaxpar.sharding import model_layout, param_shardings
+from jaxpar.parallel.plan import make_plan
+from jaxpar.sharding import param_shardings
 from jaxpar.store import checkpoint
 
 
@@ -87,14 +87,14 @@ def load(path: str | pathlib.Path, *, data: int = 1, tensor: int | None = None, 
     train = dataclasses.replace(saved.train, batch_size=data, grad_accum=1,
                                 seq_len=min(saved.train.seq_len, model_cfg.max_seq_len))
     config = Config(model=model_cfg, parallel=parallel, train=train, data=saved.data)  # validates the layout
-    mesh = make_mesh(parallel, devices[:data * tensor])
-    layout = model_layout(model_cfg, parallel, mesh, explicit=False)  # GSPMD partitions the inference programs
-    graphdef, abstract = abstract_model(model_cfg, layout.padded_vocab)
-    shardings = param_shardings(abstract, mesh, layout.rules)
+    plan = make_plan(model_cfg, parallel, devices[:data * tensor], explicit=False)  # GSPMD partitions inference
+    mesh = plan.mesh
+    graphdef, abstract = abstract_model(plan.model, plan.padded_vocab)  # attention resolved for these devices
+    shardings = param_shardings(abstract, mesh, plan.rules)
     if hf_cfg is not None:
-        params, at_step = hf.load_params(path, model_cfg, abstract, layout, shardings), None
+        params, at_step = hf.load_params(path, model_cfg, abstract, plan, shardings), None
     else:
-        params, at_step = checkpoint.restore_params(path, abstract, layout, model_cfg.vocab_size, shardings, step=step)
+        params, at_step = checkpoint.restore_params(path, abstract, plan, model_cfg.vocab_size, shardings, step=step)
     tokenizer = data_lib.make_tokenizer(config.data.tokenizer) if config.data.tokenizer else None
     return LoadedModel(config, nnx.merge(graphdef, params), mesh, tokenizer, at_step, _stop_ids(path, hf_cfg, tokenizer),
                        hf_cfg)

@@ -63,7 +63,7 @@ from jaxpar.config import Config, ConfigError, DataConfig, ModelConfig
 from jaxpar.errors import JaxparError
 from jaxpar.families import FAMILIES, Rule, family
 from jaxpar.model import abstract_model
-from jaxpar.sharding import ModelLayout
+from jaxpar.parallel.plan import Plan
 from jaxpar.store import checkpoint
 
 ARCHITECTURES = {  # Hugging Face class → (jaxpar family, model_type), from each family's table
@@ -390,7 +390,7 @@ def _hf_shape(rule: Rule, abstract_layer_shape: tuple[int, ...]) -> tuple[int, .
     return rule.to_hf(np.zeros(abstract_layer_shape, np.int8)).shape
 
 
-def load_params(path: str | pathlib.Path, cfg: ModelConfig, abstract: nnx.State, layout: ModelLayout = ModelLayout(),
+def load_params(path: str | pathlib.Path, cfg: ModelConfig, abstract: nnx.State, layout: Plan = Plan(),
                 shardings: nnx.State | None = None) -> nnx.State:
     """The Hugging Face weights of directory `path` as the runtime params of `abstract` (shapes, dtypes), placed
     with `shardings` (None: the default device) in `layout`'s layer order and vocab padding.

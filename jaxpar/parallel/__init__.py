@@ -1,1 +1,2 @@
-"""One file per parallelism: `tensor` (Megatron TP) and `sequence` (Megatron SP)."""
+"""The mesh-axis table (`axes`), the plan built from it (`plan`), and one file per parallelism: `tensor` (Megatron
+TP), `sequence` (Megatron SP), `pipeline` (the circular pipeline)."""

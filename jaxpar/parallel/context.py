@@ -18,7 +18,7 @@ the model with the default context *is* the reference every parallel layout is t
 field: `tensor` (jaxpar.parallel.tensor.TensorParallel) today; `context` and `expert` will sit beside it, each
 implemented in its own file under jaxpar/parallel/, so a new strategy widens neither the model nor another strategy.
 Every weight the methods receive is contracted through `dot` (jaxpar.matmul), the seam weight formats replace.
-The plan (jaxpar.sharding.model_layout) builds the context once per model and mesh.
+The plan (jaxpar.parallel.plan: `plan.parallel`) builds the context once per model and mesh.
 """
 
 from __future__ import annotations

@@ -59,6 +59,26 @@ def pipeline_order(layers: int, stages: int, repeats: int) -> np.ndarray:
 
 
 @dataclasses.dataclass(frozen=True)
+class Pipeline:
+    """The circular pipeline's counts: p stages, v repeats, m microbatches, L layers (the plan holds one when
+    pipe > 1; `circular` and the step read them)."""
+
+    stages: int
+    repeats: int
+    microbatches: int
+    layers: int
+
+    @property
+    def layer_order(self) -> np.ndarray:
+        """order[n] = the model layer at position n of the stacked axis in memory (`pipeline_order`)."""
+        return pipeline_order(self.layers, self.stages, self.repeats)
+
+    @property
+    def iterations(self) -> int:
+        return iterations(self.stages, self.repeats, self.microbatches)
+
+
+@dataclasses.dataclass(frozen=True)
 class Slot:
     microbatch: int
     repeat: int

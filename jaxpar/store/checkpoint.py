@@ -42,7 +42,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from jaxpar.config import Config, ConfigError, config_from_dict
 from jaxpar.errors import CheckpointError, InputNotFound
 from jaxpar.model import abstract_model, pad_vocab, permute_layers
-from jaxpar.sharding import ModelLayout
+from jaxpar.parallel.plan import Plan, make_plan
 from jaxpar.store.fingerprint import fingerprints, leaf_path
 from jaxpar.store.lock import WorkdirLock
 
@@ -62,14 +62,14 @@ class TrainState(Protocol):
 VOCAB_PARAMS = ("embed", "lm_head")
 
 
-def to_canonical(params: nnx.State, layout: ModelLayout, vocab_size: int) -> nnx.State:
+def to_canonical(params: nnx.State, layout: Plan, vocab_size: int) -> nnx.State:
     """Runtime params → model layer order and the true vocab size."""
     if layout.layer_order is not None:
         params = permute_layers(params, np.argsort(layout.layer_order))
     return pad_vocab(params, vocab_size)
 
 
-def from_canonical(params: nnx.State, layout: ModelLayout) -> nnx.State:
+def from_canonical(params: nnx.State, layout: Plan) -> nnx.State:
     """Canonical params → the layout's vocab padding and layer order."""
     params = pad_vocab(params, layout.padded_vocab)
     if layout.layer_order is not None:
@@ -200,7 +200,7 @@ def _read_checksums(mngr: ocp.CheckpointManager, step: int) -> dict | None:
     return mngr.restore(step, args=ocp.args.Composite(checksums=ocp.args.JsonRestore()))["checksums"]
 
 
-def save(mngr: ocp.CheckpointManager, state: TrainState, data_state: dict, layout: ModelLayout, config: dict, *,
+def save(mngr: ocp.CheckpointManager, state: TrainState, data_state: dict, layout: Plan, config: dict, *,
          wait: bool = True) -> None:
     """Save asynchronously (orbax copies device arrays to host first, then writes in the background), with the
     checksums of the exact values written. `config` is the resolved config as a dict (stored beside the arrays;
@@ -308,7 +308,7 @@ def _lookup(tree, path):
     return tree
 
 
-def restore_params(workdir: str | pathlib.Path, abstract_params: nnx.State, layout: ModelLayout, vocab_size: int,
+def restore_params(workdir: str | pathlib.Path, abstract_params: nnx.State, layout: Plan, vocab_size: int,
                    shardings: nnx.State | None = None, step: int | None = None) -> tuple[nnx.State, int]:
     """Load the params of checkpoint `step` (default: the newest that restores exactly) into the runtime layout of
     `abstract_params`, placed with `shardings` when given, verified against their checksums. Returns (params,
@@ -341,7 +341,7 @@ def restore_params(workdir: str | pathlib.Path, abstract_params: nnx.State, layo
     return _into_layout(restored, abstract_params, layout, shardings), step
 
 
-def _into_layout(canonical: dict, like: nnx.State, layout: ModelLayout, shardings: nnx.State | None) -> nnx.State:
+def _into_layout(canonical: dict, like: nnx.State, layout: Plan, shardings: nnx.State | None) -> nnx.State:
     """Canonical arrays (as restored) → a State in the runtime layout and dtypes of `like`, resharded like the
     training state."""
     params = jax.tree.map(lambda x: x, like)  # the State structure and metadata; values replaced next
@@ -363,7 +363,7 @@ def _map_states(fn, opt_state):
     return jax.tree.map(lambda x: fn(x) if _is_state(x) else x, opt_state, is_leaf=_is_state)
 
 
-def restore_train(mngr: ocp.CheckpointManager, like: TrainState, shardings: TrainState, layout: ModelLayout,
+def restore_train(mngr: ocp.CheckpointManager, like: TrainState, shardings: TrainState, layout: Plan,
                   vocab_size: int) -> tuple[TrainState, dict]:
     """Restore the newest exactly-restorable (state, data loader state) into the layout of `like`, placed with
     `shardings` — whatever layout wrote it. Damaged steps are moved aside (this run will save them again)."""
@@ -379,7 +379,7 @@ def restore_train(mngr: ocp.CheckpointManager, like: TrainState, shardings: Trai
     return restored
 
 
-def _restore_train_step(mngr, step, like: TrainState, shardings: TrainState, layout: ModelLayout, vocab_size: int):
+def _restore_train_step(mngr, step, like: TrainState, shardings: TrainState, layout: Plan, vocab_size: int):
     sums = _read_checksums(mngr, step)
 
     def target(x, s):  # canonical targets for parameter-shaped States, plain ones for the rest (Adam's count, …)
@@ -433,7 +433,7 @@ def read_canonical(workdir: str | pathlib.Path, step: int | None = None) -> tupl
     """(config, canonical params on the default device, step) of checkpoint `step` (default: latest) of `workdir`."""
     config = read_saved_config(workdir)
     _, abstract = abstract_model(config.model)
-    params, step = restore_params(workdir, abstract, ModelLayout(padded_vocab=config.model.vocab_size),
+    params, step = restore_params(workdir, abstract, make_plan(config.model),
                                   config.model.vocab_size, step=step)
     return config, params, step
 

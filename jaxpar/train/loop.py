@@ -20,34 +20,37 @@ from jaxpar.config import Config
 from jaxpar.distributed import batch_rows
 from jaxpar.errors import CheckpointError, OutputError
 from jaxpar.interop import hf
-from jaxpar.mesh import describe_mesh, make_mesh
+from jaxpar.mesh import describe_mesh
 from jaxpar.store import checkpoint
 from jaxpar.store.lock import WorkdirLock
 from jaxpar.train.metrics import MetricsWriter, StepProfiler
-from jaxpar.sharding import ModelLayout, model_layout, param_specs
+from jaxpar.parallel.plan import Plan, make_plan
+from jaxpar.sharding import param_specs
 from jaxpar.train.state import TrainState, create_state, lr_schedule, make_optimizer
-from jaxpar.train.step import (batch_sharding, compile_steps, make_eval_step, make_train_step,
-                               sharded_loss_and_grads)
+from jaxpar.train.step import compile_steps, make_eval_step, make_train_step, sharded_loss_and_grads
 
 
 @dataclasses.dataclass
 class Trainer:
-    """Everything a step needs, assembled for one mesh (or none: the single-device reference)."""
+    """Everything a step needs, assembled for one plan (its mesh None: the single-device reference)."""
 
     graphdef: nnx.GraphDef
     state: TrainState
     shardings: TrainState | None
     train_step: Callable  # (state, batch int [B, T+1]) -> (state, metrics); jitted
     eval_step: Callable  # (params, batch) -> loss; jitted
-    mesh: Mesh | None
-    layout: ModelLayout
+    plan: Plan
     loss_and_grads: Callable  # (params, batch) -> (loss, grads): the train step's gradients alone, not jitted
 
+    @property
+    def mesh(self) -> Mesh | None:
+        return self.plan.mesh
+
     def put(self, rows: np.ndarray) -> jax.Array:
-        """This process's batch rows → a global array laid out for the step (rows over 'data')."""
+        """This process's batch rows → a global array laid out for the step (rows over the batch axes)."""
         if self.mesh is None:
             return jax.device_put(rows)
-        return jax.make_array_from_process_local_data(batch_sharding(self.mesh), rows)
+        return jax.make_array_from_process_local_data(self.plan.batch_sharding, rows)
 
     def random_batch(self, config: Config, seed: int = 0) -> jax.Array:
         """A global batch int32 [batch_size, seq_len + 1] of uniform random token ids, laid out for the step
@@ -57,23 +60,24 @@ class Trainer:
         return self.put(rows.astype(np.int32))
 
 
-def build_trainer(config: Config, mesh: Mesh | None, *, explicit: bool = True, abstract: bool = False) -> Trainer:
-    """Optimizer, born-sharded state and the compiled steps for `config` on `mesh` (None: one device, no mesh).
+def build_trainer(config: Config, devices: list | Mesh | None, *, explicit: bool = True,
+                  abstract: bool = False) -> Trainer:
+    """Optimizer, born-sharded state and the compiled steps for `config` on `devices` (a list, or a mesh built for
+    this config; None: one device, no mesh) — through one `make_plan`, which validates the layout first.
 
     explicit=False leaves tensor parallelism to GSPMD instead of our shard_map collectives (for comparisons);
     abstract=True makes `state` shapes only (to lower and analyse the step without allocating it).
     """
     model, parallel = config.model, config.parallel
-    layout = model_layout(model, parallel, mesh, explicit)
+    plan = make_plan(model, parallel, devices, explicit)
     tx = make_optimizer(config.train)
-    graphdef, state, shardings = create_state(model, tx, config.train.seed, mesh, layout, abstract=abstract)
-    specs = param_specs(state.params, layout.rules, layout.param_zero_data) if mesh is not None else None
-    grads_of = sharded_loss_and_grads(graphdef, grad_accum=config.train.grad_accum, remat=parallel.remat, par=layout.par,
-                                      mesh=mesh, param_specs=specs, pipe=layout.pipeline)
-    train_step, eval_step = compile_steps(
-        make_train_step(grads_of, tx, lr_schedule(config.train)),
-        make_eval_step(graphdef, par=layout.par, mesh=mesh, param_specs=specs, pipe=layout.pipeline), mesh, shardings)
-    return Trainer(graphdef, state, shardings, train_step, eval_step, mesh, layout, grads_of)
+    graphdef, state, shardings = create_state(plan.model, tx, config.train.seed, plan, abstract=abstract)
+    specs = param_specs(state.params, plan.rules, plan.param_zero_data) if plan.mesh is not None else None
+    grads_of = sharded_loss_and_grads(graphdef, plan, grad_accum=config.train.grad_accum, remat=parallel.remat,
+                                      param_specs=specs)
+    train_step, eval_step = compile_steps(make_train_step(grads_of, tx, lr_schedule(config.train)),
+                                          make_eval_step(graphdef, plan, param_specs=specs), plan.mesh, shardings)
+    return Trainer(graphdef, state, shardings, train_step, eval_step, plan, grads_of)
 
 
 @dataclasses.dataclass
@@ -147,18 +151,17 @@ def _prepare(config: Config, workdir: pathlib.Path, devices: list, progress: boo
     data_lib.check_vocab(tokenizer, model_cfg.vocab_size)
     train_tokens = data_lib.load_tokens(config.data, tokenizer, "train", seq_len=train.seq_len, seed=train.seed)
     eval_tokens = data_lib.load_tokens(config.data, tokenizer, "eval", seq_len=train.seq_len, seed=train.seed)
-    mesh = make_mesh(config.parallel, devices)
+    trainer = build_trainer(config, devices)
     if jax.process_count() > 1 and jax.process_index() == 0:
-        print(describe_mesh(mesh), flush=True)  # which host holds which (data, pipe, tensor) position
+        print(describe_mesh(trainer.mesh), flush=True)  # which host holds which mesh position
     # Each process loads only the rows its devices hold: its own data slices, or a slice it shares with the other
     # processes of a pipeline that spans hosts.
-    rows_index, rows_count = batch_rows(batch_sharding(mesh), train.batch_size)
+    rows_index, rows_count = batch_rows(trainer.plan.batch_sharding, train.batch_size)
     loader_args = dict(batch_size=train.batch_size, seq_len=train.seq_len, process_index=rows_index,
                        process_count=rows_count)
     loader = data_lib.make_loader(train_tokens, seed=train.seed, **loader_args)
-    trainer = build_trainer(config, mesh)
-    if trainer.layout.padded_vocab != model_cfg.vocab_size and jax.process_index() == 0:
-        print(f"jaxpar: vocab {model_cfg.vocab_size} padded to {trainer.layout.padded_vocab} (a multiple of "
+    if trainer.plan.padded_vocab != model_cfg.vocab_size and jax.process_index() == 0:
+        print(f"jaxpar: vocab {model_cfg.vocab_size} padded to {trainer.plan.padded_vocab} (a multiple of "
               f"parallel.tensor={config.parallel.tensor}); the pad rows are zero and their logits masked")
     return _run(config, workdir, devices, progress, trainer, mngr, loader, eval_tokens, loader_args)
 
@@ -174,14 +177,14 @@ def _run(config: Config, workdir: pathlib.Path, devices: list, progress: bool, t
         return float(np.mean(jax.device_get(losses)))
 
     if mngr.all_steps():
-        state, data_state = checkpoint.restore_train(mngr, state, shardings, trainer.layout, model_cfg.vocab_size)
+        state, data_state = checkpoint.restore_train(mngr, state, shardings, trainer.plan, model_cfg.vocab_size)
         try:
             loader.set_state(data_state)
         except ValueError as e:
             raise CheckpointError(f"the data stream differs from the one {workdir}'s checkpoints were saved from "
                                   f"({e}); restore the data files, or start a new --workdir") from None
     elif train.init_from_hf:  # a fresh run that starts from Hugging Face weights (Adam's moments start at zero)
-        state = state.replace(params=hf.load_params(train.init_from_hf, model_cfg, state.params, trainer.layout,
+        state = state.replace(params=hf.load_params(train.init_from_hf, model_cfg, state.params, trainer.plan,
                                                     None if shardings is None else shardings.params))
     if jax.process_index() == 0:  # (the workdir exists: taking its lock made it)
         try:
@@ -191,7 +194,7 @@ def _run(config: Config, workdir: pathlib.Path, devices: list, progress: bool, t
                               "regular file") from None
 
     def save(wait: bool) -> None:
-        checkpoint.save(mngr, state, loader.get_state(), trainer.layout, config.to_dict(), wait=wait)
+        checkpoint.save(mngr, state, loader.get_state(), trainer.plan, config.to_dict(), wait=wait)
 
     start = int(jax.device_get(state.step))
     writer = MetricsWriter(workdir, train.steps, start, progress=progress)

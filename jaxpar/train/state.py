@@ -15,11 +15,12 @@ import jax
 import jax.numpy as jnp
 import optax
 from flax import nnx
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxpar.config import ModelConfig, TrainConfig
 from jaxpar.model import Transformer, abstract_model, permute_layers
-from jaxpar.sharding import ModelLayout, param_shardings
+from jaxpar.parallel.plan import Plan
+from jaxpar.sharding import param_shardings
 
 
 @flax.struct.dataclass
@@ -54,41 +55,42 @@ def make_optimizer(train: TrainConfig) -> optax.GradientTransformation:
     return adamw
 
 
-def state_shardings(abstract_state: TrainState, mesh: Mesh, layout: ModelLayout = ModelLayout()) -> TrainState:
-    """NamedShardings for a (abstract) TrainState: parameters by the rules table; optimizer moments mirror their
-    parameter (their nnx.Variable nodes carry the same logical axes); scalars (step, Adam count) replicated.
+def state_shardings(abstract_state: TrainState, plan: Plan) -> TrainState:
+    """NamedShardings on the plan's mesh for a (abstract) TrainState: parameters by the plan's rules; optimizer
+    moments mirror their parameter (their nnx.Variable nodes carry the same logical axes); scalars (step, Adam
+    count) replicated.
     ZeRO adds the data axis: to the moments at stage 1, to parameters too at stage 3."""
+    mesh = plan.mesh
     replicated = NamedSharding(mesh, P())
 
     def opt_leaf(x):
         if isinstance(x, nnx.State):
-            return param_shardings(x, mesh, layout.rules, layout.opt_zero_data)
+            return param_shardings(x, mesh, plan.rules, plan.opt_zero_data)
         return replicated
 
     opt = jax.tree.map(opt_leaf, abstract_state.opt_state, is_leaf=lambda x: isinstance(x, nnx.State))
-    params = param_shardings(abstract_state.params, mesh, layout.rules, layout.param_zero_data)
+    params = param_shardings(abstract_state.params, mesh, plan.rules, plan.param_zero_data)
     return TrainState(step=replicated, params=params, opt_state=opt)
 
 
-def create_state(model_cfg: ModelConfig, tx: optax.GradientTransformation, seed: int, mesh: Mesh | None = None,
-                 layout: ModelLayout = ModelLayout(), *, abstract: bool = False
-                 ) -> tuple[nnx.GraphDef, TrainState, TrainState | None]:
-    """Initialise (graphdef, state, shardings). With a mesh, the state is created already sharded; without, on the
-    default device (the plain single-device path). abstract=True returns ShapeDtypeStructs carrying the shardings
+def create_state(model_cfg: ModelConfig, tx: optax.GradientTransformation, seed: int, plan: Plan = Plan(), *,
+                 abstract: bool = False) -> tuple[nnx.GraphDef, TrainState, TrainState | None]:
+    """Initialise (graphdef, state, shardings). On the plan's mesh, the state is created already sharded; without
+    one, on the default device (the plain single-device path). abstract=True returns ShapeDtypeStructs carrying the shardings
     (for compiling and analysing a step without allocating it)."""
 
     def init() -> TrainState:
-        model = Transformer(model_cfg, rngs=nnx.Rngs(params=seed), padded_vocab=layout.padded_vocab)
+        model = Transformer(model_cfg, rngs=nnx.Rngs(params=seed), padded_vocab=plan.padded_vocab)
         params = nnx.state(model, nnx.Param)
-        if layout.layer_order is not None:  # circular pipeline: stage-major order (jaxpar.parallel.pipeline)
-            params = permute_layers(params, layout.layer_order)
+        if plan.layer_order is not None:  # circular pipeline: stage-major order (jaxpar.parallel.pipeline)
+            params = permute_layers(params, plan.layer_order)
         return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params))
 
-    graphdef, _ = abstract_model(model_cfg, layout.padded_vocab)
-    if mesh is None:
+    graphdef, _ = abstract_model(model_cfg, plan.padded_vocab)
+    if plan.mesh is None:
         return graphdef, jax.jit(init)(), None
     shapes = jax.eval_shape(init)
-    shardings = state_shardings(shapes, mesh, layout)
+    shardings = state_shardings(shapes, plan)
     if abstract:
         return graphdef, jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), shapes,
                                       shardings), shardings

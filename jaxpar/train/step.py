@@ -1,17 +1,19 @@
 """The train and eval steps: next-token loss, gradient accumulation, clipping and AdamW.
 
-On a mesh, the loss and its gradients run under one `jax.shard_map` over (data, pipe, tensor): the model sees local
-shards, and every collective is one we wrote —
+On a mesh, the loss and its gradients run under one `jax.shard_map` over the plan's mesh (jaxpar.parallel.plan): the
+model sees local shards, and every collective is one we wrote —
 
     tensor:  Megatron f/g (or SP all-gather/reduce-scatter) inside each layer, the vocab-parallel embedding and loss
              (jaxpar.parallel.tensor / .sequence);
     pipe:    the circular pipeline's ppermutes (jaxpar.parallel.pipeline), an all-gather of the targets, and one psum
              of the gradients of parameters every stage holds (embedding, final norm, head);
-    data:    one pmean of the loss and of the gradients after accumulation (below).
+    data:    one pmean of the loss and of the gradients after accumulation, over the plan's gradient axes (data,
+             and expert, whose ranks are data-parallel outside MoE layers; size 1 until MoE exists).
 
 The optimizer update runs outside the shard_map under plain `jit` on the sharded state: it is elementwise except for
 the global gradient norm, whose reduction the compiler inserts. Without a mesh the same code is the single-device
-reference; `explicit=False` keeps the mesh but leaves tensor parallelism to GSPMD (the baseline of bench/tp.py).
+reference; a plan with `explicit=False` keeps the mesh but leaves tensor parallelism to GSPMD (the baseline of
+bench/tp.py).
 """
 
 from __future__ import annotations
@@ -22,17 +24,19 @@ import jax
 import jax.numpy as jnp
 import optax
 from flax import nnx
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, PartitionSpec as P
 
 from jaxpar.model import attention_mask, default_positions, run_layers
 from jaxpar.parallel import pipeline
+from jaxpar.parallel.axes import DATA, PIPE
+from jaxpar.parallel.pipeline import Pipeline
+from jaxpar.parallel.plan import Plan, batch_sharding, batch_spec  # noqa: F401 (the batch layout, for callers)
 from jaxpar.parallel.context import SINGLE_DEVICE, Parallel
 from jaxpar.parallel.vma import vary
-from jaxpar.sharding import Pipeline, constrain, logical_to_spec
+from jaxpar.sharding import constrain
 from jaxpar.train.state import TrainState
 
 Metrics = dict[str, jax.Array]
-DATA, PIPE = "data", "pipe"
 
 
 def next_token_loss(graphdef: nnx.GraphDef, params: nnx.State, batch: jax.Array, remat: str = "none",
@@ -69,7 +73,7 @@ def pipeline_loss(model, batch: jax.Array, pipe: Pipeline, remat: str, par: Para
 
 
 def loss_and_grads(graphdef: nnx.GraphDef, *, grad_accum: int = 1, remat: str = "none",
-                   par: Parallel = SINGLE_DEVICE, data_axes: tuple[str, ...] = (), pipe: Pipeline | None = None,
+                   par: Parallel = SINGLE_DEVICE, grad_axes: tuple[str, ...] = (), pipe: Pipeline | None = None,
                    pipe_replicated=None, zero_dims=None) -> Callable[[nnx.State, jax.Array], tuple[jax.Array, nnx.State]]:
     """(params, batch int [B, T+1]) → (mean loss, gradients), on whatever rows it is given.
 
@@ -78,10 +82,11 @@ def loss_and_grads(graphdef: nnx.GraphDef, *, grad_accum: int = 1, remat: str = 
     data shard contributes B/(data·A) of its own rows to every chunk and no rows move between devices. Chunks are
     equal-sized, so the mean of chunk means is the full-batch mean.
 
-    data_axes: inside shard_map, the mesh axes over which rows are split as data parallelism: loss and gradients
-    are averaged over them once, after accumulation (one all-reduce of the gradients, as in any data-parallel step).
-    Every axis the batch's rows are split over must be reduced over — `pipe` (size 1) too when there is no
-    pipeline — or the loss would leave the shard_map typed as varying (check_vma rejects that).
+    grad_axes: inside shard_map, the axes over which rows are split (but a running pipeline's `pipe`): loss and
+    gradients are averaged over them once, after accumulation (an all-reduce of the gradients, as in any
+    data-parallel step). One pmean over the tuple: a size-1 axis leaves the replica groups, and so the numbers,
+    exactly as without it — but it must be named, or the loss would leave the shard_map typed as varying over it
+    (check_vma rejects that).
 
     pipe: the circular pipeline's counts; rows are then split over `pipe` too. Each stage differentiates
     loss_s / p: autodiff through the pipeline's ppermutes already sums every stage's loss into the gradients of the
@@ -89,20 +94,22 @@ def loss_and_grads(graphdef: nnx.GraphDef, *, grad_accum: int = 1, remat: str = 
     them) were used by each stage on its own rows only, so their gradients are summed over `pipe`.
 
     zero_dims (ZeRO-3): per parameter, the dim split over `data` (-1: none). Those arrive as 1/data shards: they are
-    all-gathered once before the step's first chunk, and their gradients reduce-scattered (instead of all-reduced)
-    after the last — the whole model is gathered for the step, not layer by layer.
+    all-gathered once before the step's first chunk, and their gradients reduce-scattered over `data` (instead of
+    all-reduced) after the last, then averaged over the other gradient axes — the whole model is gathered for the
+    step, not layer by layer.
     """
     scale = 1.0 / pipe.stages if pipe is not None else 1.0
-    batch_axes = tuple(data_axes) + ((PIPE,) if pipe is not None else ())
-    other = tuple(a for a in data_axes if a != DATA)  # averaged after ZeRO's reduce-scatter over data
     grad_fn = jax.value_and_grad(lambda p, b: scale * next_token_loss(graphdef, p, b, remat, par, pipe))
+
+    batch_axes = tuple(grad_axes) + ((PIPE,) if pipe is not None else ())
 
     def run(params: nnx.State, batch: jax.Array) -> tuple[jax.Array, nnx.State]:
         params = gather_zero(params, zero_dims)
         if batch_axes:
             # Under check_vma a parameter replicated over the batch axes would be broadcast implicitly where it meets
             # this shard's rows, and autodiff would psum its gradient there. Typing it as varying first keeps the
-            # gradients local, so the reductions below are the only ones: one pmean over data, one psum over pipe.
+            # gradients local, so the reductions below are the only ones: one pmean over the gradient axes, one psum
+            # over pipe.
             params = jax.tree.map(lambda x: vary(x, batch_axes), params)
         if grad_accum == 1:
             loss, grads = grad_fn(params, batch)
@@ -122,24 +129,22 @@ def loss_and_grads(graphdef: nnx.GraphDef, *, grad_accum: int = 1, remat: str = 
         if pipe is not None:
             loss = jax.lax.psum(loss, PIPE)
             grads = jax.tree.map(lambda g, rep: jax.lax.psum(g, PIPE) if rep else g, grads, pipe_replicated)
-        if data_axes:
-            loss = jax.lax.pmean(loss, data_axes)
+        if grad_axes:
+            loss = jax.lax.pmean(loss, grad_axes)
             dims = zero_dims if zero_dims is not None else jax.tree.map(lambda _: -1, grads)
-            grads = jax.tree.map(lambda g, d: jax.lax.pmean(g, data_axes) if d < 0 else
-                                 _mean(jax.lax.psum_scatter(g, DATA, scatter_dimension=d, tiled=True)
-                                       / jax.lax.axis_size(DATA), other), grads, dims)
+            grads = jax.tree.map(lambda g, d: jax.lax.pmean(g, grad_axes) if d < 0 else _zero_mean(g, d, grad_axes),
+                                 grads, dims)
         return loss, grads
 
     return run
 
 
-def _mean(x: jax.Array, axes: tuple[str, ...]) -> jax.Array:
-    return jax.lax.pmean(x, axes) if axes else x
-
-
-def row_axes(pipe: Pipeline | None) -> tuple[str, ...]:
-    """The axes a batch's rows are averaged over: data, and pipe too when it is not running a pipeline (size 1)."""
-    return (DATA,) if pipe is not None else (DATA, PIPE)
+def _zero_mean(g: jax.Array, dim: int, grad_axes: tuple[str, ...]) -> jax.Array:
+    """ZeRO: the mean over `grad_axes` of a gradient stored split over `data` along `dim`: reduce-scatter over
+    data (each rank keeps the 1/data slice it stores), then the mean over the other gradient axes, if any."""
+    g = jax.lax.psum_scatter(g, DATA, scatter_dimension=dim, tiled=True) / jax.lax.axis_size(DATA)
+    rest = tuple(a for a in grad_axes if a != DATA)
+    return jax.lax.pmean(g, rest) if rest else g
 
 
 def gather_zero(params: nnx.State, zero_dims) -> nnx.State:
@@ -154,19 +159,19 @@ def _zero_dims(param_specs: nnx.State):
     return jax.tree.map(lambda spec: list(spec).index(DATA) if DATA in list(spec) else -1, param_specs)
 
 
-def sharded_loss_and_grads(graphdef: nnx.GraphDef, *, grad_accum: int = 1, remat: str = "none",
-                           par: Parallel = SINGLE_DEVICE, mesh: Mesh | None = None,
-                           param_specs: nnx.State | None = None, pipe: Pipeline | None = None):
-    """`loss_and_grads` over the global batch: under shard_map when `par.tensor` is set (params laid out by
-    `param_specs`, rows over data and pipe), else as one global computation (single device, or GSPMD on a mesh)."""
-    if par.tensor is None:
-        if pipe is not None:  # model_layout refuses this combination; never drop a pipeline silently
-            raise ValueError("a pipeline needs the explicit shard_map step (par.tensor set)")
+def sharded_loss_and_grads(graphdef: nnx.GraphDef, plan: Plan, *, grad_accum: int = 1, remat: str = "none",
+                           param_specs: nnx.State | None = None):
+    """`loss_and_grads` over the global batch: under shard_map on the plan's mesh when the plan is sharded (params
+    laid out by `param_specs`, rows over the batch axes), else as one global computation (single device, or GSPMD
+    on a mesh)."""
+    if not plan.sharded:
+        if plan.pipeline is not None:  # make_plan refuses this combination; never drop a pipeline silently
+            raise ValueError("a pipeline needs the explicit shard_map step (an explicit plan)")
         return loss_and_grads(graphdef, grad_accum=grad_accum, remat=remat)
     replicated = jax.tree.map(lambda spec: PIPE not in _mesh_axes(spec), param_specs)
-    local = loss_and_grads(graphdef, grad_accum=grad_accum, remat=remat, par=par, data_axes=row_axes(pipe), pipe=pipe,
-                           pipe_replicated=replicated, zero_dims=_zero_dims(param_specs))
-    return jax.shard_map(local, mesh=mesh, in_specs=(param_specs, batch_spec()), out_specs=(P(), param_specs),
+    local = loss_and_grads(graphdef, grad_accum=grad_accum, remat=remat, par=plan.parallel, grad_axes=plan.grad_axes,
+                           pipe=plan.pipeline, pipe_replicated=replicated, zero_dims=_zero_dims(param_specs))
+    return jax.shard_map(local, mesh=plan.mesh, in_specs=(param_specs, plan.batch_spec), out_specs=(P(), param_specs),
                          check_vma=True)
 
 
@@ -203,32 +208,22 @@ def make_train_step(grads_of: Callable[[nnx.State, jax.Array], tuple[jax.Array, 
     return step
 
 
-def make_eval_step(graphdef: nnx.GraphDef, *, par: Parallel = SINGLE_DEVICE, mesh: Mesh | None = None,
-                   param_specs: nnx.State | None = None, pipe: Pipeline | None = None
+def make_eval_step(graphdef: nnx.GraphDef, plan: Plan, *, param_specs: nnx.State | None = None
                    ) -> Callable[[nnx.State, jax.Array], jax.Array]:
     """(params, batch int [B, T+1]) → mean next-token loss."""
-    if par.tensor is None:
+    if not plan.sharded:
         return lambda params, batch: next_token_loss(graphdef, params, batch)
 
     zero_dims = _zero_dims(param_specs)
 
     def local(params, batch):
-        loss = next_token_loss(graphdef, gather_zero(params, zero_dims), batch, par=par, pipe=pipe)
-        if pipe is not None:
+        loss = next_token_loss(graphdef, gather_zero(params, zero_dims), batch, par=plan.parallel, pipe=plan.pipeline)
+        if plan.pipeline is not None:
             loss = jax.lax.pmean(loss, PIPE)
-        return jax.lax.pmean(loss, row_axes(pipe))
+        return jax.lax.pmean(loss, plan.grad_axes)
 
-    return jax.shard_map(local, mesh=mesh, in_specs=(param_specs, batch_spec()), out_specs=P(), check_vma=True)
-
-
-def batch_spec() -> P:
-    """Token batches [B, T+1]: rows over the data axis, sequence replicated."""
-    return logical_to_spec(("batch", None))
-
-
-def batch_sharding(mesh: Mesh) -> NamedSharding:
-    """Where a global batch [B, T+1] lives: rows over ('data', 'pipe'), tokens whole."""
-    return NamedSharding(mesh, batch_spec())
+    return jax.shard_map(local, mesh=plan.mesh, in_specs=(param_specs, plan.batch_spec), out_specs=P(),
+                         check_vma=True)
 
 
 def compile_steps(train_step, eval_step, mesh: Mesh | None, shardings):

@@ -1,0 +1,182 @@
+"""The parallel plan: one object that says how a model runs on a set of devices, built and validated once.
+
+`make_plan(model, parallel, devices)` turns the config and the devices (or an existing mesh) into a `Plan`: the
+mesh over the axes of `jaxpar.parallel.axes`, the degree of each axis, the logical → mesh rules for this model
+(with the GQA exception), the vocab padded for the tensor degree, and what each strategy needs — the tensor-parallel
+boundaries the model calls (`plan.tensor`), the circular pipeline's counts (`plan.pipeline`), the ZeRO stage, the
+batch's layout and the axes gradients are averaged over. Every combination that cannot run, or that would run and
+silently do something else, is refused here (or, when no device count is needed, by `jaxpar.config`) with a
+`ConfigError` that names the field.
+
+`make_plan(model)` (no devices) is the single-device reference: no mesh, plain computations, unpadded vocab.
+
+    config ─► make_plan ─► Plan ─► create_state (rules, zero, layer_order, padded_vocab)
+                                ─► the step (tensor, pipeline, batch_spec, grad_axes) under shard_map on plan.mesh
+                                ─► checkpoints (layer_order, padded_vocab) and the data loader (batch_spec)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Sequence
+
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+import jax
+
+from jaxpar.config import ConfigError, ModelConfig, ParallelConfig, resolve_attention
+from jaxpar.mesh import make_mesh
+from jaxpar.parallel.axes import AXES, BATCH_AXES, DATA, GRAD_AXES, MESH_AXES, PIPE, RULES, TENSOR, MeshAxes
+from jaxpar.parallel.pipeline import Pipeline
+from jaxpar.parallel.context import Parallel
+from jaxpar.parallel.tensor import TensorParallel
+from jaxpar.sharding import logical_to_spec
+
+BATCH = ("batch", None)  # logical axes of a token batch [B, T+1]: rows split, tokens whole
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """How one model sits on one mesh (mesh None: the single-device reference).
+
+    degrees: {mesh axis: size}, in table order (all 1 without a mesh).
+    rules: logical → mesh axes for this model (RULES with the GQA exception applied).
+    padded_vocab: the vocab rounded up to a multiple of the tensor degree (Megatron's make-vocab-size-divisible-by:
+        pad rows are zero and their logits masked, so the math is unchanged).
+    model: the model config as it runs on these devices (attention 'auto' resolved to a kernel).
+    tensor: Megatron tensor parallelism under shard_map (None without a mesh, and for GSPMD).
+    pipeline: the circular pipeline's counts when pipe > 1, else None.
+    zero: ZeRO stage: 1 shards optimizer moments over `data`, 3 parameters too.
+    explicit: the step runs under shard_map with our collectives; False leaves partitioning to GSPMD.
+    """
+
+    mesh: Mesh | None = None
+    degrees: dict[str, int] = dataclasses.field(default_factory=lambda: {a: 1 for a in AXES})
+    rules: tuple[tuple[str, MeshAxes], ...] = RULES
+    padded_vocab: int | None = None
+    tensor: TensorParallel | None = None
+    pipeline: Pipeline | None = None
+    zero: int = 0
+    explicit: bool = True
+    model: ModelConfig | None = None
+
+    @property
+    def data(self) -> int:
+        """The data degree (what ZeRO splits by)."""
+        return self.degrees[DATA]
+
+    @property
+    def param_zero_data(self) -> int:
+        return self.data if self.zero >= 3 else 1
+
+    @property
+    def opt_zero_data(self) -> int:
+        return self.data if self.zero >= 1 else 1
+
+    @property
+    def layer_order(self) -> np.ndarray | None:
+        """order[n] = the model layer at position n of the stacked axis in memory (None: model order)."""
+        return None if self.pipeline is None else self.pipeline.layer_order
+
+    @property
+    def sharded(self) -> bool:
+        """The step runs under shard_map on the mesh (else: one global computation, single device or GSPMD)."""
+        return self.mesh is not None and self.explicit
+
+    @property
+    def batch_axes(self) -> tuple[str, ...]:
+        """The mesh axes that split a batch's rows (data, pipe, expert)."""
+        return BATCH_AXES
+
+    @property
+    def grad_axes(self) -> tuple[str, ...]:
+        """The mesh axes loss and gradients are averaged over: the batch axes but a running pipeline's `pipe` (whose
+        stages' losses the pipeline step sums instead). Without a pipeline `pipe` has size 1 and stays in the tuple:
+        the rows are split over it too, so the reduction must name it (check_vma), at no cost."""
+        return GRAD_AXES if self.pipeline is not None else BATCH_AXES
+
+    @property
+    def parallel(self) -> Parallel:
+        """The context the model calls at its parallel boundaries (jaxpar.parallel.context)."""
+        return Parallel(self.tensor)
+
+    @property
+    def batch_spec(self) -> P:
+        """Token batches [B, T+1]: rows over the batch axes, tokens whole."""
+        return batch_spec()
+
+    @property
+    def batch_sharding(self) -> NamedSharding:
+        """Where a global batch [B, T+1] lives on the mesh."""
+        return batch_sharding(self.mesh)
+
+
+def batch_spec() -> P:
+    """Token batches [B, T+1]: rows over the batch axes (data, pipe, expert), tokens whole. (No model-specific
+    exception touches `batch`, so this is the table's rule alone.)"""
+    return logical_to_spec(BATCH)
+
+
+def batch_sharding(mesh: Mesh) -> NamedSharding:
+    """Where a global batch [B, T+1] lives on `mesh`: rows over the batch axes, tokens whole."""
+    return NamedSharding(mesh, batch_spec())
+
+
+def make_plan(model: ModelConfig, parallel: ParallelConfig | None = None, devices: Sequence | Mesh | None = None,
+              explicit: bool = True) -> Plan:
+    """The plan of `model` with `parallel` on `devices` — a list of devices (a mesh is built over them), an existing
+    mesh with the axes of the table, or None for the single-device reference.
+
+    explicit: the step runs under `shard_map` with our collectives (TensorParallel bound to 'tensor'); False leaves
+    partitioning to GSPMD (the comparison baseline of bench/tp.py, and inference), which has no pipeline and no
+    sequence parallelism: asking it for either is a ConfigError.
+    """
+    if devices is None:
+        return Plan(padded_vocab=model.vocab_size, explicit=explicit, model=resolve_attention(model, jax.devices()[0]))
+    if isinstance(devices, Mesh):
+        mesh = devices
+        if tuple(mesh.axis_names) != AXES:
+            raise ValueError(f"a plan's mesh must have the axes {AXES} in this order, not {mesh.axis_names}; "
+                             "build it with jaxpar.mesh.make_mesh")
+        parallel = ParallelConfig(**{a: int(mesh.shape[a]) for a in AXES}) if parallel is None else parallel
+    else:
+        parallel = ParallelConfig() if parallel is None else parallel
+        mesh = make_mesh(parallel, list(devices))
+    degrees = {a: int(mesh.shape[a]) for a in AXES}
+    _validate(parallel, degrees, explicit)
+    t = degrees[TENSOR]
+    rules, kv_replicas = RULES, 1
+    if model.n_kv_heads % t:  # GQA with K < t: kv heads replicated, rank r uses kv head r // (t/K)
+        rules = tuple((name, None if name == "kv_heads" else axis) for name, axis in RULES)
+        kv_replicas = t // model.n_kv_heads
+    tensor = TensorParallel(TENSOR, parallel.sequence_parallel, kv_replicas) if explicit else None
+    pipeline = None
+    if degrees[PIPE] > 1:
+        pipeline = Pipeline(degrees[PIPE], parallel.repeats, parallel.microbatches, model.n_layers)
+    return Plan(mesh, degrees, rules, math.ceil(model.vocab_size / t) * t, tensor, pipeline, parallel.zero, explicit,
+                resolve_attention(model, mesh.devices.flat[0]))
+
+
+def _validate(parallel: ParallelConfig, degrees: dict[str, int], explicit: bool) -> None:
+    """Refuse what cannot run on these degrees, or would run and silently do something else. (Checks that need no
+    device count — degrees against the model, SP without TP, unimplemented axes — live in jaxpar.config.)"""
+    for axis in MESH_AXES:  # a mesh given by the caller must be the one the config describes
+        want = getattr(parallel, axis.name)
+        if want != degrees[axis.name] and not (axis.name == DATA and want == -1):
+            raise ConfigError(axis.field, want, f"the mesh has {axis.name} = {degrees[axis.name]}",
+                              f"set {axis.field}={degrees[axis.name]}, or build the mesh from this config")
+    if not explicit:
+        # The GSPMD baseline is one global computation: it has no pipeline loop (with pipe > 1 the layers, stored in
+        # pipeline order, would run in the wrong order) and no sequence-parallel boundaries. Refuse, don't pretend.
+        if degrees[PIPE] > 1:
+            raise ConfigError("parallel.pipe", degrees[PIPE], "the GSPMD baseline (explicit=False) runs no "
+                              "pipeline", "compare against GSPMD at parallel.pipe=1, or use the explicit step")
+        if parallel.sequence_parallel:
+            raise ConfigError("parallel.sequence_parallel", True, "the GSPMD baseline (explicit=False) does not "
+                              "implement sequence parallelism", "set parallel.sequence_parallel=false for it")
+    if parallel.zero and degrees[DATA] == 1:
+        # ZeRO splits optimizer state (and at stage 3 parameters) over `data`: with one data rank it splits nothing.
+        raise ConfigError("parallel.zero", parallel.zero, "ZeRO shards over the data axis, which has size 1 here "
+                          "(nothing would be sharded)", "set parallel.zero=0, or use parallel.data > 1")
