@@ -58,7 +58,7 @@ from jaxpar.analysis import dot_flops  # noqa: E402
 from jaxpar.config import ModelConfig, ParallelConfig  # noqa: E402
 from jaxpar.infer import decode, sampling  # noqa: E402
 from jaxpar.infer.decode import CACHE_AXES  # noqa: E402
-from jaxpar.model import KVCache, Transformer, abstract_model, pad_vocab  # noqa: E402
+from jaxpar.model import KVCache, Transformer, abstract_model  # noqa: E402
 from jaxpar.parallel.plan import make_plan  # noqa: E402
 from jaxpar.sharding import constrain, param_shardings  # noqa: E402
 
@@ -107,7 +107,7 @@ def place_model(cfg: ModelConfig, params: nnx.State, tensor: int
     parallel = ParallelConfig(data=1, pipe=1, tensor=tensor)
     plan = make_plan(cfg, parallel, jax.devices()[:tensor], explicit=False)  # GSPMD inserts the collectives
     graphdef, abstract = abstract_model(cfg, plan.padded_vocab)
-    placed = jax.device_put(pad_vocab(params, plan.padded_vocab), param_shardings(abstract, plan.mesh, plan.rules))
+    placed = jax.device_put(plan.from_canonical(params), param_shardings(abstract, plan.mesh, plan.rules))
     return plan.mesh, graphdef, placed
 
 

@@ -393,37 +393,6 @@ def attention_mask(T: int, segment_ids: Array | None, window: int = 0) -> Array 
     return (causal & same)[:, None]
 
 
-def vocab_dim(v: nnx.Variable) -> int | None:
-    """The dim of a parameter that runs over the vocabulary (its `vocab` logical axis), or None."""
-    axes = tuple(v.get_metadata().get("logical_axes") or ())
-    return axes.index("vocab") if "vocab" in axes else None
-
-
-def pad_vocab(params: nnx.State, padded_vocab: int) -> nnx.State:
-    """Resize the vocab dim of every parameter that has one (its `vocab` logical axis: the embedding's rows, the LM
-    head's columns) to `padded_vocab`, adding zero entries or dropping trailing ones. Converts between a model and
-    its tensor-parallel (padded) twin. Returns a new State; the caller's is left alone."""
-
-    def resize(v: nnx.Variable) -> nnx.Variable:
-        axis = vocab_dim(v)
-        if axis is None:
-            return v
-        x = v[...]
-        n = padded_vocab - x.shape[axis]
-        if n <= 0:
-            return v.replace(jax.lax.slice_in_dim(x, 0, padded_vocab, axis=axis))
-        return v.replace(jnp.pad(x, [(0, n if a == axis else 0) for a in range(x.ndim)]))
-
-    return jax.tree.map(resize, params, is_leaf=lambda x: isinstance(x, nnx.Variable))
-
-
-def permute_layers(params: nnx.State, order) -> nnx.State:
-    """Reorder the stacked layer axis: position n of the result holds `params`' layer order[n]."""
-    out = jax.tree.map(lambda x: x, params)
-    out["blocks"] = jax.tree.map(lambda x: x[jnp.asarray(order)], params["blocks"])
-    return out
-
-
 def abstract_model(cfg: ModelConfig, padded_vocab: int | None = None) -> tuple[nnx.GraphDef, nnx.State]:
     """(graphdef, abstract params) — shapes, dtypes and logical axes, no memory."""
     model = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0), padded_vocab=padded_vocab))

@@ -27,6 +27,7 @@ import math
 from typing import Any, Sequence
 
 import jax
+import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
@@ -98,3 +99,49 @@ def constrain(x: jax.Array, axes: Sequence[str | None]) -> jax.Array:
     spec = [None if a is not None and size % math.prod(mesh.shape[n] for n in ((a,) if isinstance(a, str) else a))
             else a for a, size in zip(logical_to_spec(axes), x.shape)]
     return jax.lax.with_sharding_constraint(x, P(*spec))
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Layout transforms of a parameter State, found by logical axis (never by parameter name).
+
+
+def _is_variable_leaf(x: Any) -> bool:
+    return isinstance(x, nnx.Variable)
+
+
+def vocab_dim(v: nnx.Variable) -> int | None:
+    """The dim of a parameter that runs over the vocabulary (its `vocab` logical axis), or None."""
+    axes = _axes_of(v)
+    return axes.index("vocab") if "vocab" in axes else None
+
+
+def vocab_dims(state: nnx.State) -> dict[str, int]:
+    """{'embed': 0, 'lm_head': 1}: each parameter with a `vocab` logical axis (dotted path) and that dim."""
+    leaves, _ = jax.tree_util.tree_flatten_with_path(state, is_leaf=_is_variable_leaf)
+    return {".".join(str(k.key) for k in path): d for path, v in leaves if (d := vocab_dim(v)) is not None}
+
+
+def pad_vocab(params: nnx.State, padded_vocab: int) -> nnx.State:
+    """Resize the vocab dim of every parameter that has one (the embedding's rows, the LM head's columns) to
+    `padded_vocab`, adding zero entries or dropping trailing ones. Converts between a model and its tensor-parallel
+    (padded) twin. Returns a new State; the caller's is left alone."""
+
+    def resize(v: nnx.Variable) -> nnx.Variable:
+        axis = vocab_dim(v)
+        if axis is None:
+            return v
+        x = v[...]
+        n = padded_vocab - x.shape[axis]
+        if n <= 0:
+            return v.replace(jax.lax.slice_in_dim(x, 0, padded_vocab, axis=axis))
+        return v.replace(jnp.pad(x, [(0, n if a == axis else 0) for a in range(x.ndim)]))
+
+    return jax.tree.map(resize, params, is_leaf=_is_variable_leaf)
+
+
+def permute_layers(params: nnx.State, order) -> nnx.State:
+    """Reorder the stacked layer axis (the leading `layers` logical axis) of every parameter that has one: position n
+    of the result holds `params`' layer order[n]."""
+    index = jnp.asarray(order)
+    return jax.tree.map(lambda v: v.replace(v[...][index]) if _axes_of(v)[:1] == ("layers",) else v, params,
+                        is_leaf=_is_variable_leaf)

@@ -261,8 +261,8 @@ for p, v, m in [(4, 1, 4), (4, 2, 4)]:  # same p and m: GPipe, then 2 passes (k 
 #
 # 1. `make_plan` builds the mesh and gives the rules table, the vocab padded to a multiple of `tensor` (263 → 264)
 #    and the layer order;
-# 2. `pad_vocab` + `permute_layers` put the reference parameters in that layout, `param_shardings` places them;
-# 3. `sharded_loss_and_grads` runs the step; its gradients are permuted back (`argsort(order)`) and unpadded.
+# 2. `plan.from_canonical` puts the reference parameters in that layout, `param_shardings` places them;
+# 3. `sharded_loss_and_grads` runs the step; `plan.to_canonical` puts its gradients back in model order, unpadded.
 #
 # Batch `[16, 9]` tokens (8 inputs + 1 target shift): 8 rows per data shard, microbatches of 2 rows, each stage
 # embeds and finally holds `m/p = 2` of them. Gradients are compared with `rtol = 1e-5` and an absolute floor of
@@ -270,7 +270,7 @@ for p, v, m in [(4, 1, 4), (4, 2, 4)]:  # same p and m: GPipe, then 2 passes (k 
 
 # %%
 from jaxpar.config import ModelConfig, ParallelConfig
-from jaxpar.model import Transformer, pad_vocab, permute_layers
+from jaxpar.model import Transformer
 from jaxpar.parallel.plan import make_plan
 from jaxpar.sharding import param_shardings, param_specs
 from jaxpar.train.step import loss_and_grads, sharded_loss_and_grads
@@ -291,7 +291,7 @@ print("mesh", dict(mesh.shape), "| padded vocab", plan.padded_vocab, "| stored l
 assert plan.padded_vocab == 264 and plan.layer_order.tolist() == pipeline_order(8, 2, 2).tolist()
 
 pipe_graphdef = nnx.graphdef(Transformer(cfg, rngs=nnx.Rngs(0), padded_vocab=plan.padded_vocab))
-laid_out = permute_layers(pad_vocab(params, plan.padded_vocab), plan.layer_order)
+laid_out = plan.from_canonical(params)
 laid_out = jax.device_put(laid_out, param_shardings(laid_out, mesh, plan.rules))
 wq = laid_out["blocks"]["wq"][...]
 print("wq", wq.shape, wq.sharding.spec, "→ per device", wq.addressable_shards[0].data.shape)
@@ -299,7 +299,7 @@ assert wq.addressable_shards[0].data.shape == (4, 20, 2, 6)  # [v·k layers of t
 
 fn = sharded_loss_and_grads(pipe_graphdef, plan, param_specs=param_specs(laid_out, plan.rules))
 loss, grads = jax.jit(fn)(laid_out, jax.device_put(batch, plan.batch_sharding))
-grads = pad_vocab(permute_layers(grads, np.argsort(plan.layer_order)), cfg.vocab_size)  # back to model order
+grads = plan.to_canonical(grads, cfg.vocab_size)  # back to model order
 
 # %%
 print(f"loss: sequential {float(want_loss):.7f}, pipelined {float(loss):.7f}")

@@ -10,7 +10,6 @@ from flax import nnx
 from jaxpar.config import load_config
 from jaxpar.parallel.plan import make_plan
 from jaxpar.store import checkpoint
-from jaxpar.store.checkpoint import to_canonical
 from jaxpar.train import build_trainer, fit
 
 MODEL = ["model.d_model=48", "model.n_layers=4", "model.n_heads=4", "model.n_kv_heads=2", "train.batch_size=16",
@@ -42,7 +41,7 @@ def run(name, workdir, steps):
 
 def canonical_host(params, config, mesh):
     plan = make_plan(config.model, config.parallel, mesh)
-    return jax.tree.map(np.asarray, nnx.to_pure_dict(to_canonical(params, plan, config.model.vocab_size)))
+    return jax.tree.map(np.asarray, nnx.to_pure_dict(plan.to_canonical(params, config.model.vocab_size)))
 
 
 def canonical_state(state, config, mesh) -> dict:

@@ -229,7 +229,6 @@ def test_training_starts_from_hf_weights_on_a_pipelined_layout(tmp_path):
     (≈ lr per element) of the Hugging Face tensor it came from — so each landed in the right place (pipeline layer
     order, vocab padding, head split)."""
     from jaxpar.train import fit
-    from jaxpar.store.checkpoint import to_canonical
     from jaxpar.parallel.plan import make_plan
 
     base = Config(parallel=ParallelConfig(data=2, pipe=2, tensor=2, microbatches=2),
@@ -240,7 +239,7 @@ def test_training_starts_from_hf_weights_on_a_pipelined_layout(tmp_path):
     assert config.data.tokenizer.endswith("tokenizer.json") and config.model.vocab_size == 515
     result = fit(config, tmp_path / "run", progress=False)
     plan = make_plan(result.config.model, result.config.parallel, result.mesh)
-    trained = nnx.to_pure_dict(to_canonical(result.state.params, plan, config.model.vocab_size))
+    trained = nnx.to_pure_dict(plan.to_canonical(result.state.params, config.model.vocab_size))
     cfg = config.model
     from jaxpar.model import abstract_model
 

@@ -10,7 +10,7 @@ from jax.sharding import PartitionSpec as P
 from jaxpar.analysis import hlo
 from jaxpar.analysis.report import analyze
 from jaxpar.config import ConfigError, ModelConfig, ParallelConfig, load_config
-from jaxpar.model import Transformer, pad_vocab, permute_layers
+from jaxpar.model import Transformer
 from jaxpar.parallel import pipeline
 from jaxpar.parallel.plan import make_plan
 from jaxpar.sharding import param_shardings, param_specs
@@ -36,12 +36,11 @@ def pipelined(cfg, params, batch, data, pipe, tensor, repeats, microbatches, seq
                               sequence_parallel=sequence)
     plan = make_plan(cfg, parallel, jax.devices())
     graphdef = nnx.graphdef(Transformer(cfg, rngs=nnx.Rngs(0), padded_vocab=plan.padded_vocab))
-    laid_out = permute_layers(pad_vocab(params, plan.padded_vocab), plan.layer_order)
+    laid_out = plan.from_canonical(params)
     laid_out = jax.device_put(laid_out, param_shardings(laid_out, plan.mesh, plan.rules))
     fn = sharded_loss_and_grads(graphdef, plan, param_specs=param_specs(laid_out, plan.rules), remat=remat)
     loss, grads = jax.jit(fn)(laid_out, jax.device_put(batch, plan.batch_sharding))
-    canonical = np.argsort(plan.layer_order)  # position of each model layer in memory
-    return loss, pad_vocab(permute_layers(grads, canonical), cfg.vocab_size)
+    return loss, plan.to_canonical(grads, cfg.vocab_size)
 
 
 @pytest.fixture(scope="module", params=["llama", "gpt2"])

@@ -12,7 +12,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxpar.config import ConfigError, ParallelConfig, load_config
 from jaxpar.mesh import make_mesh
-from jaxpar.model import Transformer, pad_vocab
+from jaxpar.model import Transformer
 from jaxpar.parallel.tensor import copy_to_tensor, reduce_from_tensor, vocab_parallel_cross_entropy
 from jaxpar.parallel.plan import make_plan
 from jaxpar.sharding import param_shardings, param_specs
@@ -45,7 +45,7 @@ def parallel(cfg, params, batch, data, tensor, sequence):
     plan = make_plan(cfg, ParallelConfig(data=data, tensor=tensor, sequence_parallel=sequence),
                      jax.devices()[: data * tensor])
     mesh = plan.mesh
-    padded = pad_vocab(params, plan.padded_vocab)
+    padded = plan.from_canonical(params)
     graphdef = nnx.graphdef(Transformer(cfg, rngs=nnx.Rngs(0), padded_vocab=plan.padded_vocab))
     padded = jax.device_put(padded, param_shardings(padded, mesh, plan.rules))
     specs = param_specs(padded, plan.rules)
@@ -69,15 +69,15 @@ def family_reference(request):
 def test_tensor_parallel_matches_reference(family_reference, tensor, sequence):
     cfg, batch, params, want_loss, want_grads = family_reference
     data = 8 // tensor  # data > 1 wherever the devices allow
-    loss, grads, lay = parallel(cfg, params, batch, data, tensor, sequence)
-    assert lay.padded_vocab % tensor == 0 and lay.padded_vocab >= cfg.vocab_size
+    loss, grads, plan = parallel(cfg, params, batch, data, tensor, sequence)
+    assert plan.padded_vocab % tensor == 0 and plan.padded_vocab >= cfg.vocab_size
     if cfg.n_kv_heads < tensor:
-        assert lay.tensor.kv_replicas == tensor // cfg.n_kv_heads
+        assert plan.tensor.kv_replicas == tensor // cfg.n_kv_heads
     np.testing.assert_allclose(loss, want_loss, rtol=1e-5)
     # Padded vocab rows get exactly zero gradient; the real rows match the reference.
     emb = np.asarray(grads["embed"][...])
     assert not emb[cfg.vocab_size:].any()
-    assert_grads_match(pad_vocab(grads, cfg.vocab_size), want_grads, zero=exactly_zero(cfg))
+    assert_grads_match(plan.to_canonical(grads, cfg.vocab_size), want_grads, zero=exactly_zero(cfg))
 
 
 def test_f_and_g_are_each_others_transpose():

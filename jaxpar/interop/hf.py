@@ -64,6 +64,7 @@ from jaxpar.errors import JaxparError
 from jaxpar.families import FAMILIES, Rule, family
 from jaxpar.model import abstract_model
 from jaxpar.parallel.plan import Plan
+from jaxpar.sharding import vocab_dims
 from jaxpar.store import checkpoint
 
 ARCHITECTURES = {  # Hugging Face class → (jaxpar family, model_type), from each family's table
@@ -403,6 +404,7 @@ def load_params(path: str | pathlib.Path, cfg: ModelConfig, abstract: nnx.State,
     rules = {r.param: r for r in _rules(cfg, files.names())}
     order = layout.layer_order
     like = nnx.to_pure_dict(abstract)
+    vocab_axes = vocab_dims(abstract)  # which dim of which parameter runs over the vocab (its logical axes)
     placed = nnx.to_pure_dict(shardings) if shardings is not None else None
     used: set[str] = set()
 
@@ -412,7 +414,7 @@ def load_params(path: str | pathlib.Path, cfg: ModelConfig, abstract: nnx.State,
             raise HFError(f"{path}: jaxpar parameter {param!r} has no Hugging Face tensor (family {cfg.family})")
         rule = rules[param]
         shape, dtype = var.shape, var.dtype
-        vocab_axis = {"embed": 0, "lm_head": 1}.get(param)
+        vocab_axis = vocab_axes.get(param)
         layer_shape = shape[1:] if rule.stacked else shape
         true_shape = list(layer_shape)
         if vocab_axis is not None:
@@ -522,6 +524,7 @@ def _write_files(params: nnx.State, cfg: ModelConfig, path: pathlib.Path, *, bas
     flat: dict[str, Any] = {}
     jax.tree_util.tree_map_with_path(lambda kp, x: flat.__setitem__(".".join(str(k.key) for k in kp), x),
                                      nnx.to_pure_dict(params))
+    vocab_axes = vocab_dims(params)
     by_name: dict[str, list[tuple[Rule, int | None]]] = {}  # HF tensor → the (rule, layer) pieces that make it
     for rule in _rules(cfg, names):
         for layer in (range(cfg.n_layers) if rule.stacked else (None,)):
@@ -532,8 +535,8 @@ def _write_files(params: nnx.State, cfg: ModelConfig, path: pathlib.Path, *, bas
         for rule, layer in sorted(by_name[name], key=lambda piece: piece[0].part):
             x = flat[rule.param] if layer is None else flat[rule.param][layer]
             x = np.asarray(jax.device_get(x))
-            if rule.param in ("embed", "lm_head"):
-                x = x[:cfg.vocab_size] if rule.param == "embed" else x[:, :cfg.vocab_size]
+            if rule.param in vocab_axes:  # drop the tensor-parallel vocab padding
+                x = x[(slice(None),) * vocab_axes[rule.param] + (slice(0, cfg.vocab_size),)]
             parts.append(rule.to_hf(x))
         x = parts[0] if len(parts) == 1 else np.concatenate(parts, axis=-1)
         return np.ascontiguousarray(x.astype(dtype) if dtype else x)

@@ -22,6 +22,7 @@ import math
 from typing import Sequence
 
 import numpy as np
+from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 import jax
@@ -32,7 +33,7 @@ from jaxpar.parallel.axes import AXES, BATCH_AXES, DATA, GRAD_AXES, MESH_AXES, P
 from jaxpar.parallel.pipeline import Pipeline
 from jaxpar.parallel.context import Parallel
 from jaxpar.parallel.tensor import TensorParallel
-from jaxpar.sharding import logical_to_spec
+from jaxpar.sharding import logical_to_spec, pad_vocab, permute_layers
 
 BATCH = ("batch", None)  # logical axes of a token batch [B, T+1]: rows split, tokens whole
 
@@ -96,6 +97,19 @@ class Plan:
         stages' losses the pipeline step sums instead). Without a pipeline `pipe` has size 1 and stays in the tuple:
         the rows are split over it too, so the reduction must name it (check_vma), at no cost."""
         return GRAD_AXES if self.pipeline is not None else BATCH_AXES
+
+    def from_canonical(self, params: nnx.State) -> nnx.State:
+        """Canonical params (stacked layers in model order, the true vocab) → this plan's runtime layout: the vocab
+        padded to `padded_vocab`, the layers in the pipeline's storage order. The one place that conversion is
+        written: checkpoints, state creation and the tests all use it (and `to_canonical`, its inverse)."""
+        params = pad_vocab(params, self.padded_vocab)
+        return params if self.layer_order is None else permute_layers(params, self.layer_order)
+
+    def to_canonical(self, params: nnx.State, vocab_size: int) -> nnx.State:
+        """Runtime params (or gradients, or Adam moments) → model layer order and the true `vocab_size`."""
+        if self.layer_order is not None:
+            params = permute_layers(params, np.argsort(self.layer_order))
+        return pad_vocab(params, vocab_size)
 
     @property
     def parallel(self) -> Parallel:

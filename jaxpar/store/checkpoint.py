@@ -2,7 +2,7 @@
 
 One format, used by training and generation alike. Each checkpoint holds three items:
 - `params`: a plain nested dict of arrays in the *canonical* layout — stacked layers `[layers, …]` in model order,
-  vocab unpadded — whatever pipeline order or vocab padding the run used (`to_canonical` / `from_canonical`), so
+  vocab unpadded — whatever pipeline order or vocab padding the run used (`Plan.to_canonical` / `from_canonical`), so
   params restore onto any layout;
 - `train`: step and optimizer state, its parameter-shaped parts (Adam's moments) canonical in the same way;
 - `data`: the data loader's position (JSON), so a continued run sees the batches an uninterrupted one would;
@@ -41,8 +41,9 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxpar.config import Config, ConfigError, config_from_dict
 from jaxpar.errors import CheckpointError, InputNotFound
-from jaxpar.model import abstract_model, pad_vocab, permute_layers
+from jaxpar.model import abstract_model
 from jaxpar.parallel.plan import Plan, make_plan
+from jaxpar.sharding import vocab_dim
 from jaxpar.store.fingerprint import fingerprints, leaf_path
 from jaxpar.store.lock import WorkdirLock
 
@@ -57,24 +58,6 @@ class TrainState(Protocol):
 
     def replace(self, **fields) -> TrainState:
         """A copy with `fields` replaced (flax.struct dataclasses have it)."""
-
-
-VOCAB_PARAMS = ("embed", "lm_head")
-
-
-def to_canonical(params: nnx.State, layout: Plan, vocab_size: int) -> nnx.State:
-    """Runtime params → model layer order and the true vocab size."""
-    if layout.layer_order is not None:
-        params = permute_layers(params, np.argsort(layout.layer_order))
-    return pad_vocab(params, vocab_size)
-
-
-def from_canonical(params: nnx.State, layout: Plan) -> nnx.State:
-    """Canonical params → the layout's vocab padding and layer order."""
-    params = pad_vocab(params, layout.padded_vocab)
-    if layout.layer_order is not None:
-        params = permute_layers(params, layout.layer_order)
-    return params
 
 
 ITEMS = ("params", "train", "data", "config", "checksums")
@@ -207,7 +190,7 @@ def save(mngr: ocp.CheckpointManager, state: TrainState, data_state: dict, layou
     WORKDIR/config.json holds the newest). Raises CheckpointError if orbax declines to save the step."""
     step = int(jax.device_get(state.step))
     vocab_size = config["model"]["vocab_size"]
-    canonical = lambda p: nnx.to_pure_dict(to_canonical(p, layout, vocab_size))  # noqa: E731
+    canonical = lambda p: nnx.to_pure_dict(layout.to_canonical(p, vocab_size))  # noqa: E731
     params = canonical(state.params)
     train = {"step": state.step, "opt_state": _map_states(canonical, state.opt_state)}
     checksums = {"params": _array_sums(params), "train": _array_sums(train), "data": _json_digest(data_state)}
@@ -285,18 +268,18 @@ def check_resumable(saved: dict, config: Config, workdir: str | pathlib.Path) ->
 def _canonical_target(like: nnx.State, shardings: nnx.State | None, vocab_size: int) -> dict:
     """Abstract canonical params to restore into: the runtime shardings, except that vocab-sized arrays (whose
     unpadded size need not divide `tensor`) come in replicated and are padded and resharded afterwards."""
-    like, shardings = nnx.to_pure_dict(like), nnx.to_pure_dict(shardings) if shardings is not None else None
+    state, like = like, nnx.to_pure_dict(like)
+    shardings = nnx.to_pure_dict(shardings) if shardings is not None else None
 
     def target(path, a):
-        name = path[0].key
-        shape = list(a.shape)
-        if name in VOCAB_PARAMS:
-            shape[0 if name == "embed" else 1] = vocab_size
+        shape, dim = list(a.shape), vocab_dim(_lookup(state, path))  # the parameter's `vocab` logical axis
+        if dim is not None:
+            shape[dim] = vocab_size
         if shardings is None:
             sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
         else:
             s = _lookup(shardings, path)
-            sharding = NamedSharding(s.mesh, P()) if name in VOCAB_PARAMS else s
+            sharding = NamedSharding(s.mesh, P()) if dim is not None else s
         return jax.ShapeDtypeStruct(tuple(shape), a.dtype, sharding=sharding)
 
     return jax.tree_util.tree_map_with_path(target, like)
@@ -349,7 +332,7 @@ def _into_layout(canonical: dict, like: nnx.State, layout: Plan, shardings: nnx.
     dtypes = jax.tree.map(lambda x: x.dtype, like)
 
     def place(p):
-        return jax.tree.map(lambda x, d: x.astype(d), from_canonical(p, layout), dtypes)
+        return jax.tree.map(lambda x, d: x.astype(d), layout.from_canonical(p), dtypes)
 
     return jax.jit(place, out_shardings=shardings)(params)
 

@@ -18,7 +18,7 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxpar.config import ModelConfig, TrainConfig
-from jaxpar.model import Transformer, abstract_model, permute_layers
+from jaxpar.model import Transformer, abstract_model
 from jaxpar.parallel.plan import Plan
 from jaxpar.sharding import param_shardings
 
@@ -81,9 +81,8 @@ def create_state(model_cfg: ModelConfig, tx: optax.GradientTransformation, seed:
 
     def init() -> TrainState:
         model = Transformer(model_cfg, rngs=nnx.Rngs(params=seed), padded_vocab=plan.padded_vocab)
-        params = nnx.state(model, nnx.Param)
-        if plan.layer_order is not None:  # circular pipeline: stage-major order (jaxpar.parallel.pipeline)
-            params = permute_layers(params, plan.layer_order)
+        # Built in model order (already vocab-padded); the plan stores the layers in pipeline order.
+        params = plan.from_canonical(nnx.state(model, nnx.Param))
         return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params))
 
     graphdef, _ = abstract_model(model_cfg, plan.padded_vocab)
