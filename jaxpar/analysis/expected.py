@@ -18,7 +18,8 @@ Tensor-axis traffic (Megatron; Korthikanti et al. 2022 for SP), N = b·s·h·β:
 Data-axis traffic: one all-reduce of the local gradient shard.
 
 FLOPs (matmuls only, per device; training = 3 × forward: forward, input gradient, weight gradient):
-    forward per token, per layer: 2h·E·(a_loc + 2·K_loc) + 4·s·E·a_loc + 2·a_loc·E·h + 2·h·F/t·(3 llama | 2 gpt2)
+    forward per token, per layer: 2h·E·(a_loc + 2·K_loc) + 4·s·E·a_loc + 2·a_loc·E·h + 2·h·F/t·n (n: the family's
+    MLP matrices, 3 for SwiGLU, 2 for GELU; `jaxpar.flops.layer_forward_flops`)
     with a_loc = a/t and K_loc = max(K/t, 1) (replicated kv heads are computed on every rank);
     the full causal score matrix is computed (masking does not halve the work here, so it is not halved); plus the
     LM head 2·h·V/t per token. Model FLOPs per token (the 6N + 12·L·h·s rule; `jaxpar.flops`) are reported beside it.
@@ -33,9 +34,14 @@ from __future__ import annotations
 
 import math
 
-from jaxpar.parallel.axes import GRAD_AXES
-from jaxpar.config import Config
+import jax
+from flax import nnx
+
 from jaxpar import flops
+from jaxpar.config import Config
+from jaxpar.model import abstract_model
+from jaxpar.parallel import pipeline
+from jaxpar.parallel.axes import GRAD_AXES, MESH_AXES, TENSOR
 
 
 def rows_per_data_shard(config: Config) -> int:
@@ -52,13 +58,13 @@ def _dims(config: Config, padded_vocab: int) -> dict:
     b = rows_per_data_shard(config)
     d = dict(b=b, s=t.seq_len, h=m.d_model, a=m.n_heads, E=m.head_dim, K=m.n_kv_heads, F=m.d_ff, V=padded_vocab,
              L=m.n_layers, t=p.tensor, sp=p.sequence_parallel, A=t.grad_accum,
-             beta=4 if m.dtype == "float32" else 2, llama=m.family == "llama", gpt2=m.family == "gpt2")
+             beta=4 if m.dtype == "float32" else 2)
     if p.pipe > 1:
         k = m.n_layers // (p.pipe * p.repeats)
         mb = b // p.microbatches
-        d.update(rows=b // p.pipe, layer_execs=(p.repeats * p.microbatches + p.pipe - 1) * k * t.grad_accum,
-                 tokens_per_exec=mb // t.grad_accum * t.seq_len, mb=mb // t.grad_accum,
-                 iterations=(p.repeats * p.microbatches + p.pipe - 1) * t.grad_accum)
+        n = pipeline.iterations(p.pipe, p.repeats, p.microbatches)
+        d.update(rows=b // p.pipe, layer_execs=n * k * t.grad_accum, tokens_per_exec=mb // t.grad_accum * t.seq_len,
+                 mb=mb // t.grad_accum, iterations=n * t.grad_accum)
     else:
         d.update(rows=b, layer_execs=m.n_layers * t.grad_accum, tokens_per_exec=b // t.grad_accum * t.seq_len)
     return d
@@ -81,22 +87,38 @@ def tensor_bytes(config: Config, padded_vocab: int) -> dict[str, float]:
     per_exec, per_chunk = 0.0, 0.0
     if d["K"] < t:
         per_exec += 2 * d["h"] * d["K"] * d["E"] * 4
-    if d["sp"]:
-        per_exec += (2 * d["h"] + (4 * d["h"] if d["gpt2"] else 0)) * 4  # norm scales (+ norm biases, bo, b_down)
-        per_chunk += d["h"] * 4 * (2 if d["gpt2"] else 1)
-        if d["gpt2"]:
-            per_chunk += config.model.max_seq_len * d["h"] * 4  # position table
+    if d["sp"]:  # the tensor-replicated parameters applied to sequence shards (norms, biases, gpt2's positions)
+        per_layer, outside = tensor_replicated_floats(config.model)
+        per_exec += per_layer * 4
+        per_chunk += outside * 4
     out["param_grads"] = 2 * (t - 1) / t * (d["layer_execs"] * per_exec + d["A"] * per_chunk)
     out["total"] = sum(out.values())
     return out
 
 
+def tensor_replicated_floats(model) -> tuple[int, int]:
+    """(per layer, outside the layers): how many floats of the model's parameters no tensor rank splits — read from
+    the parameters' logical axes (none of them one that `tensor` splits). Under SP each of them meets sequence
+    shards, so its gradient is all-reduced over `tensor`."""
+    tensor_split = next(a.splits for a in MESH_AXES if a.name == TENSOR)
+    _, abstract = abstract_model(model)
+    leaves, _ = jax.tree_util.tree_flatten_with_path(abstract, is_leaf=lambda x: isinstance(x, nnx.Variable))
+    per_layer = outside = 0
+    for _, v in leaves:
+        axes = tuple(v.get_metadata().get("logical_axes") or ())
+        if not set(axes) & set(tensor_split):
+            if axes[:1] == ("layers",):
+                per_layer += math.prod(v.shape) // model.n_layers
+            else:
+                outside += math.prod(v.shape)
+    return per_layer, outside
+
+
 def layer_forward_flops_per_token(config: Config) -> float:
-    """Matmul FLOPs of one layer's forward pass per token, per device."""
-    d = _dims(config, config.model.vocab_size)
-    a_loc, k_loc = d["a"] / d["t"], max(d["K"] / d["t"], 1)
-    mlp = (3 if d["llama"] else 2) * 2 * d["h"] * d["F"] / d["t"]
-    return 2 * d["h"] * d["E"] * (a_loc + 2 * k_loc) + 4 * d["s"] * d["E"] * a_loc + 2 * a_loc * d["E"] * d["h"] + mlp
+    """Matmul FLOPs of one layer's forward pass per token, per device (`jaxpar.flops.layer_forward_flops` on one
+    tensor rank's share). The full score square is counted: XLA's attention computes it and masks afterwards."""
+    layer = flops.layer_forward_flops(config.model, keys=config.train.seq_len, tensor=config.parallel.tensor)
+    return layer.dense + layer.attention
 
 
 def step_flops(config: Config, padded_vocab: int) -> dict[str, float]:
@@ -123,8 +145,9 @@ def pipeline_bytes(config: Config) -> dict[str, float]:
     d = _dims(config, config.model.vocab_size)
     s_local = d["s"] // d["t"] if d["sp"] else d["s"]
     per_iteration = 4 * d["mb"] * s_local * d["h"] * 4
-    n = p.repeats * p.microbatches + p.pipe - 1
-    return {"iterations": n, "bubble_fraction": (p.pipe - 1) / n, "permute_bytes_per_iteration": per_iteration,
+    n = pipeline.iterations(p.pipe, p.repeats, p.microbatches)
+    return {"iterations": n, "bubble_fraction": pipeline.bubble_fraction(p.pipe, p.repeats, p.microbatches),
+            "permute_bytes_per_iteration": per_iteration,
             "permute_bytes": per_iteration * d["iterations"]}
 
 

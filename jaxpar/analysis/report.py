@@ -23,6 +23,7 @@ import jax.numpy as jnp
 from jaxpar.analysis import expected
 from jaxpar.analysis.hlo import collective_summary, collectives, cost, dot_flops, memory
 from jaxpar.config import Config
+from jaxpar.parallel import pipeline
 from jaxpar.parallel.axes import PIPE, TENSOR
 from jaxpar.train.loop import build_trainer
 from jaxpar.train.step import batch_sharding
@@ -118,7 +119,7 @@ def _pipeline_section(config: Config, cols, measured_flops: float, want_flops: d
         "stages": p.pipe, "repeats": p.repeats, "microbatches": p.microbatches,
         "iterations": want["iterations"], "bubble_fraction": want["bubble_fraction"],
         "executed_over_useful_flops": measured_flops / want_flops["useful"],
-        "executed_over_useful_flops_layers_formula": (p.repeats * p.microbatches + p.pipe - 1)
+        "executed_over_useful_flops_layers_formula": pipeline.iterations(p.pipe, p.repeats, p.microbatches)
         / (p.repeats * p.microbatches),
         "permute_bytes_per_iteration": permute / iterations,
         "expected_permute_bytes_per_iteration": want["permute_bytes_per_iteration"],
