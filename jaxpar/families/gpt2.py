@@ -18,6 +18,7 @@ from jaxpar.families.base import Family, HuggingFace, Param, Rule, attention_par
 
 
 def layer_params(cfg) -> dict[str, Param]:
+    """GPT-2's layer: the shared attention with LayerNorms (scale and bias), a GELU MLP, biases everywhere."""
     D, F = cfg.d_model, cfg.d_ff
     params = attention_params(cfg, norm_bias=True)
     params.update(w_up=Param((D, F), ("embed", "mlp"), "normal"), w_down=Param((F, D), ("mlp", "embed"), "out"))
@@ -28,6 +29,7 @@ def layer_params(cfg) -> dict[str, Param]:
 
 
 def default_d_ff(d_model: int) -> int:
+    """GPT-2's MLP is 4·d_model wide."""
     return 4 * d_model
 
 
@@ -46,6 +48,7 @@ KEYS = dict(vocab_size="vocab_size", d_model="n_embd", n_layers="n_layer", n_hea
 
 
 def read(keys, model_type: str) -> tuple[dict, dict]:
+    """ModelConfig fields from a GPT2LMHeadModel config.json, and their key names."""
     act = keys.text("activation_function", "gelu_new")
     if act not in ("gelu_new", "gelu_pytorch_tanh"):
         raise keys.error(f"activation_function = {act!r} is not supported; jaxpar's GPT-2 uses the tanh GELU "
@@ -67,6 +70,7 @@ def read(keys, model_type: str) -> tuple[dict, dict]:
 
 
 def write(cfg, out: dict, base: dict | None) -> None:
+    """config.json for cfg as a GPT2LMHeadModel."""
     out.update(architectures=["GPT2LMHeadModel"], model_type="gpt2", vocab_size=cfg.vocab_size, n_embd=cfg.d_model,
                n_layer=cfg.n_layers, n_head=cfg.n_heads, n_inner=cfg.d_ff, n_positions=cfg.max_seq_len,
                n_ctx=cfg.max_seq_len, layer_norm_epsilon=cfg.norm_eps, activation_function="gelu_new",
@@ -74,6 +78,7 @@ def write(cfg, out: dict, base: dict | None) -> None:
 
 
 def exportable(cfg) -> None:
+    """GPT-2 has no GQA, no head_dim key and no sliding window: refuse a cfg that uses one."""
     why = "GPT2LMHeadModel cannot express it"
     if cfg.n_kv_heads != cfg.n_heads:
         raise ConfigError("model.n_kv_heads", cfg.n_kv_heads, f"must equal model.n_heads = {cfg.n_heads} to export "

@@ -21,6 +21,7 @@ from jaxpar.families.base import Family, HuggingFace, Param, Rule, attention_par
 
 
 def layer_params(cfg) -> dict[str, Param]:
+    """The llama layer: the shared attention with RMSNorms, a SwiGLU MLP, q/k/v biases only with qkv_bias."""
     D, F = cfg.d_model, cfg.d_ff
     params = attention_params(cfg, norm_bias=False)
     params.update(w_gate=Param((D, F), ("embed", "mlp"), "normal"), w_up=Param((D, F), ("embed", "mlp"), "normal"),
@@ -36,6 +37,7 @@ def default_d_ff(d_model: int) -> int:
 
 
 def check(cfg) -> None:
+    """RoPE rotates dims in pairs: head_dim must be even."""
     if cfg.head_dim % 2:
         raise ConfigError("model.head_dim", cfg.head_dim, "must be even for RoPE (dims rotate in pairs)",
                           f"use head_dim {cfg.head_dim + 1}" + (f" or {cfg.head_dim - 1}" if cfg.head_dim > 1 else ""))
@@ -172,6 +174,7 @@ def exportable(cfg) -> None:
 
 
 def tensors(cfg, names: set[str] | None = None) -> list[Rule]:
+    """The `model.layers.{l}.*` tensor table (torch Linear weights transposed, head dims split)."""
     D, H, K, E = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
     lay = "model.layers.{l}."
     linear_in = lambda n: (lambda x: x.T.reshape(D, n, E), lambda x: x.reshape(D, -1).T)  # noqa: E731

@@ -124,7 +124,9 @@ def loss_and_grads(graphdef: nnx.GraphDef, *, grad_accum: int = 1, remat: str = 
                 return (loss_sum + loss, jax.tree.map(jnp.add, grad_sum, grads)), None
 
             zeros = jax.tree.map(jnp.zeros_like, params)
-            (loss_sum, grad_sum), _ = jax.lax.scan(accumulate, (jnp.zeros((), jnp.float32), zeros), chunks)
+            # the loss carry starts typed like the per-chunk losses it sums (varying over the batch axes: check_vma)
+            loss_zero = vary(jnp.zeros((), jnp.float32), batch_axes)
+            (loss_sum, grad_sum), _ = jax.lax.scan(accumulate, (loss_zero, zeros), chunks)
             loss, grads = loss_sum / grad_accum, jax.tree.map(lambda g: g / grad_accum, grad_sum)
         if pipe is not None:
             loss = jax.lax.psum(loss, PIPE)
