@@ -27,7 +27,8 @@ from jaxpar.config import load_config  # noqa: E402
 from jaxpar.mesh import make_mesh  # noqa: E402
 from jaxpar.train import build_trainer  # noqa: E402
 
-DEFAULTS = ["model.n_heads=8", "model.n_kv_heads=8", "model.d_ff=384", "train.batch_size=16"]
+DEFAULTS = ["model.n_heads=8", "model.n_kv_heads=8", "model.d_ff=384", "train.batch_size=16",
+            "parallel.pipe=1", "parallel.repeats=1", "parallel.microbatches=1"]  # a TP benchmark: no pipeline
 
 
 def step_time(config, mesh, explicit: bool, steps: int) -> tuple[float, float, float]:
