@@ -139,7 +139,7 @@ tp_fn = jax.jit(jax.shard_map(
     tp_step, mesh=mesh,
     in_specs=(P(), P(None, "tensor"), P("tensor", None)),  # X replicated, A column-split, B row-split
     out_specs=(P(), P(), P(None, "tensor"), P("tensor", None)),  # loss, dX replicated; dA, dB split like A, B
-    check_vma=False))
+    check_vma=True))  # JAX checks that what leaves as replicated is replicated: f and g state their types
 
 loss, dX, dA, dB = tp_fn(X, A, B)
 ref_loss, (ref_dX, ref_dA, ref_dB) = jax.value_and_grad(mlp_loss, argnums=(0, 1, 2))(X, A, B)
@@ -150,7 +150,9 @@ for name, got, want in [("loss", loss, ref_loss), ("dX", dX, ref_dX), ("dA", dA,
 
 # %% [markdown]
 # What f's all-reduce adds: drop f and return every rank's own $dX$ (stacked on a new leading dim). Each is only its
-# branch's term of the sum above — none of them is $dX$ — and their sum is.
+# branch's term of the sum above — none of them is $dX$ — and their sum is. (This one runs with `check_vma=False`:
+# with the check on, JAX would see the replicated X meet rank-varying weights and insert f's all-reduce itself —
+# the very mistake this cell shows is then impossible to make.)
 
 # %%
 no_f = jax.jit(jax.shard_map(

@@ -61,6 +61,8 @@ def test_psum_in_scan_counts_each_step(mesh):
         def inner(xs):
             return jax.lax.scan(lambda c, x: (c + jax.lax.psum(x, "tensor"), None), jnp.zeros((B, T, D)), xs)[0]
 
+        # check_vma=False: a fixture for the HLO parser. Under check_vma a psum of a replicated (invariant) value is
+        # a multiply by the group size, not an all-reduce, and the collective this test counts would not exist.
         return jax.shard_map(inner, mesh=mesh, in_specs=P(), out_specs=P(), check_vma=False)(xs)
 
     cols = hlo.collectives(_compile(f, jnp.ones((L, B, T, D))), mesh)
@@ -89,6 +91,8 @@ def test_collective_kinds_axes_and_bytes(mesh):
                     jax.lax.ppermute(a, "tensor", [(i, (i + 1) % 4) for i in range(4)]),
                     jax.lax.all_to_all(a, "tensor", 1, 2, tiled=True))
 
+        # check_vma=False: a parser fixture whose out_specs do not describe what each collective returns (the
+        # all-gather and psum outputs are replicated over axes the spec leaves split).
         return jax.shard_map(inner, mesh=mesh, in_specs=P("data", None, "tensor"), out_specs=(P("data"),) * 6,
                              check_vma=False)(a)
 

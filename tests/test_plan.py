@@ -140,6 +140,8 @@ def test_mean_over_gradient_axes_with_size_one_axes_is_bitwise_the_data_mean():
     x = jax.random.normal(jax.random.key(0), (8, 37), jnp.float32) * 1e3
 
     def mean(over):
+        # check_vma=False: the comparison needs the mean over `data` alone, which leaves the (size-1) expert axis
+        # unreduced — exactly what the check exists to refuse in real code.
         fn = jax.shard_map(lambda a: jax.lax.pmean(a, over), mesh=mesh, in_specs=P(axes.GRAD_AXES),
                            out_specs=P(), check_vma=False)
         return np.asarray(jax.jit(fn)(x))
