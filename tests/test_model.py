@@ -203,3 +203,68 @@ def test_bf16_compute_keeps_float32_params_and_logits():
     assert logits.dtype == jnp.float32 and model.blocks.wq.dtype == jnp.float32
     ref = make("llama")(tokens())
     np.testing.assert_allclose(np.asarray(logits), np.asarray(ref), atol=5e-2)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The matmul seam and the attention kernel choice.
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_every_weight_matrix_goes_through_the_matmul_policy(family):
+    """A policy that scales each weight by a per-parameter factor sees every matrix of the model exactly as often as
+    the model uses it, and changes the logits only through it: the seam is the one place weights meet activations
+    (what an int8 / fp8 / LoRA policy will rely on)."""
+    import dataclasses
+
+    from jaxpar.matmul import Einsum
+    from jaxpar.parallel.context import Parallel
+
+    seen = []
+
+    @dataclasses.dataclass(frozen=True)
+    class Recording(Einsum):
+        def __call__(self, equation, x, w):
+            seen.append(w.shape[-2:] if w.ndim > 2 else w.shape)
+            return super().__call__(equation, x, w)
+
+        def table(self, w, dtype):
+            seen.append(("table", *w.shape))
+            return super().table(w, dtype)
+
+    model = make(family, n_layers=1)  # one layer: the scan body is traced once
+    plain = model(tokens())
+    recorded = model(tokens(), par=Parallel(dot=Recording()))
+    np.testing.assert_array_equal(recorded, plain)  # the default policy is the plain computation
+    D, H, K, E, F, V = 22, 6, 2, 6, 13, 263
+    want = [("table", V, D), (H, E), (K, E), (K, E), (E, D)] + ([(D, F)] if family == "gpt2" else [(D, F), (D, F)])
+    want += [(F, D), (D, V)]
+    assert seen == want
+
+    @dataclasses.dataclass(frozen=True)
+    class Zero(Einsum):
+        def __call__(self, equation, x, w):
+            return super().__call__(equation, x, w * 0)
+
+    zeroed = model(tokens(), par=Parallel(dot=Zero()))
+    np.testing.assert_array_equal(zeroed, jnp.zeros_like(zeroed))  # the policy, not the model, applies the weights
+
+
+def test_attention_kernel_is_chosen_where_the_config_meets_its_devices():
+    import dataclasses
+
+    from jaxpar.config import resolve_attention
+    from jaxpar.parallel.plan import make_plan
+
+    @dataclasses.dataclass
+    class Device:
+        platform: str
+        device_kind: str
+
+    h100, cpu = Device("gpu", "NVIDIA H100 80GB HBM3"), Device("cpu", "cpu")
+    bf16 = ModelConfig(**PRIME | dict(head_dim=64, n_kv_heads=2), dtype="bfloat16")
+    assert resolve_attention(bf16, h100).attention == "cudnn"
+    assert resolve_attention(bf16, cpu).attention == "xla"
+    assert resolve_attention(dataclasses.replace(bf16, dtype="float32"), h100).attention == "xla"  # cuDNN: 16-bit
+    assert resolve_attention(dataclasses.replace(bf16, head_dim=6), h100).attention == "xla"  # head width it takes
+    assert resolve_attention(dataclasses.replace(bf16, attention="xla"), h100).attention == "xla"  # asked for
+    assert make_plan(bf16).model.attention == "xla"  # on this machine's CPU; the model itself never probes
