@@ -64,7 +64,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from jaxpar import flops
     from jaxpar.analysis.hlo import memory
-    from jaxpar.config import load_config
+    from jaxpar.config import load_config, resolve_attention
     from jaxpar.train import build_trainer
     from jaxpar.model import count_params
 
@@ -126,10 +126,10 @@ def main(argv: list[str] | None = None) -> int:
     n_params = count_params(m)
 
     tokens = t.batch_size * t.seq_len
-    attention = m.attention
+    attention = resolve_attention(m, devices[0]).attention  # the kernel the run used ('auto' resolved)
     peak = flops.device_peak(devices[0], m.dtype)
     util = flops.utilisation(flops.train_flops_per_token(m, t.seq_len) * tokens, step_s, len(devices), peak)
-    full = flops.executes_full_attention(attention, devices[0].platform)
+    full = attention != "cudnn"  # XLA computes the whole score square; cuDNN flash attention skips masked tiles
     hw = flops.hardware_flops_per_token(m, t.seq_len, remat=config.parallel.remat, full_attention=full) * tokens
     stats = devices[0].memory_stats() or {}
     result = {

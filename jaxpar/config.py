@@ -23,7 +23,7 @@ from typing import Any
 
 import yaml
 
-from jaxpar.errors import ConfigError
+from jaxpar.errors import ConfigError, divisors
 from jaxpar.families import FAMILIES
 from jaxpar.parallel import axes
 
@@ -102,7 +102,7 @@ class ModelConfig:
             if self.d_model % self.n_heads:
                 raise ConfigError("model.n_heads", self.n_heads, f"must divide model.d_model = {self.d_model} "
                                   "when model.head_dim is derived (0)",
-                                  f"use n_heads among {_divisors(self.d_model)} or set model.head_dim explicitly")
+                                  f"use n_heads among {divisors(self.d_model)} or set model.head_dim explicitly")
             object.__setattr__(self, "head_dim", self.d_model // self.n_heads)
         if self.d_ff == 0:
             object.__setattr__(self, "d_ff", FAMILIES[self.family].default_d_ff(self.d_model))
@@ -110,7 +110,7 @@ class ModelConfig:
         if self.n_heads % self.n_kv_heads:
             raise ConfigError("model.n_kv_heads", self.n_kv_heads,
                               f"must divide model.n_heads = {self.n_heads} (each kv head serves a group of query heads)",
-                              f"use one of {_divisors(self.n_heads)}")
+                              f"use one of {divisors(self.n_heads)}")
 
 
 def resolve_attention(cfg: ModelConfig, device: Any) -> ModelConfig:
@@ -274,7 +274,7 @@ class Config:
             raise ConfigError("model.n_kv_heads", m.n_kv_heads,
                               f"must be a multiple or a divisor of parallel.tensor = {p.tensor} (kv heads are split "
                               "over tensor, or replicated so each rank holds the one its query heads use)",
-                              f"use n_kv_heads among {_divisors(p.tensor)} or a multiple of {p.tensor}")
+                              f"use n_kv_heads among {divisors(p.tensor)} or a multiple of {p.tensor}")
         _check_divides("model.d_ff", m.d_ff, "parallel.tensor", p.tensor, "the MLP hidden dim is split over tensor")
         # model.vocab_size needs no check: the embedding is padded to a multiple of tensor (jaxpar.sharding).
         if p.sequence_parallel and t.seq_len % p.tensor:
@@ -286,7 +286,7 @@ class Config:
         if m.n_layers % stages:
             raise ConfigError("model.n_layers", m.n_layers,
                               f"must be divisible by parallel.pipe * parallel.repeats = {p.pipe}*{p.repeats} = {stages}",
-                              f"use n_layers a multiple of {stages}, or pipe*repeats among {_divisors(m.n_layers)}")
+                              f"use n_layers a multiple of {stages}, or pipe*repeats among {divisors(m.n_layers)}")
         if t.seq_len > m.max_seq_len:
             raise ConfigError("train.seq_len", t.seq_len, f"must be <= model.max_seq_len = {m.max_seq_len}",
                               f"lower train.seq_len or raise model.max_seq_len to >= {t.seq_len}")
@@ -543,11 +543,7 @@ def _check_choice(name: str, value: Any, choices: tuple) -> None:
 def _check_divides(name: str, value: int, by_name: str, by: int, why: str) -> None:
     if value % by:
         raise ConfigError(name, value, f"must be divisible by {by_name} = {by} ({why})",
-                          f"use {by_name} among {_divisors(value)}, or {name} a multiple of {by}")
-
-
-def _divisors(n: int) -> list[int]:
-    return [k for k in range(1, n + 1) if n % k == 0]
+                          f"use {by_name} among {divisors(value)}, or {name} a multiple of {by}")
 
 
 def _nearest_multiples(n: int, k: int) -> str:

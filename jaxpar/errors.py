@@ -30,6 +30,11 @@ class ConfigError(JaxparError, ValueError):
         super().__init__(f"{field} = {value!r}: {rule}. Fix: {fix}")
 
 
+def divisors(n: int) -> list[int]:
+    """The divisors of n, ascending: what an error's fix offers when a degree must divide a size."""
+    return [k for k in range(1, n + 1) if n % k == 0]
+
+
 class CheckpointError(JaxparError):
     """A workdir's checkpoints cannot serve the request: none readable, or written by an incompatible config."""
 
@@ -66,4 +71,4 @@ class OutputError(JaxparError):
     kind = "cannot write"
 
 
-__all__ = ["CheckpointError", "ConfigError", "GenerateError", "InputNotFound", "JaxparError", "OutputError", "UsageError", "WorkdirLocked"]
+__all__ = ["CheckpointError", "ConfigError", "divisors", "GenerateError", "InputNotFound", "JaxparError", "OutputError", "UsageError", "WorkdirLocked"]

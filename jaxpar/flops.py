@@ -154,12 +154,6 @@ def train_flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
     return 3 * forward_flops_per_token(cfg, seq_len).total
 
 
-def executes_full_attention(attention: str, platform: str) -> bool:
-    """Whether the attention kernel computes the whole score square (True) or skips masked tiles (cuDNN flash
-    attention, which `model.attention` 'cudnn' — or 'auto' on a GPU — selects)."""
-    return not (attention == "cudnn" or (attention == "auto" and platform == "gpu"))
-
-
 def hardware_flops_per_token(cfg: ModelConfig, seq_len: int, *, remat: str = "none",
                              full_attention: bool = True) -> float:
     """Matmul FLOPs the device executes per trained token (the HFU numerator): 3 × forward, plus one more forward

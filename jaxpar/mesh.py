@@ -16,6 +16,7 @@ import numpy as np
 from jax.sharding import AxisType, Mesh
 
 from jaxpar.config import ConfigError, ParallelConfig
+from jaxpar.errors import divisors
 from jaxpar.parallel.axes import AXES, DATA, TENSOR, resolve_degrees
 
 
@@ -61,7 +62,7 @@ def hybrid_device_order(devices: list, shape: tuple[int, ...]) -> np.ndarray:
     if local % tensor:
         raise ConfigError("parallel.tensor", tensor, f"must divide the {local} devices of each process (a tensor "
                           "group inside one host: its per-layer all-reduces need the fast links)",
-                          f"use parallel.tensor among {[k for k in range(1, local + 1) if local % k == 0]}")
+                          f"use parallel.tensor among {divisors(local)}")
     inner = [a for a in AXES if a != DATA]  # the axes of one data slice, outermost first
     block = math.prod(degrees[a] for a in inner)  # devices of one data slice
     if local % block and block % local:

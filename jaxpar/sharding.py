@@ -105,10 +105,6 @@ def constrain(x: jax.Array, axes: Sequence[str | None]) -> jax.Array:
 # Layout transforms of a parameter State, found by logical axis (never by parameter name).
 
 
-def _is_variable_leaf(x: Any) -> bool:
-    return isinstance(x, nnx.Variable)
-
-
 def vocab_dim(v: nnx.Variable) -> int | None:
     """The dim of a parameter that runs over the vocabulary (its `vocab` logical axis), or None."""
     axes = _axes_of(v)
@@ -117,7 +113,7 @@ def vocab_dim(v: nnx.Variable) -> int | None:
 
 def vocab_dims(state: nnx.State) -> dict[str, int]:
     """{'embed': 0, 'lm_head': 1}: each parameter with a `vocab` logical axis (dotted path) and that dim."""
-    leaves, _ = jax.tree_util.tree_flatten_with_path(state, is_leaf=_is_variable_leaf)
+    leaves, _ = jax.tree_util.tree_flatten_with_path(state, is_leaf=_is_variable)
     return {".".join(str(k.key) for k in path): d for path, v in leaves if (d := vocab_dim(v)) is not None}
 
 
@@ -136,7 +132,7 @@ def pad_vocab(params: nnx.State, padded_vocab: int) -> nnx.State:
             return v.replace(jax.lax.slice_in_dim(x, 0, padded_vocab, axis=axis))
         return v.replace(jnp.pad(x, [(0, n if a == axis else 0) for a in range(x.ndim)]))
 
-    return jax.tree.map(resize, params, is_leaf=_is_variable_leaf)
+    return jax.tree.map(resize, params, is_leaf=_is_variable)
 
 
 def permute_layers(params: nnx.State, order) -> nnx.State:
@@ -144,4 +140,4 @@ def permute_layers(params: nnx.State, order) -> nnx.State:
     of the result holds `params`' layer order[n]."""
     index = jnp.asarray(order)
     return jax.tree.map(lambda v: v.replace(v[...][index]) if _axes_of(v)[:1] == ("layers",) else v, params,
-                        is_leaf=_is_variable_leaf)
+                        is_leaf=_is_variable)

@@ -299,7 +299,7 @@ assert wq.addressable_shards[0].data.shape == (4, 20, 2, 6)  # [v·k layers of t
 
 fn = sharded_loss_and_grads(pipe_graphdef, plan, param_specs=param_specs(laid_out, plan.rules))
 loss, grads = jax.jit(fn)(laid_out, jax.device_put(batch, plan.batch_sharding))
-grads = plan.to_canonical(grads, cfg.vocab_size)  # back to model order
+grads = plan.to_canonical(grads)  # back to model order
 
 # %%
 print(f"loss: sequential {float(want_loss):.7f}, pipelined {float(loss):.7f}")

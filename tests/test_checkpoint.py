@@ -41,7 +41,7 @@ def run(name, workdir, steps):
 
 def canonical_host(params, config, mesh):
     plan = make_plan(config.model, config.parallel, mesh)
-    return jax.tree.map(np.asarray, nnx.to_pure_dict(plan.to_canonical(params, config.model.vocab_size)))
+    return jax.tree.map(np.asarray, nnx.to_pure_dict(plan.to_canonical(params)))
 
 
 def canonical_state(state, config, mesh) -> dict:

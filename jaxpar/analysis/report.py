@@ -25,8 +25,8 @@ from jaxpar.analysis.hlo import collective_summary, collectives, cost, dot_flops
 from jaxpar.config import Config
 from jaxpar.parallel import pipeline
 from jaxpar.parallel.axes import PIPE, TENSOR
+from jaxpar.parallel.plan import batch_sharding
 from jaxpar.train.loop import build_trainer
-from jaxpar.train.step import batch_sharding
 
 
 def _abstract_batch(config: Config, mesh) -> jax.ShapeDtypeStruct:

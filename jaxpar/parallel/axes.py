@@ -31,7 +31,7 @@ import dataclasses
 import math
 from typing import Any
 
-from jaxpar.errors import ConfigError
+from jaxpar.errors import ConfigError, divisors
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,10 +86,6 @@ BATCH_AXES: tuple[str, ...] = tuple(a.name for a in MESH_AXES if "batch" in a.sp
 GRAD_AXES: tuple[str, ...] = tuple(a for a in BATCH_AXES if a != PIPE)
 
 
-def _divisors(n: int) -> list[int]:
-    return [k for k in range(1, n + 1) if n % k == 0]
-
-
 def resolve_degrees(parallel: Any, n_devices: int) -> dict[str, int]:
     """{axis: degree} for `n_devices`, in table order. `parallel` has one int attribute per axis; `data = -1` is
     filled with what the other axes leave; otherwise the product must equal the device count."""
@@ -102,7 +98,7 @@ def resolve_degrees(parallel: Any, n_devices: int) -> dict[str, int]:
             culprit = next((a for a in reversed(fixed_axes) if getattr(parallel, a) > 1), AXES[-1])
             raise ConfigError(f"parallel.{culprit}", getattr(parallel, culprit),
                               f"{names} = {values} = {fixed} must divide the {n_devices} available devices",
-                              f"use {names} among {_divisors(n_devices)}")
+                              f"use {names} among {divisors(n_devices)}")
         data = n_devices // fixed
     else:
         data = parallel.data
@@ -111,7 +107,7 @@ def resolve_degrees(parallel: Any, n_devices: int) -> dict[str, int]:
                               f"mesh {'*'.join(AXES)} = {data}*{values} = {data * fixed} must equal the {n_devices} "
                               "available devices",
                               f"set parallel.data={n_devices // fixed} (or -1 to fill)" if n_devices % fixed == 0
-                              else f"choose {names} among {_divisors(n_devices)}, then parallel.data=-1")
+                              else f"choose {names} among {divisors(n_devices)}, then parallel.data=-1")
     return {a: data if a == DATA else getattr(parallel, a) for a in AXES}
 
 

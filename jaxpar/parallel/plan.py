@@ -105,11 +105,11 @@ class Plan:
         params = pad_vocab(params, self.padded_vocab)
         return params if self.layer_order is None else permute_layers(params, self.layer_order)
 
-    def to_canonical(self, params: nnx.State, vocab_size: int) -> nnx.State:
-        """Runtime params (or gradients, or Adam moments) → model layer order and the true `vocab_size`."""
+    def to_canonical(self, params: nnx.State) -> nnx.State:
+        """Runtime params (or gradients, or Adam moments) → model layer order and the model's true vocab size."""
         if self.layer_order is not None:
             params = permute_layers(params, np.argsort(self.layer_order))
-        return pad_vocab(params, vocab_size)
+        return pad_vocab(params, self.model.vocab_size)
 
     @property
     def parallel(self) -> Parallel:

@@ -87,13 +87,11 @@ reduce_from_tensor.defvjp(_reduce_fwd, _reduce_bwd)
 # Vocab-parallel embedding and cross-entropy.
 
 
-def vocab_parallel_lookup(table: Array, tokens: Array, axis: str | None) -> Array:
+def vocab_parallel_lookup(table: Array, tokens: Array, axis: str) -> Array:
     """Partial embedding sums: rows of `table` [V/t, D] that this rank owns, zeros elsewhere. → [B, T, D].
 
     Rank r owns ids [r·V/t, (r+1)·V/t); summing over ranks (g, or a reduce-scatter under SP) gives the lookup.
     """
-    if axis is None:
-        return jnp.take(table, tokens, axis=0)
     rows = table.shape[0]
     local = tokens - jax.lax.axis_index(axis) * rows
     mine = (local >= 0) & (local < rows)

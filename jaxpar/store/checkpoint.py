@@ -189,8 +189,7 @@ def save(mngr: ocp.CheckpointManager, state: TrainState, data_state: dict, layou
     checksums of the exact values written. `config` is the resolved config as a dict (stored beside the arrays;
     WORKDIR/config.json holds the newest). Raises CheckpointError if orbax declines to save the step."""
     step = int(jax.device_get(state.step))
-    vocab_size = config["model"]["vocab_size"]
-    canonical = lambda p: nnx.to_pure_dict(layout.to_canonical(p, vocab_size))  # noqa: E731
+    canonical = lambda p: nnx.to_pure_dict(layout.to_canonical(p))  # noqa: E731
     params = canonical(state.params)
     train = {"step": state.step, "opt_state": _map_states(canonical, state.opt_state)}
     checksums = {"params": _array_sums(params), "train": _array_sums(train), "data": _json_digest(data_state)}

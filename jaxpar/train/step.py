@@ -30,7 +30,7 @@ from jaxpar.model import attention_mask, default_positions, run_layers
 from jaxpar.parallel import pipeline
 from jaxpar.parallel.axes import DATA, PIPE
 from jaxpar.parallel.pipeline import Pipeline
-from jaxpar.parallel.plan import Plan, batch_sharding, batch_spec  # noqa: F401 (the batch layout, for callers)
+from jaxpar.parallel.plan import Plan, batch_sharding
 from jaxpar.parallel.context import SINGLE_DEVICE, Parallel
 from jaxpar.parallel.vma import vary
 from jaxpar.sharding import constrain
