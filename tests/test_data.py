@@ -234,6 +234,27 @@ def test_loader_state_resumes_exactly():
         make_loader(STREAM, batch_size=6, seq_len=T, seed=3).set_state(state)
 
 
+def test_prefetching_loader_places_the_same_batches_and_keeps_its_state():
+    """With `place`, a background thread runs ahead (here 3 batches), yet every batch, the state after each, and a
+    resume from that state are those of the plain loader: the state counts batches handed out, not prefetched."""
+    import jax
+
+    plain = make_loader(STREAM, batch_size=6, seq_len=T, seed=2)
+    placed = make_loader(STREAM, batch_size=6, seq_len=T, seed=2, place=jax.device_put, prefetch=3)
+    for _ in range(4):
+        batch = next(placed)
+        assert isinstance(batch, jax.Array) and np.array_equal(np.asarray(batch), next(plain))
+        assert placed.get_state() == plain.get_state()
+    resumed = make_loader(STREAM, batch_size=6, seq_len=T, seed=2, place=jax.device_put, prefetch=3)
+    resumed.set_state(placed.get_state())
+    expected = take(plain, 2)
+    assert all(np.array_equal(np.asarray(a), b) for a, b in zip(take(resumed, 2), expected))
+    assert all(np.array_equal(np.asarray(a), b) for a, b in zip(take(placed, 2), expected))
+    placed.close(), resumed.close()
+    with pytest.raises(ValueError, match="prefetch"):
+        make_loader(STREAM, batch_size=6, seq_len=T, seed=2, place=jax.device_put, prefetch=-1)
+
+
 def test_loader_rejects_uneven_process_split():
     with pytest.raises(ValueError, match="divisible"):
         make_loader(STREAM, batch_size=6, seq_len=T, seed=0, process_count=4)

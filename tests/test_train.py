@@ -114,3 +114,51 @@ def test_rerun_continues_from_checkpoint(trained, tmp_path):
     config = dataclasses.replace(result.config, train=dataclasses.replace(result.config.train, steps=62))
     more = fit(config, workdir, progress=False)
     assert int(more.state.step) == 62 and [r["step"] for r in more.history] == [61, 62]
+
+
+class _Probe:
+    """A step's `skipped` flag that records when the loop reads it (int) and its metrics when they are fetched."""
+
+    def __init__(self, value, step, events):
+        self.value, self.step, self.events = value, step, events
+
+    def __int__(self):
+        self.events.append(("read", self.step))
+        return int(self.value)
+
+    def __float__(self):  # (the record is then written to several places: note the first conversion only)
+        if ("fetch", self.step) not in self.events:
+            self.events.append(("fetch", self.step))
+        return float(self.value)
+
+
+def test_loop_dispatches_each_step_before_reading_the_last(tmp_path, monkeypatch):
+    """fit is asynchronous: step t + 1 is dispatched before step t's skip flag is read (so the host never holds the
+    devices up), metrics are fetched only on logging steps, and the step being saved or ending the run is accounted
+    for before anything else happens."""
+    from jaxpar.train import loop
+
+    events, real_build = [], loop.build_trainer
+
+    def instrumented(*args, **kwargs):
+        trainer = real_build(*args, **kwargs)
+        step_fn = trainer.train_step
+
+        def train_step(state, batch):
+            state, metrics = step_fn(state, batch)
+            n = len([e for e in events if e[0] == "dispatch"]) + 1
+            events.append(("dispatch", n))
+            return state, {**metrics, "skipped": _Probe(metrics["skipped"], n, events)}
+
+        return dataclasses.replace(trainer, train_step=train_step)
+
+    monkeypatch.setattr(loop, "build_trainer", instrumented)
+    config = load_config(None, SMALL + ["train.steps=7", "train.log_every=3", "train.eval_every=0",
+                                        "checkpoint.every=4"])
+    result = fit(config, tmp_path, devices=jax.devices()[:1], progress=False)
+    d, r, f = (lambda n: ("dispatch", n)), (lambda n: ("read", n)), (lambda n: ("fetch", n))
+    # Logged: step 1 (the first), 3, 6 and 7 (the last); step 4 is saved, so it is accounted for before the save and
+    # step 5's dispatch; every other step is read one step late.
+    assert events == [d(1), d(2), r(1), f(1), d(3), r(2), d(4), r(3), f(3), r(4), d(5), d(6), r(5), d(7), r(6),
+                      f(6), r(7), f(7)]
+    assert [h["step"] for h in result.history] == [1, 3, 6, 7] and int(result.state.step) == 7

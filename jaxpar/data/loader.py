@@ -13,6 +13,12 @@ The grain pipeline, all on random-access `MapDataset`s so that element k of ever
 
     source(W windows) -> shuffle(seed) -> repeat(num_epochs) -> batch(B, drop_remainder) -> rows [p*B/P, (p+1)*B/P)
 
+With `place` (rows -> a device array laid out for the step) the loader also prefetches: a background thread
+(grain's `ThreadPrefetchIterDataset`) takes the next `prefetch` batches through the pipeline and onto their devices
+while the current step runs, so the training loop never waits for host slicing or a host-to-device copy. Its
+state is still the one integer: grain's prefetch iterator reports the position of the last batch *handed out*, not of
+the batches in its buffer, and `set_state` drops the buffer and refills it from the restored position.
+
 `shuffle` folds the epoch into its seed (epoch e uses seed + e), so each epoch has a new order. Batching after
 `repeat` lets a batch run across an epoch boundary instead of dropping a partial batch every epoch. Because the
 global batch k depends only on (tokens, B, T, seed, shuffle) and never on the process count P, every process
@@ -23,6 +29,7 @@ batch index), the same on every process, and a run can resume with a different P
 from __future__ import annotations
 
 import functools
+from typing import Callable
 
 import grain
 import numpy as np
@@ -50,14 +57,16 @@ def _take_rows(windows, lo: int, hi: int) -> np.ndarray:
 class Loader:
     """Grain-based iterator over global batches; each process gets its contiguous slice of rows.
 
-    `next(loader)` -> int32 [batch_size // process_count, seq_len + 1]. Infinite when num_epochs is None,
+    `next(loader)` -> int32 [batch_size // process_count, seq_len + 1], or `place` of it (then `prefetch` batches
+    ahead on a background thread; `close()` stops it). Infinite when num_epochs is None,
     otherwise StopIteration after floor(num_epochs * W / batch_size) batches.
     `get_state()` is a JSON-serializable dict; `set_state` on a loader built from the same stream, batch size,
     seq_len, seed and shuffle resumes at exactly the next batch (any process_index/process_count).
     """
 
     def __init__(self, tokens: np.ndarray, *, batch_size: int, seq_len: int, seed: int, shuffle: bool = True,
-                 process_index: int = 0, process_count: int = 1, num_epochs: int | None = None):
+                 process_index: int = 0, process_count: int = 1, num_epochs: int | None = None,
+                 place: Callable[[np.ndarray], object] | None = None, prefetch: int = 2):
         if tokens.ndim != 1 or not np.issubdtype(tokens.dtype, np.integer):
             raise ValueError(f"tokens must be a 1-D integer array, got {tokens.dtype} {tokens.shape}")
         if batch_size <= 0 or seq_len <= 0:
@@ -69,6 +78,8 @@ class Loader:
             raise ValueError(f"process_index {process_index} must lie in [0, {process_count})")
         if not 0 <= seed < 2**32:
             raise ValueError(f"seed must lie in [0, 2**32), got {seed}")
+        if prefetch < 0:
+            raise ValueError(f"prefetch must be >= 0 batches, got {prefetch}")
         windows = _Windows(tokens, seq_len)
         self.n_windows = len(windows)
         if self.n_windows == 0:
@@ -89,14 +100,26 @@ class Loader:
         take = functools.partial(_take_rows, lo=lo, hi=lo + self.local_batch_size)
         ds = ds.batch(batch_size, drop_remainder=True, batch_fn=take)
         # No reader threads: a batch is a few slices of an in-memory (or page-cached) array, which costs
-        # microseconds; threads would only contend for the GIL with the training loop.
-        self._iter = ds.to_iter_dataset(grain.ReadOptions(num_threads=0, prefetch_buffer_size=0)).__iter__()
+        # microseconds; a pool would only contend for the GIL with the training loop. One prefetch thread does the
+        # slicing and the device placement together, `prefetch` batches ahead.
+        it = ds.to_iter_dataset(grain.ReadOptions(num_threads=0, prefetch_buffer_size=0))
+        if place is not None:
+            it = it.map(place)
+            if prefetch:
+                it = grain.experimental.ThreadPrefetchIterDataset(it, prefetch_buffer_size=prefetch)
+        self._iter = it.__iter__()
 
     def __iter__(self) -> "Loader":
         return self
 
     def __next__(self) -> np.ndarray:
-        return next(self._iter)  # int32 [B/P, T + 1]
+        return next(self._iter)  # int32 [B/P, T + 1] (or its placed array)
+
+    def close(self) -> None:
+        """Stop the prefetch thread (if any) and drop its buffered batches; the loader cannot be used after."""
+        if self._iter is not None:
+            self._iter.close()
+            self._iter = None  # freed now, not in interpreter shutdown (where grain's __del__ would fail noisily)
 
     def get_state(self) -> dict:
         """{"grain": {"next_index": k}, ...fingerprint}: k is the index of the next global batch."""
@@ -112,10 +135,13 @@ class Loader:
 
 
 def make_loader(tokens: np.ndarray, *, batch_size: int, seq_len: int, seed: int, shuffle: bool = True,
-                process_index: int = 0, process_count: int = 1, num_epochs: int | None = None) -> Loader:
-    """A `Loader` over `tokens` (see `Loader` for the contract); shuffle=False yields windows in stream order."""
+                process_index: int = 0, process_count: int = 1, num_epochs: int | None = None,
+                place: Callable[[np.ndarray], object] | None = None, prefetch: int = 2) -> Loader:
+    """A `Loader` over `tokens` (see `Loader` for the contract); shuffle=False yields windows in stream order;
+    `place` puts each batch on its devices, `prefetch` batches ahead (0: in the caller's thread)."""
     return Loader(tokens, batch_size=batch_size, seq_len=seq_len, seed=seed, shuffle=shuffle,
-                  process_index=process_index, process_count=process_count, num_epochs=num_epochs)
+                  process_index=process_index, process_count=process_count, num_epochs=num_epochs, place=place,
+                  prefetch=prefetch)
 
 
 __all__ = ["Loader", "make_loader"]

@@ -159,7 +159,8 @@ def _prepare(config: Config, workdir: pathlib.Path, devices: list, progress: boo
     rows_index, rows_count = batch_rows(trainer.plan.batch_sharding, train.batch_size)
     loader_args = dict(batch_size=train.batch_size, seq_len=train.seq_len, process_index=rows_index,
                        process_count=rows_count)
-    loader = data_lib.make_loader(train_tokens, seed=train.seed, **loader_args)
+    # Batches are placed on the step's devices by the loader's prefetch thread, two steps ahead.
+    loader = data_lib.make_loader(train_tokens, seed=train.seed, place=trainer.put, prefetch=2, **loader_args)
     if trainer.plan.padded_vocab != model_cfg.vocab_size and jax.process_index() == 0:
         print(f"jaxpar: vocab {model_cfg.vocab_size} padded to {trainer.plan.padded_vocab} (a multiple of "
               f"parallel.tensor={config.parallel.tensor}); the pad rows are zero and their logits masked")
@@ -203,45 +204,68 @@ def _run(config: Config, workdir: pathlib.Path, devices: list, progress: bool, t
     flops_per_step = flops.train_flops_per_token(model_cfg, train.seq_len) * tokens_per_step  # model FLOPs (MFU's)
     peak = flops.device_peak(devices[0], model_cfg.dtype)  # None on CPUs: tflops_per_device is logged, mfu is not
     profiler = StepProfiler(workdir, start + 2, train.profile_steps)  # the run's first step compiles: skip it
-    last_time, last_step = time.perf_counter(), start
-    bad_streak = skipped_total = 0
+    clock = {"time": time.perf_counter(), "step": start}
+    counts = {"streak": 0, "skipped": 0}  # consecutive and total skipped (non-finite) steps, exact
     preemption = Preemption()
+
+    def finish(step: int, metrics: dict, evaluate_now: bool) -> None:
+        """Account for a step whose work may still be running: read its skip flag (waiting for it), stop on
+        divergence, and log it on logging steps. Called one step late — after the next step is dispatched — except
+        where the loop must see the state of this very step (evaluation, a save, preemption, the end)."""
+        skipped = int(metrics["skipped"])  # a scalar: consecutive bad steps must be counted exactly
+        counts["skipped"] += skipped
+        counts["streak"] = counts["streak"] + 1 if skipped else 0
+        if counts["streak"] >= train.max_bad_steps:
+            raise TrainingDiverged(
+                f"steps {step - counts['streak'] + 1}..{step} had a non-finite loss, gradient or update and were "
+                f"skipped (train.max_bad_steps = {train.max_bad_steps}); nothing was saved after step "
+                f"{mngr.latest_step()}. Lower train.lr, raise train.warmup_steps or check the data.")
+        record = None
+        if step % train.log_every == 0 or step == train.steps or step == start + 1:
+            metrics = jax.device_get(metrics)  # the step has finished: the time below covers its real work
+            now = time.perf_counter()
+            dt = (now - clock["time"]) / (step - clock["step"])
+            record = {**metrics, "skipped_steps": counts["skipped"], "step_time_s": dt,
+                      "tokens_per_sec": tokens_per_step / dt,
+                      **flops.utilisation(flops_per_step, dt, len(devices), peak)}
+            clock.update(time=now, step=step)
+        if evaluate_now:
+            record = {**(record or {}), "eval_loss": evaluate(state.params)}
+            clock["time"] = time.perf_counter()  # keep evaluation out of the next interval's step time
+        if record is not None:
+            writer.write(step, record)
+            history.append({"step": step, **{k: float(v) for k, v in record.items()}})
+
+    # The loop is asynchronous: step t + 1 is dispatched before step t is accounted for, so the host's reads of
+    # step t's results overlap step t + 1's device work and the devices never wait for Python. The loader has
+    # the next batches already placed (a prefetch thread). Where the loop needs the state of the step it just ran —
+    # evaluation and checkpoints (the next step donates that state), preemption and the end — it accounts for that
+    # step first, so what is saved or evaluated has been checked exactly as in a synchronous loop.
+    pending = None  # (step, metrics) dispatched but not yet accounted for
     try:
         with preemption:
             for step in range(start + 1, train.steps + 1):
                 profiler.before(step)
-                state, metrics = train_step(state, to_device(next(loader)))
+                state, metrics = train_step(state, next(loader))
                 profiler.after(step, state)
                 writer.advance()
-                skipped = int(metrics["skipped"])  # a scalar per step: consecutive bad steps must be counted exactly
-                skipped_total += skipped
-                bad_streak = bad_streak + 1 if skipped else 0
-                if bad_streak >= train.max_bad_steps:
-                    raise TrainingDiverged(
-                        f"steps {step - bad_streak + 1}..{step} had a non-finite loss, gradient or update and were "
-                        f"skipped (train.max_bad_steps = {train.max_bad_steps}); nothing was saved after step "
-                        f"{mngr.latest_step()}. Lower train.lr, raise train.warmup_steps or check the data.")
-                record = None
-                if step % train.log_every == 0 or step == train.steps or step == start + 1:
-                    metrics = jax.device_get(metrics)  # blocks: the time below covers the steps' real work
-                    now = time.perf_counter()
-                    dt = (now - last_time) / (step - last_step)
-                    record = {**metrics, "skipped_steps": skipped_total, "step_time_s": dt,
-                              "tokens_per_sec": tokens_per_step / dt,
-                              **flops.utilisation(flops_per_step, dt, len(devices), peak)}
-                    last_time, last_step = now, step
-                if (train.eval_every and step % train.eval_every == 0) or step == train.steps:
-                    record = {**(record or {}), "eval_loss": evaluate(state.params)}
-                    last_time = time.perf_counter()  # keep evaluation out of the next interval's step time
-                if record is not None:
-                    writer.write(step, record)
-                    history.append({"step": step, **{k: float(v) for k, v in record.items()}})
+                if pending is not None:
+                    finish(*pending, evaluate_now=False)
+                pending = (step, metrics)
+                evaluate_now = bool(train.eval_every and step % train.eval_every == 0) or step == train.steps
+                save_now = bool(config.checkpoint.every and step % config.checkpoint.every == 0
+                                and step != train.steps)
+                if evaluate_now or save_now or preemption.requested:
+                    finish(*pending, evaluate_now=evaluate_now)
+                    pending = None
                 if preemption.requested:
                     break
-                if config.checkpoint.every and step % config.checkpoint.every == 0 and step != train.steps:
+                if save_now:
                     save(wait=False)
+            if pending is not None:  # (the loop ended on a step with nothing due: none, as the last step is due)
+                finish(*pending, evaluate_now=False)
             ran = int(jax.device_get(state.step)) - start
-            if ran and skipped_total == ran:  # nothing was learnt: say so rather than save and report "done"
+            if ran and counts["skipped"] == ran:  # nothing was learnt: say so rather than save and report "done"
                 raise TrainingDiverged(
                     f"every step of this run ({start + 1}..{start + ran}) had a non-finite loss, gradient or update "
                     f"and was skipped; nothing was saved after step {mngr.latest_step()}. Lower train.lr, raise "
@@ -249,6 +273,7 @@ def _run(config: Config, workdir: pathlib.Path, devices: list, progress: bool, t
             if ran or mngr.latest_step() is None:
                 save(wait=True)  # at the end, or on preemption: before returning
     finally:
+        loader.close()
         profiler.close()
         mngr.wait_until_finished()
         writer.close()
