@@ -18,7 +18,9 @@ Throughput ratio = MaxText per-step time / jaxpar per-step time (> 1: jaxpar is 
 runs, per layout, jaxpar S, jaxpar L, MaxText S, MaxText L (MaxText first on odd repetitions); the table shows per
 layout the median over repetitions of each framework's per-step time and of the ratio. Every process gets a fresh
 temporary directory as its cwd and workdir / base_output_directory, deleted after it exits; a failed run stops the
-script with the tail of its output.
+script with the tail of its output. The default (6 layouts x 2 frameworks x 2 lengths x 3 repetitions = 72
+processes of 12-60 s each) takes on the order of an hour on a 2-core machine; --repeats 1 --steps-long 40 and a
+layout or two make a quick check.
 
 The model, identical in both (1,115,264 parameters in each, counted in both frameworks): Llama (RMSNorm, RoPE theta
 10000, SwiGLU), d_model 128, 4 layers, 4 query heads and 4 kv heads of head_dim 32 (plain multi-head attention),
@@ -79,9 +81,10 @@ Differences that remain (each framework's own way of doing the same model):
 - Data: MaxText's synthetic iterator is one fixed random batch on device, re-sliced by a jitted function each step;
   jaxpar's synthetic source is a host array of 2M tokens from a random lexicon, batched on the host and put on the
   devices every step (its per-step host work is part of what is timed).
-- Per step, MaxText logs every step's metrics (and so reads them back to the host); jaxpar reads its step's
-  `skipped` flag every step and writes metrics.jsonl every 10 steps. jaxpar's non-finite-step guard (a norm of the
-  new parameters and a select) has no MaxText counterpart.
+- Host syncs: MaxText logs every step's metrics one step late (step k's loss is read after step k+1 is
+  dispatched); jaxpar reads each step's `skipped` flag right after it (the next step is not dispatched while one
+  runs) and writes metrics.jsonl every 10 steps. jaxpar's non-finite-step guard (a norm of the new parameters and a
+  select) has no MaxText counterpart.
 
 Reproducing the MaxText environment (MaxText 0.2.5's wheel declares no dependencies; it ran with jax 0.12.0.1,
 the same jax as jaxpar's venv, no tensorflow, no torch):
@@ -423,8 +426,8 @@ def main(argv: list[str] | None = None) -> int:
         for note in notes:
             print(note)
         print(f"per step = (wall({args.steps_long}) - wall({args.steps_short})) / {args.steps_long - args.steps_short}"
-              f" of whole processes, medians of {args.repeats}; CPU ms = the same over the child's user+system time;"
-              + (" MaxText/jaxpar > 1: jaxpar is faster." if len(frameworks) == 2 else ""))
+              f" of whole processes, medians of {args.repeats}; CPU ms = the same over the child's user+system time"
+              + ("; MaxText/jaxpar > 1: jaxpar is faster" if len(frameworks) == 2 else ""))
         print(f"{elapsed:.0f} s; load average {os.getloadavg()[0]:.2f}; {cmdline}")
     return 0
 
