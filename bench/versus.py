@@ -345,7 +345,7 @@ def table(rows: list[dict], frameworks: list[str], short: int) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--layouts", default=",".join(LAYOUTS),
                    help=f"comma-separated subset of {', '.join(LAYOUTS)} (DATAxTENSORxPIPE; default: all)")
     p.add_argument("--repeats", type=int, default=3, help="interleaved repetitions (medians are reported)")
