@@ -58,6 +58,7 @@ def _train(args, overrides: list[str]) -> int:
     from jaxpar import distributed, perf
 
     perf.configure_gpu_flags()  # XLA's GPU performance flags, before any backend starts (a no-op off NVIDIA GPUs)
+    perf.retain_host_memory()  # freed host memory is reused, not faulted in again every step (before XLA's threads)
     try:  # before anything touches a JAX backend; nothing happens for a single process
         distributed.initialize(distributed.resolve(
             args.coordinator, args.num_processes, args.process_id, args.local_device_ids,

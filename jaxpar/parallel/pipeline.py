@@ -11,13 +11,15 @@ Counts (p = stages, v = repeats, m = microbatches, L = layers, q = m/p, k = L/(p
   there at (r+1)·m + j, so m ≥ p. If m > p it waits m − p iterations in `park` (stage 0 only uses it).
 
 Buffers, per device (mb = rows per microbatch, … = [T or T/t under SP, D]):
-    io    [q, mb, …]  this stage's share of the microbatch stream. Starts as its own q embedded microbatches
-                      (stage s holds j = s·q … s·q + q − 1) and ends holding q finished ones (`output_order`).
-                      Column c = t mod q is the stream slot of iteration t: stage 0 reads its input from it (pass 0),
-                      stage 0 writes a finished microbatch into it (last pass), then the column rotates one stage
-                      left (s ← s+1) — one microbatch per stage per iteration, so over the run every input passes
-                      stage 0 and every output is carried off it.
-    shift [mb, …]     the activation the previous stage sent this iteration (ppermute s → s+1, p−1 → 0).
+    io    [q, mb, …]  this stage's share of the microbatch stream. Starts as its own q embedded microbatches and
+                      ends holding q finished ones (`output_order`). Column c = t mod q is the stream slot of
+                      iteration t: stage 0 reads its input from it (pass 0), stage 0 writes a finished microbatch into
+                      it (last pass), then the column moves one stage on (s → s+1, p−1 → 0) — one microbatch per
+                      stage per iteration, so over the run every input passes stage 0 and every output is carried off
+                      it. Moving one way, the column k times rotated brings stage 0 the column stage −k mod p started
+                      with, so microbatch j (the input stage 0 takes at iteration j) is the one stage −⌊j/q⌋ mod p
+                      embedded in its slot j mod q.
+    shift [mb, …]     the activation the previous stage sent this iteration (s → s+1, p−1 → 0).
     park  [m, mb, …]  stage 0's waiting room for pass r+1 inputs (only when v > 1 and m > p).
 
 Why inputs and outputs are spread: embedding, final norm, LM head and loss then run outside the loop on each stage's
@@ -26,7 +28,9 @@ ends up with different microbatches than it started with (`output_order`); the l
 (token ids, all-gathered over `pipe`: 4 bytes a token, against h·β for the activations).
 
 Gradients come from autodiff through the loop (the buffer moves are linear: selects, slices and ppermutes).
-Per iteration the collective-permutes move two microbatch activations per stage (shift and io), forward and backward.
+The io column and the shift travel the same way, so each iteration sends them together, as one collective-permute
+of the two stacked microbatch activations (one more in the backward): a collective's fixed cost — a rendezvous of
+every device, a launch — is paid once per iteration, not twice.
 """
 
 from __future__ import annotations
@@ -111,22 +115,24 @@ def format_schedule(stages: int, repeats: int, microbatches: int) -> str:
 
 
 def output_order(stages: int, repeats: int, microbatches: int) -> np.ndarray:
-    """[p, q]: which microbatch each io slot holds when `circular` returns — the same buffer rules as the loop,
-    replayed on labels."""
+    """[p, q]: for each io slot when `circular` returns, the io slot (as s·q + c, stage-major) whose embedded
+    microbatch it then holds finished — the same buffer rules as the loop, replayed on labels. The loss reads the
+    targets of the rows it holds through it."""
     p, m = stages, microbatches
     q = m // p
-    io = np.arange(m).reshape(p, q)  # the labels the stages start with
-    final = np.full((p, q), -1)
-    for t in range(iterations(p, repeats, m) + 1):  # the last step (t = N) is the epilogue write
+    n = iterations(p, repeats, m)
+    # Label the inputs by the iteration stage 0 takes them (see the module docstring): stage s starts with
+    # microbatches ((p − s) mod p)·q + c in its slots c.
+    io = ((p - np.arange(p)[:, None]) % p) * q + np.arange(q)[None, :]
+    origin = {int(j): s * q + c for (s, c), j in np.ndenumerate(io)}  # microbatch label → its starting slot
+    for t in range(n + 1):  # the last step (t = N) is the epilogue write
         c, u = t % q, t - p
         if 0 <= u < repeats * m and u // m == repeats - 1:
-            final_slot = io[:, c].copy()
-            final_slot[0] = 1000 + u % m  # a finished microbatch, labelled apart from inputs
-            io[:, c] = final_slot
-        if t < iterations(p, repeats, m):
-            io[:, c] = np.roll(io[:, c], -1)
+            io[0, c] = 1000 + u % m  # a finished microbatch, labelled apart from inputs
+        if t < n:
+            io[:, c] = np.roll(io[:, c], 1)  # s → s+1
     assert (io >= 1000).all(), "every io slot must end holding a finished microbatch"
-    final[:] = io - 1000
+    final = np.vectorize(lambda j: origin[j - 1000])(io)
     assert sorted(final.reshape(-1)) == list(range(m))
     return final
 
@@ -142,8 +148,7 @@ def circular(stage_fn: Callable[[object, Array], Array], stage_params, inputs: A
     p, v, m = stages, repeats, microbatches
     q = m // p
     s = jax.lax.axis_index(axis)
-    to_next = [(i, (i + 1) % p) for i in range(p)]  # shift: s → s+1, the last stage wraps to the first
-    to_prev = [(i, (i - 1) % p) for i in range(p)]  # io column rotation: s ← s+1
+    to_next = [(i, (i + 1) % p) for i in range(p)]  # shift and io column: s → s+1, the last stage wraps to the first
     use_park = v > 1 and m > p
 
     def stage_zero_receive(io, park, shift, t):
@@ -172,8 +177,8 @@ def circular(stage_fn: Callable[[object, Array], Array], stage_params, inputs: A
         r = jnp.clip(u // m, 0, v - 1)
         y = stage_fn(jax.tree.map(lambda a: a[r], stage_params), x)
         io, park = stage_zero_receive(io, park, shift, t)
-        io = io.at[c].set(jax.lax.ppermute(io[c], axis, to_prev))
-        shift = jax.lax.ppermute(y, axis, to_next)
+        sent = jax.lax.ppermute(jnp.stack([io[c], y]), axis, to_next)  # [2, mb, …]: one collective for both
+        io, shift = io.at[c].set(sent[0]), sent[1]
         return (io, shift, park), None
 
     shift = jnp.zeros_like(inputs[0])

@@ -162,10 +162,14 @@ def make_plan(model: ModelConfig, parallel: ParallelConfig | None = None, device
     _validate(parallel, degrees, explicit)
     t = degrees[TENSOR]
     rules, kv_replicas = RULES, 1
-    if model.n_kv_heads % t:  # GQA with K < t: kv heads replicated, rank r uses kv head r // (t/K)
+    if t == 1:  # nothing is split over tensor: the step's values are typed (and run) as not varying over it
+        rules = tuple((name, None if axis == TENSOR else axis) for name, axis in RULES)
+    elif model.n_kv_heads % t:  # GQA with K < t: kv heads replicated, rank r uses kv head r // (t/K)
         rules = tuple((name, None if name == "kv_heads" else axis) for name, axis in RULES)
         kv_replicas = t // model.n_kv_heads
-    tensor = TensorParallel(TENSOR, parallel.sequence_parallel, kv_replicas) if explicit else None
+    # At tensor = 1 the model runs the single-device context: a psum over a one-device axis is not free on every
+    # backend (XLA:CPU keeps it as an all-reduce, with its rendezvous, in every layer, forward and backward).
+    tensor = TensorParallel(TENSOR, parallel.sequence_parallel, kv_replicas) if explicit and t > 1 else None
     pipeline = None
     if degrees[PIPE] > 1:
         pipeline = Pipeline(degrees[PIPE], parallel.repeats, parallel.microbatches, model.n_layers)

@@ -15,7 +15,7 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from jaxpar import data as data_lib
-from jaxpar import flops
+from jaxpar import flops, perf
 from jaxpar.config import Config
 from jaxpar.distributed import batch_rows
 from jaxpar.errors import CheckpointError, OutputError
@@ -125,6 +125,7 @@ def fit(config: Config, workdir: str | pathlib.Path, *, devices: list | None = N
     checkpoints under `workdir`. If `workdir` already holds a checkpoint, training continues from it (parameters,
     optimizer state, step and data order) — provided `config` is compatible with the one that wrote it
     (`checkpoint.check_resumable`). The workdir is locked for the run: a second writer gets `WorkdirLocked`."""
+    perf.retain_host_memory()  # (a no-op if `jaxpar train` already did it, before the backend started)
     devices = list(jax.devices() if devices is None else devices)
     config = config.resolve_for_devices(len(devices))
     with WorkdirLock(workdir):

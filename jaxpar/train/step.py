@@ -67,7 +67,7 @@ def pipeline_loss(model, batch: jax.Array, pipe: Pipeline, remat: str, par: Para
     stage = lambda layers, h: run_layers(layers, h, positions, mask, model.cfg, remat=remat, par=par)  # noqa: E731
     out = pipeline.circular(stage, per_pass, io, stages=p, repeats=v, microbatches=m)
     logits = model.logits(out.reshape(R, *out.shape[2:]), par)  # [R, T, V_local]
-    held = jnp.asarray(pipeline.output_order(p, v, m))[jax.lax.axis_index(PIPE)]  # [q] microbatch ids held here
+    held = jnp.asarray(pipeline.output_order(p, v, m))[jax.lax.axis_index(PIPE)]  # [q] starting slots s·q + c
     all_targets = jax.lax.all_gather(targets.reshape(q, mb, T), PIPE)  # [p, q, mb, T]
     return par.cross_entropy(logits, all_targets[held // q, held % q].reshape(R, T)).mean()
 
