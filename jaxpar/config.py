@@ -66,6 +66,10 @@ class ModelConfig:
                              "0: full causal attention")
     attention: str = _f("auto", "attention kernel via jax.nn.dot_product_attention: 'xla', 'cudnn' (flash attention "
                         "on NVIDIA GPUs, bf16/fp16), or 'auto' (cudnn where it applies, else xla)")
+    scan_unroll: int = _f(4, "layers per iteration of the scan over layers (per pipeline stage): the loop runs "
+                          "ceil(n/u) iterations of u unrolled layers, so XLA schedules across their boundaries and "
+                          "keeps fewer per-layer buffers; compile time grows with u, never with depth. 1: one layer "
+                          "per iteration")
     norm_eps: float = _f(1e-5, "epsilon of RMSNorm / LayerNorm")
     tie_embeddings: bool = _f(False, "share the token embedding with the LM head")
     init_std: float = _f(0.02, "std of the normal init; output projections get init_std/sqrt(2*n_layers)")
@@ -89,7 +93,7 @@ class ModelConfig:
         if self.attention == "cudnn" and self.dtype == "float32":
             raise ConfigError("model.attention", self.attention, "cuDNN flash attention needs a 16-bit compute dtype",
                               "set model.dtype=bfloat16, or model.attention=auto/xla")
-        for name in ("vocab_size", "d_model", "n_layers", "n_heads", "max_seq_len"):
+        for name in ("vocab_size", "d_model", "n_layers", "n_heads", "max_seq_len", "scan_unroll"):
             _check_positive(f"model.{name}", getattr(self, name))
         for name in ("n_kv_heads", "head_dim", "d_ff"):
             _check_positive(f"model.{name}", getattr(self, name), allow_zero="derived")

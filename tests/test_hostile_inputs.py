@@ -204,6 +204,8 @@ CASES = [
          lambda c, t: load_config("configs/tiny.py", ["parallel.expert=2"])),
     Case("train-context-unimplemented", TRAIN + "--config.parallel.context=2", "parallel.context",
          lambda c, t: load_config("configs/tiny.py", ["parallel.context=2"])),
+    Case("train-scan-unroll-zero", TRAIN + "--config.model.scan_unroll=0", "model.scan_unroll",
+         lambda c, t: load_config("configs/tiny.py", ["model.scan_unroll=0"])),
     Case("train-sp-without-tensor", TRAIN + "--config.parallel.tensor=1 --config.parallel.sequence_parallel=true",
          "parallel.sequence_parallel",
          lambda c, t: load_config("configs/tiny.py", ["parallel.tensor=1", "parallel.sequence_parallel=true"])),
