@@ -92,8 +92,82 @@ def make_step(model, train) -> tuple[Callable, optax.GradientTransformation]:
     return jax.jit(step, donate_argnums=(0, 1)), tx
 
 
+def init_params(key, *, vocab: int, d_model: int, n_layers: int, n_heads: int, n_kv_heads: int, head_dim: int,
+                d_ff: int, std: float = 0.02) -> Params:
+    """Normal(0, std) matrices and unit norm scales, stacked on a leading layer axis (the names of `loss_fn`)."""
+    L, D, H, K, E, F = n_layers, d_model, n_heads, n_kv_heads, head_dim, d_ff
+    shapes = {"wq": (L, D, H, E), "wk": (L, D, K, E), "wv": (L, D, K, E), "wo": (L, H, E, D),
+              "w_gate": (L, D, F), "w_up": (L, D, F), "w_down": (L, F, D)}
+    keys = iter(jax.random.split(key, len(shapes) + 2))
+    blocks = {name: std * jax.random.normal(next(keys), shape) for name, shape in shapes.items()}
+    blocks.update(attn_norm=jnp.ones((L, D)), mlp_norm=jnp.ones((L, D)))
+    return {"embed": std * jax.random.normal(next(keys), (vocab, D)), "blocks": blocks,
+            "final_norm": jnp.ones((D,)), "lm_head": std * jax.random.normal(next(keys), (D, vocab))}
+
+
+# Which dimension of each stacked block weight splits over `tensor` (Megatron: q/k/v and gate/up by output
+# columns — heads or MLP hidden — o and down by input rows); everything else is replicated.
+TENSOR_DIM = {"wq": 2, "wk": 2, "wv": 2, "wo": 1, "w_gate": 2, "w_up": 2, "w_down": 1}
+
+
+def shardings(params: Params, mesh) -> Params:
+    """NamedShardings for `params` on a ("data", "tensor") mesh (see TENSOR_DIM)."""
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    def spec(path, leaf):
+        name = path[-1].key
+        dims = [None] * leaf.ndim
+        if path[0].key == "blocks" and name in TENSOR_DIM:
+            dims[TENSOR_DIM[name]] = "tensor"
+        return NamedSharding(mesh, P(*dims))
+
+    return jax.tree_util.tree_map_with_path(spec, params)
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+    import types
+
+    import numpy as np
+
+    parser = argparse.ArgumentParser(prog="python -m bench.plain", description=__doc__.split("\n\n")[0])
+    for name, default in (("steps", 10), ("data", 1), ("tensor", 1), ("batch", 8), ("seq", 64), ("vocab", 256),
+                          ("d-model", 128), ("layers", 4), ("heads", 4), ("kv-heads", 4), ("head-dim", 32),
+                          ("d-ff", 512)):
+        parser.add_argument(f"--{name}", type=int, default=default)
+    a = parser.parse_args(argv)
+    model = types.SimpleNamespace(dtype="float32", norm_eps=1e-5, rope_theta=10000.0, tie_embeddings=False)
+    train = types.SimpleNamespace(steps=a.steps, warmup_steps=max(1, a.steps // 10), lr=3e-3, min_lr_ratio=0.1,
+                                  b1=0.9, b2=0.95, weight_decay=0.1, grad_clip=1.0)
+    step, tx = make_step(model, train)
+    params = init_params(jax.random.key(0), vocab=a.vocab, d_model=a.d_model, n_layers=a.layers, n_heads=a.heads,
+                         n_kv_heads=a.kv_heads, head_dim=a.head_dim, d_ff=a.d_ff)
+    put = jax.device_put
+    if a.data * a.tensor > 1:
+        from jax.sharding import NamedSharding, PartitionSpec as P
+
+        mesh = jax.make_mesh((a.data, a.tensor), ("data", "tensor"), devices=jax.devices()[: a.data * a.tensor])
+        params = jax.device_put(params, shardings(params, mesh))
+        rows = NamedSharding(mesh, P("data"))
+        put = lambda x: jax.device_put(x, rows)  # noqa: E731
+    opt_state = tx.init(params)
+    rng = np.random.default_rng(0)
+    loss = None
+    for _ in range(a.steps):
+        batch = put(rng.integers(0, a.vocab, (a.batch, a.seq + 1)).astype(np.int32))
+        params, opt_state, loss = step(params, opt_state, batch)
+    print(f"done: {a.steps} steps, loss {float(loss):.4f}")
+    return 0
+
+
 def params_from_jaxpar(params) -> Params:
     """A jaxpar single-device `nnx.State` of parameters → the plain dict (fresh buffers, so donation is safe)."""
     from flax import nnx
 
     return jax.tree.map(jnp.copy, dict(nnx.to_pure_dict(params)))
+
+
+if __name__ == "__main__":
+    import sys
+
+    sys.exit(main())

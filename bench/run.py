@@ -12,10 +12,17 @@ Sections (each device count runs in its own subprocess: the simulated device cou
    device (`jaxpar.flops`; a CPU has no peak, so no MFU); beside each, from `jaxpar.analysis.report`:
    tensor-axis bytes against Megatron's analytic count and, with a pipeline, executed/useful FLOPs against
    (v·m + p − 1)/(v·m).
-3. compile time against depth (4, 16, 32 layers) at the demo layout (2, 2, 2): layers are scanned, so it should
-   not grow. Process CPU seconds (lowering and compiling), which other processes' load barely moves; wall beside.
-Simulated devices share the host's cores: section 2 shows each layout's overhead, not a speed-up. The whole suite
-takes about 1.5 minutes on an idle 2-core machine (3–4 under load), `--quick` a little over 1.
+3. compile time against depth (4, 16, 32 layers) at the demo layout (2, 2, 2): layers are scanned, model.scan_unroll
+   = 4 per iteration, so it grows until a stage holds 4 layers (k = 1 at 4 layers, 4 at 16) and then stays. Process CPU seconds (lowering and compiling), which other processes' load barely moves; wall beside.
+4. whole processes (bench/versus.py) — per layout of the MaxText comparison (the tiny Llama of d_model 128, seq 64,
+   batch 8, fp32, on 1 or 8 simulated devices): `jaxpar train`'s per-step time, (wall(160 steps) − wall(10)) / 150,
+   beside bench/plain.py's hand-written jax.jit loop (layouts without a pipeline) and, where MaxText 0.2.5 is
+   installed beside it (bench/versus.py says how), MaxText's; `--versus-repeats` interleaved rounds (default 1;
+   bench/versus.py --repeats 3 is the decisive run), medians, wall and CPU. Each ratio is the other's time over
+   jaxpar's (> 1: jaxpar is faster).
+Simulated devices share the host's cores: section 2 shows each layout's overhead, not a speed-up. Sections 1–3
+take about 1.5 minutes on an idle 2-core machine (3–4 under load), `--quick` a little over 1; section 4 about 6
+minutes per round without MaxText and 10 with it (`--versus-repeats 0` or `--quick` skips it).
 """
 
 from __future__ import annotations
@@ -162,6 +169,33 @@ def layouts(steps: int, depths: tuple[int, ...]) -> None:
              + ("; at k = 1 XLA drops the one-trip loop" if k == 1 else ""))
 
 
+def versus_rows(repeats: int) -> list[dict]:
+    """Section 4: bench/versus.py's table as rows (it runs its own processes, one per measurement)."""
+    cmd = [sys.executable, str(ROOT / "bench" / "versus.py"), "--repeats", str(repeats), "--plain", "--format",
+           "json"]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, check=False)
+    if proc.returncode != 0:
+        tail = "\n".join(proc.stderr.strip().splitlines()[-15:])
+        return [{"section": "whole process", "case": "FAILED", "measured": f"exit {proc.returncode}",
+                 "reference": "", "ratio": None, "note": tail}]
+    result = json.loads(proc.stdout)
+    rows = []
+    for r in result["rows"]:
+        j = r["jaxpar"]
+        for fw, name in (("plain", "plain jit"), ("maxtext", "MaxText")):
+            if fw not in r or r[fw]["step_wall_s"] is None:
+                continue
+            o = r[fw]
+            rows.append({"section": "whole process", "case": f"jaxpar train vs {name} {r['mesh']}",
+                         "measured": f"{j['step_wall_s'] * 1e3:.1f} ms", "reference": f"{o['step_wall_s'] * 1e3:.1f} ms",
+                         "ratio": r[f"ratio_{fw}_wall"],
+                         "note": f"{name}/jaxpar wall; by CPU {r[f'ratio_{fw}_cpu']:.3f} ({j['step_cpu_s'] * 1e3:.1f} vs "
+                                 f"{o['step_cpu_s'] * 1e3:.1f} ms); medians of {result['repeats']}"})
+    rows += [{"section": "whole process", "case": "note", "measured": "", "reference": "", "ratio": None,
+              "note": n} for n in result["notes"]]
+    return rows
+
+
 def _env(devices: int | None) -> dict[str, str]:
     """The environment for a worker: the caller's XLA_FLAGS without any device count, plus `devices` simulated
     CPU devices (None: leave the platform alone, one device)."""
@@ -204,6 +238,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="fewer steps and rounds; depths 4 and 16 only")
     parser.add_argument("--steps", type=int, default=None, help="steps per timing round, section 1 (default 2)")
     parser.add_argument("--repeats", type=int, default=None, help="interleaved rounds, section 1 (default 15, quick 5)")
+    parser.add_argument("--versus-repeats", type=int, default=1,
+                        help="rounds of section 4, whole processes against plain jit and MaxText (0: skip)")
     parser.add_argument("--worker", choices=("single", "layouts"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     args.steps = args.steps or 2
@@ -216,6 +252,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     start = time.perf_counter()
     rows = _worker("single", None, args) + _worker("layouts", 8, args)
+    if args.versus_repeats > 0 and not args.quick:
+        rows += versus_rows(args.versus_repeats)
     print(format_table(rows))
     print(f"\n{time.perf_counter() - start:.0f} s; python -m bench{' --quick' if args.quick else ''} "
           f"--steps {args.steps} --repeats {args.repeats}")

@@ -1,8 +1,8 @@
 """jaxpar vs MaxText 0.2.5: whole-process wall time per training step of the same tiny Llama, side by side.
 
     .venv/bin/python bench/versus.py [--layouts 1x1x1,8x1x1,...] [--repeats 3] [--steps-short 10 --steps-long 160]
-                                     [--only jaxpar|maxtext] [--maxtext-python PATH] [--remat full|dots|native]
-                                     [--format table|json]
+                                     [--only jaxpar|maxtext] [--plain] [--maxtext-python PATH]
+                                     [--remat native|full|dots] [--format table|json]
 
 Layouts are DATAxTENSORxPIPE on simulated CPU devices (XLA_FLAGS=--xla_force_host_platform_device_count=N, N the
 product; the simulated devices share the host's cores, so a layout's time is its overhead, not a speed-up):
@@ -68,16 +68,20 @@ Both processes also get JAX_PLATFORMS=cpu. Why some MaxText keys:
 
 Differences that remain (each framework's own way of doing the same model):
 - Remat: MaxText always wraps each layer (or, pipelined, each pipeline iteration) in jax.checkpoint; its default
-  remat_policy 'full' saves nothing, and it has no 'none'. jaxpar's default is no remat. --remat full (default)
-  runs both with full per-layer remat (identical recomputation); --remat dots pairs jaxpar 'dots'
-  (dots_with_no_batch_dims_saveable: projection/MLP matmul outputs kept) with MaxText 'minimal' (q/k/v/out
-  projections and MLP wi_0/wi_1/wo kept); --remat native runs each at its default (jaxpar none, MaxText full:
-  MaxText recomputes the forward pass, jaxpar does not).
+  remat_policy 'full' saves nothing, and it has no 'none'. jaxpar's default is no remat. --remat native (the
+  default: what a user of either gets) runs each at its default (jaxpar none, MaxText full: MaxText recomputes
+  the forward pass, jaxpar does not); --remat full runs both with full per-layer remat (identical
+  recomputation); --remat dots pairs jaxpar 'dots' (dots_with_no_batch_dims_saveable: projection/MLP matmul
+  outputs kept) with MaxText 'minimal' (q/k/v/out projections and MLP wi_0/wi_1/wo kept).
 - Attention: jaxpar 'xla' is jax.nn.dot_product_attention's XLA path; MaxText 'dot_product' is its own einsum
   attention (AttentionOp.apply_attention_dot). Both are plain softmax(QK^T)V with a causal mask, in fp32.
-- Layers: both scan the layers with lax.scan (MaxText scan_layers=true, its default). Pipelined, MaxText scans the
-  pipeline iterations and loops over a stage's layers unrolled (scan_layers_per_stage=false, its default); jaxpar
-  scans a stage's layers.
+- Layers: both scan the layers with lax.scan (MaxText scan_layers=true, its default; jaxpar's scan runs
+  model.scan_unroll = 4 layers per iteration, so these 4 layers are one trip). Pipelined, MaxText scans the
+  pipeline iterations and loops over a stage's layers unrolled (scan_layers_per_stage=false, its default); so
+  does jaxpar (a stage's <= 4 layers are one trip of its scan).
+- --plain adds bench/plain.py's hand-written jax.jit loop (`python -m bench.plain`: its own init, a host batch
+  placed every step, GSPMD on a (data, tensor) mesh) at the layouts without a pipeline: plain/jaxpar is the cost
+  of everything jaxpar's `fit` adds to the bare math.
 - Data: MaxText's synthetic iterator is one fixed random batch on device, re-sliced by a jitted function each step;
   jaxpar's synthetic source is a host array of 2M tokens from a random lexicon, batched on the host and put on the
   devices every step (its per-step host work is part of what is timed).
@@ -275,6 +279,20 @@ def run_maxtext(python: str, base_yml: str, layout: Layout, steps: int, remat: s
         shutil.rmtree(tmp, ignore_errors=True)
 
 
+def run_plain(layout: Layout, steps: int, remat: str) -> tuple[float, float]:
+    """bench/plain.py's own loop (no remat, as jaxpar's default); (data, tensor) layouts only: it has no pipeline."""
+    tmp = pathlib.Path(tempfile.mkdtemp(prefix="versus-plain-"))
+    try:
+        cmd = [sys.executable, "-m", "bench.plain", "--steps", str(steps), "--data", str(layout.data), "--tensor",
+               str(layout.tensor), "--batch", str(GLOBAL_BATCH), "--seq", str(SEQ_LEN)]
+        wall, cpu, out = run_timed(cmd, _env(layout.devices, PYTHONPATH=str(REPO)), tmp)
+        if f"done: {steps} steps" not in out:
+            raise RunFailed(f"bench.plain did not report {steps} steps: {shlex.join(cmd)}\n{out[-3000:]}")
+        return wall, cpu
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
 def find_maxtext(python: str | None) -> tuple[str, str] | None:
     """(interpreter, path of maxtext/configs/base.yml), or None when there is no MaxText to run."""
     if not python or not os.path.exists(python):
@@ -314,32 +332,34 @@ def summarize(runs: list[dict], layouts: list[Layout], frameworks: list[str], sh
                        "step_cpu_s": _med([c for _, c in steps.values()]),
                        "step_wall_s_each": [w for w, _ in steps.values()],
                        "short_run_wall_s": _med(shorts)}
-        if len(frameworks) == 2:
-            reps = set(per_rep["jaxpar"]) & set(per_rep["maxtext"])
-            row["ratio_wall"] = _med([per_rep["maxtext"][r][0] / per_rep["jaxpar"][r][0] for r in reps])
-            row["ratio_cpu"] = _med([per_rep["maxtext"][r][1] / per_rep["jaxpar"][r][1] for r in reps])
+        for fw in frameworks:
+            if fw != "jaxpar" and "jaxpar" in frameworks:  # fw time / jaxpar time: > 1 means jaxpar is faster
+                reps = set(per_rep["jaxpar"]) & set(per_rep[fw])
+                row[f"ratio_{fw}_wall"] = _med([per_rep[fw][r][0] / per_rep["jaxpar"][r][0] for r in reps])
+                row[f"ratio_{fw}_cpu"] = _med([per_rep[fw][r][1] / per_rep["jaxpar"][r][1] for r in reps])
         rows.append(row)
     return rows
 
 
 def table(rows: list[dict], frameworks: list[str], short: int) -> str:
-    names = {"jaxpar": "jaxpar", "maxtext": "MaxText"}
-    head = [("layout (d, t, p)", 26)]
+    names = {"jaxpar": "jaxpar", "maxtext": "MaxText", "plain": "plain"}
+    others = [fw for fw in frameworks if fw != "jaxpar"] if "jaxpar" in frameworks else []
+    head = [("layout (d, t, p)", 22)]
     for fw in frameworks:
-        head += [(f"{names[fw]} ms/step", 18), (f"{names[fw]} CPU ms", 17), (f"{names[fw]} {short}-step s", 19)]
-    if len(frameworks) == 2:
-        head += [("MaxText/jaxpar", 16), ("by CPU", 9)]
+        head += [(f"{names[fw]} ms/step", 18), (f"{names[fw]} CPU ms", 16), (f"{names[fw]} {short}-step s", 18)]
+    for fw in others:
+        head += [(f"{names[fw]}/jaxpar", 16), ("by CPU", 9)]
     lines = ["".join(f"{h:<{w}}" if i == 0 else f"{h:>{w}}" for i, (h, w) in enumerate(head))]
     lines.append("-" * len(lines[0]))
+    fmt = lambda x: "-" if x is None else f"{x:.3f}"  # noqa: E731
     for row in rows:
         cells = [row["mesh"]]
         for fw in frameworks:
             f = row[fw]
             cells += [_ms(f["step_wall_s"]), _ms(f["step_cpu_s"]),
                       "-" if f["short_run_wall_s"] is None else f"{f['short_run_wall_s']:.1f}"]
-        if len(frameworks) == 2:
-            cells += ["-" if row["ratio_wall"] is None else f"{row['ratio_wall']:.3f}",
-                      "-" if row["ratio_cpu"] is None else f"{row['ratio_cpu']:.3f}"]
+        for fw in others:
+            cells += [fmt(row.get(f"ratio_{fw}_wall")), fmt(row.get(f"ratio_{fw}_cpu"))]
         lines.append("".join(f"{c:<{w}}" if i == 0 else f"{c:>{w}}" for i, (c, (_, w)) in enumerate(zip(cells, head))))
     return "\n".join(lines)
 
@@ -352,12 +372,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps-short", type=int, default=10)
     p.add_argument("--steps-long", type=int, default=160)
     p.add_argument("--only", choices=("jaxpar", "maxtext"), help="run one framework alone")
+    p.add_argument("--plain", action="store_true", help="also run bench/plain.py's hand-written jax.jit loop "
+                   "(layouts without a pipeline)")
     p.add_argument("--maxtext-python", default=None,
                    help=f"interpreter with maxtext 0.2.5 installed (default: {DEFAULT_MAXTEXT_PYTHON} if it exists, "
                         "else $MAXTEXT_PYTHON)")
-    p.add_argument("--remat", choices=tuple(REMAT), default="full",
-                   help="full: both full per-layer remat (default); dots: jaxpar 'dots' vs MaxText 'minimal'; "
-                        "native: each framework's default (jaxpar none, MaxText full)")
+    p.add_argument("--remat", choices=tuple(REMAT), default="native",
+                   help="native: each framework's default (jaxpar none, MaxText full; the default); full: both full "
+                        "per-layer remat; dots: jaxpar 'dots' vs MaxText 'minimal'")
     p.add_argument("--format", choices=("table", "json"), default="table")
     args = p.parse_args(argv)
     cmdline = shlex.join([os.path.relpath(sys.executable) if sys.executable.startswith(os.getcwd()) else sys.executable,
@@ -389,6 +411,8 @@ def main(argv: list[str] | None = None) -> int:
             say(notes[-1])
             frameworks = ["jaxpar"]
 
+    if args.plain:
+        frameworks.append("plain")
     runs: list[dict] = []
     started = time.time()
     say(f"versus: {len(layouts)} layouts x {len(frameworks)} frameworks x steps {args.steps_short}/{args.steps_long} "
@@ -398,9 +422,13 @@ def main(argv: list[str] | None = None) -> int:
             order = frameworks if rep % 2 == 0 else frameworks[::-1]
             for lay in layouts:
                 for fw in order:
+                    if fw == "plain" and lay.pipe > 1:
+                        continue
                     for steps in (args.steps_short, args.steps_long):
                         if fw == "jaxpar":
                             wall, cpu = run_jaxpar(lay, steps, args.remat)
+                        elif fw == "plain":
+                            wall, cpu = run_plain(lay, steps, args.remat)
                         else:
                             wall, cpu = run_maxtext(*maxtext, lay, steps, args.remat)
                         runs.append({"repeat": rep, "layout": lay.name, "framework": fw, "steps": steps,
@@ -427,7 +455,7 @@ def main(argv: list[str] | None = None) -> int:
             print(note)
         print(f"per step = (wall({args.steps_long}) - wall({args.steps_short})) / {args.steps_long - args.steps_short}"
               f" of whole processes, medians of {args.repeats}; CPU ms = the same over the child's user+system time"
-              + ("; MaxText/jaxpar > 1: jaxpar is faster" if len(frameworks) == 2 else ""))
+              + ("; X/jaxpar > 1: jaxpar is faster" if len(frameworks) > 1 else ""))
         print(f"{elapsed:.0f} s; load average {os.getloadavg()[0]:.2f}; {cmdline}")
     return 0
 

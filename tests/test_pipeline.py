@@ -186,8 +186,9 @@ def test_compiled_step_does_not_grow_with_depth():
     8; at 4 layers k = 1 and XLA drops the one-trip loop.) Compile time against depth is a benchmark:
     `python -m bench`, section 3."""
     programs = {}
-    for layers in (8, 32):
-        compiled = compiled_step(load_config("configs/tiny.py", [f"model.n_layers={layers}", "model.d_model=32"]))
+    for layers in (8, 32):  # one layer per scan iteration, as the trip counts below say (the default unrolls 4)
+        compiled = compiled_step(load_config("configs/tiny.py", [f"model.n_layers={layers}", "model.d_model=32",
+                                                                 "model.scan_unroll=1"]))
         prog = hlo.parse_hlo(compiled)
         programs[layers] = (sorted(hlo.loop_trip_counts(compiled).values()),
                             sum(ins.op == "dot" for instrs in prog.computations.values() for ins in instrs),

@@ -48,9 +48,13 @@ def activation_bytes_per_layer(config: Config, mesh) -> dict[str, float]:
     arguments and gradients outputs, so XLA's temp bytes hold activations saved for the backward pass plus
     workspace; then compile it again with twice the layers. The difference per added layer is one layer's
     activations — the embedding, LM head, loss and workspace buffers cancel out. Optimizer state never appears.
+    Both compile with one layer per scan iteration (model.scan_unroll = 1), where each layer's saved activations
+    are the [n, …] stacks the difference isolates; unrolled, XLA's buffer reuse across the unrolled layers would
+    blur the per-layer share (the saved activations themselves are the same either way).
     """
     L = config.model.n_layers
-    temps = [memory(compile_grads(dataclasses.replace(config, model=dataclasses.replace(config.model, n_layers=n)),
+    model = dataclasses.replace(config.model, scan_unroll=1)
+    temps = [memory(compile_grads(dataclasses.replace(config, model=dataclasses.replace(model, n_layers=n)),
                                   mesh))["temp_bytes"] for n in (L, 2 * L)]
     return {"per_layer": (temps[1] - temps[0]) / L, "temp_bytes_at_L": temps[0], "temp_bytes_at_2L": temps[1]}
 
