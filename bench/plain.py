@@ -146,7 +146,8 @@ def main(argv: list[str] | None = None) -> int:
     if a.data * a.tensor > 1:
         from jax.sharding import NamedSharding, PartitionSpec as P
 
-        mesh = jax.make_mesh((a.data, a.tensor), ("data", "tensor"), devices=jax.devices()[: a.data * a.tensor])
+        auto = (jax.sharding.AxisType.Auto,) * 2  # GSPMD propagates the shardings (no sharding-in-types)
+        mesh = jax.make_mesh((a.data, a.tensor), ("data", "tensor"), auto, devices=jax.devices()[: a.data * a.tensor])
         params = jax.device_put(params, shardings(params, mesh))
         rows = NamedSharding(mesh, P("data"))
         put = lambda x: jax.device_put(x, rows)  # noqa: E731
