@@ -29,8 +29,6 @@ import sys
 import tempfile
 import time
 
-MODEL = ["model.d_model=128", "model.n_heads=4", "model.n_kv_heads=4", "model.head_dim=32", "model.d_ff=512",
-         "model.n_layers=4", "model.vocab_size=256", "model.max_seq_len=64", "train.batch_size=8", "train.seq_len=64"]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -48,6 +46,7 @@ def main(argv: list[str] | None = None) -> int:
         env = dict(os.environ, XLA_FLAGS=f"{os.environ.get('XLA_FLAGS', '')} {flag}".strip(), JAX_PLATFORMS="cpu")
         os.execve(sys.executable, [sys.executable, "-m", "bench.ops", *(argv or sys.argv[1:])], env)
 
+    from bench.versus import JAXPAR_MODEL
     from jaxpar import perf
 
     perf.retain_host_memory()  # as `jaxpar train` does, before the backend starts
@@ -59,7 +58,8 @@ def main(argv: list[str] | None = None) -> int:
     m = args.microbatches or (p if p > 1 else 1)
     layout = [f"parallel.data={d}", f"parallel.tensor={t}", f"parallel.pipe={p}",
               f"parallel.repeats={args.repeats if p > 1 else 1}", f"parallel.microbatches={m}"]
-    config = load_config("configs/tiny.py", MODEL + layout + [o.removeprefix("--config.") for o in overrides])
+    model = [f"{k}={v}" for k, v in JAXPAR_MODEL.items()]
+    config = load_config("configs/tiny.py", model + layout + [o.removeprefix("--config.") for o in overrides])
     config = config.resolve_for_devices(n)
     trainer = build_trainer(config, jax.devices()[:n] if n > 1 else None)
     batch, box = trainer.random_batch(config), [trainer.state]

@@ -173,13 +173,18 @@ def _env(devices: int, **extra: str) -> dict[str, str]:
     return env
 
 
+# The compared model as jaxpar config overrides (of configs/tiny.py); bench/ops.py profiles the same one.
+JAXPAR_MODEL = {
+    "model.family": "llama", "model.d_model": 128, "model.n_heads": 4, "model.n_kv_heads": 4,
+    "model.head_dim": 32, "model.d_ff": 512, "model.n_layers": 4, "model.vocab_size": 256,
+    "model.max_seq_len": SEQ_LEN, "model.dtype": "float32", "model.param_dtype": "float32",
+    "model.attention": "xla", "train.batch_size": GLOBAL_BATCH, "train.seq_len": SEQ_LEN,
+}
+
+
 def jaxpar_cmd(layout: Layout, steps: int, workdir: str, remat: str) -> list[str]:
     o = {
-        "model.family": "llama", "model.d_model": 128, "model.n_heads": 4, "model.n_kv_heads": 4,
-        "model.head_dim": 32, "model.d_ff": 512, "model.n_layers": 4, "model.vocab_size": 256,
-        "model.max_seq_len": SEQ_LEN, "model.dtype": "float32", "model.param_dtype": "float32",
-        "model.attention": "xla",
-        "train.batch_size": GLOBAL_BATCH, "train.seq_len": SEQ_LEN, "train.steps": steps, "train.lr": LR,
+        **JAXPAR_MODEL, "train.steps": steps, "train.lr": LR,
         "train.warmup_steps": max(1, steps // 10), "train.eval_every": 0,
         "checkpoint.every": 0, "data.source": "synthetic", "data.tokenizer": "bytes",
         "parallel.data": layout.data, "parallel.tensor": layout.tensor, "parallel.pipe": layout.pipe,

@@ -96,13 +96,9 @@ def run_layers(stacked: dict[str, Array], x: Array, positions: Array, mask: Arra
     schedule across the boundary, and every activation the backward needs is written into a stacked [n, …] buffer
     with a dynamic-update-slice and read back with a dynamic-slice. A few layers per trip remove most of that (on
     the tiny model's single-device step, about a quarter of its time) while the program still holds at most
-    `scan_unroll` copies of the layer, whatever the depth.
-
-    Under sequence parallelism the scan keeps one layer per iteration: SP's backward gathers each layer's input
-    again (Korthikanti et al. §4.2.2), and in an unrolled body XLA's CSE merges that re-gather with the forward's
-    gather and keeps the full-sequence activation alive — the memory SP exists to save."""
-    n = jax.tree.leaves(stacked)[0].shape[0]
-    unroll = 1 if par.tensor is not None and par.tensor.sequence else max(1, min(cfg.scan_unroll, n))
+    `scan_unroll` copies of the layer, whatever the depth. (Under sequence parallelism the plan sets it to 1:
+    see `jaxpar.parallel.plan.make_plan`.)"""
+    unroll = max(1, min(cfg.scan_unroll, jax.tree.leaves(stacked)[0].shape[0]))
 
     def body(x, layer):
         return block(layer, x, positions, mask, cfg, par)[0], None

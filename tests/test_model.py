@@ -268,3 +268,23 @@ def test_attention_kernel_is_chosen_where_the_config_meets_its_devices():
     assert resolve_attention(dataclasses.replace(bf16, head_dim=6), h100).attention == "xla"  # head width it takes
     assert resolve_attention(dataclasses.replace(bf16, attention="xla"), h100).attention == "xla"  # asked for
     assert make_plan(bf16).model.attention == "xla"  # on this machine's CPU; the model itself never probes
+
+
+@pytest.mark.parametrize("equation", ["btd,df->btf", "bthe,hed->btd", "btd,dhe->bthe", "td,df->tf"])
+def test_token_einsum_equals_einsum_in_value_and_gradients(equation):
+    """The matmul seam contracts the leading token dimensions as one (jaxpar.matmul.token_einsum): the same values
+    and the same gradients for both operands as the plain einsum, on odd sizes."""
+    from jaxpar.matmul import token_einsum
+
+    sizes = dict(b=3, t=5, d=7, f=11, h=2, e=3)
+    xs, rest = equation.split(",")
+    ws = rest.split("->")[0]
+    kx, kw, kc = jax.random.split(jax.random.key(0), 3)
+    x = jax.random.normal(kx, tuple(sizes[c] for c in xs))
+    w = jax.random.normal(kw, tuple(sizes[c] for c in ws))
+    cot = jax.random.normal(kc, jnp.einsum(equation, x, w).shape)
+    ours, ours_vjp = jax.vjp(lambda a, b: token_einsum(equation, a, b), x, w)
+    ref, ref_vjp = jax.vjp(lambda a, b: jnp.einsum(equation, a, b, preferred_element_type=jnp.float32), x, w)
+    np.testing.assert_allclose(ours, ref, rtol=1e-5, atol=1e-6)
+    for got, want in zip(ours_vjp(cot), ref_vjp(cot)):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)

@@ -124,7 +124,6 @@ def output_order(stages: int, repeats: int, microbatches: int) -> np.ndarray:
     # Label the inputs by the iteration stage 0 takes them (see the module docstring): stage s starts with
     # microbatches ((p − s) mod p)·q + c in its slots c.
     io = ((p - np.arange(p)[:, None]) % p) * q + np.arange(q)[None, :]
-    origin = {int(j): s * q + c for (s, c), j in np.ndenumerate(io)}  # microbatch label → its starting slot
     for t in range(n + 1):  # the last step (t = N) is the epilogue write
         c, u = t % q, t - p
         if 0 <= u < repeats * m and u // m == repeats - 1:
@@ -132,7 +131,8 @@ def output_order(stages: int, repeats: int, microbatches: int) -> np.ndarray:
         if t < n:
             io[:, c] = np.roll(io[:, c], 1)  # s → s+1
     assert (io >= 1000).all(), "every io slot must end holding a finished microbatch"
-    final = np.vectorize(lambda j: origin[j - 1000])(io)
+    j = io - 1000  # the finished microbatch each slot holds; it started at stage −⌊j/q⌋ mod p, slot j mod q
+    final = (-(j // q) % p) * q + j % q
     assert sorted(final.reshape(-1)) == list(range(m))
     return final
 

@@ -173,8 +173,14 @@ def make_plan(model: ModelConfig, parallel: ParallelConfig | None = None, device
     pipeline = None
     if degrees[PIPE] > 1:
         pipeline = Pipeline(degrees[PIPE], parallel.repeats, parallel.microbatches, model.n_layers)
+    runs = resolve_attention(model, mesh.devices.flat[0])
+    if tensor is not None and tensor.sequence:
+        # One layer per scan iteration under SP: its backward gathers each layer's input again (Korthikanti et al.
+        # §4.2.2), and in an unrolled body XLA's CSE merges that re-gather with the forward's gather and keeps the
+        # full-sequence activation alive — the memory SP exists to save.
+        runs = dataclasses.replace(runs, scan_unroll=1)
     return Plan(mesh, degrees, rules, math.ceil(model.vocab_size / t) * t, tensor, pipeline, parallel.zero, explicit,
-                resolve_attention(model, mesh.devices.flat[0]))
+                runs)
 
 
 def _validate(parallel: ParallelConfig, degrees: dict[str, int], explicit: bool) -> None:

@@ -205,34 +205,35 @@ def _run(config: Config, workdir: pathlib.Path, devices: list, progress: bool, t
     flops_per_step = flops.train_flops_per_token(model_cfg, train.seq_len) * tokens_per_step  # model FLOPs (MFU's)
     peak = flops.device_peak(devices[0], model_cfg.dtype)  # None on CPUs: tflops_per_device is logged, mfu is not
     profiler = StepProfiler(workdir, start + 2, train.profile_steps)  # the run's first step compiles: skip it
-    clock = {"time": time.perf_counter(), "step": start}
-    counts = {"streak": 0, "skipped": 0}  # consecutive and total skipped (non-finite) steps, exact
+    last_time, last_step = time.perf_counter(), start
+    bad_streak = skipped_total = 0  # consecutive and total skipped (non-finite) steps, exact
     preemption = Preemption()
 
     def finish(step: int, metrics: dict, evaluate_now: bool) -> None:
         """Account for a step whose work may still be running: read its skip flag (waiting for it), stop on
         divergence, and log it on logging steps. Called one step late — after the next step is dispatched — except
         where the loop must see the state of this very step (evaluation, a save, preemption, the end)."""
+        nonlocal bad_streak, skipped_total, last_time, last_step
         skipped = int(metrics["skipped"])  # a scalar: consecutive bad steps must be counted exactly
-        counts["skipped"] += skipped
-        counts["streak"] = counts["streak"] + 1 if skipped else 0
-        if counts["streak"] >= train.max_bad_steps:
+        skipped_total += skipped
+        bad_streak = bad_streak + 1 if skipped else 0
+        if bad_streak >= train.max_bad_steps:
             raise TrainingDiverged(
-                f"steps {step - counts['streak'] + 1}..{step} had a non-finite loss, gradient or update and were "
+                f"steps {step - bad_streak + 1}..{step} had a non-finite loss, gradient or update and were "
                 f"skipped (train.max_bad_steps = {train.max_bad_steps}); nothing was saved after step "
                 f"{mngr.latest_step()}. Lower train.lr, raise train.warmup_steps or check the data.")
         record = None
         if step % train.log_every == 0 or step == train.steps or step == start + 1:
             metrics = jax.device_get(metrics)  # the step has finished: the time below covers its real work
             now = time.perf_counter()
-            dt = (now - clock["time"]) / (step - clock["step"])
-            record = {**metrics, "skipped_steps": counts["skipped"], "step_time_s": dt,
+            dt = (now - last_time) / (step - last_step)
+            record = {**metrics, "skipped_steps": skipped_total, "step_time_s": dt,
                       "tokens_per_sec": tokens_per_step / dt,
                       **flops.utilisation(flops_per_step, dt, len(devices), peak)}
-            clock.update(time=now, step=step)
+            last_time, last_step = now, step
         if evaluate_now:
             record = {**(record or {}), "eval_loss": evaluate(state.params)}
-            clock["time"] = time.perf_counter()  # keep evaluation out of the next interval's step time
+            last_time = time.perf_counter()  # keep evaluation out of the next interval's step time
         if record is not None:
             writer.write(step, record)
             history.append({"step": step, **{k: float(v) for k, v in record.items()}})
@@ -263,10 +264,8 @@ def _run(config: Config, workdir: pathlib.Path, devices: list, progress: bool, t
                     break
                 if save_now:
                     save(wait=False)
-            if pending is not None:  # (the loop ended on a step with nothing due: none, as the last step is due)
-                finish(*pending, evaluate_now=False)
             ran = int(jax.device_get(state.step)) - start
-            if ran and counts["skipped"] == ran:  # nothing was learnt: say so rather than save and report "done"
+            if ran and skipped_total == ran:  # nothing was learnt: say so rather than save and report "done"
                 raise TrainingDiverged(
                     f"every step of this run ({start + 1}..{start + ran}) had a non-finite loss, gradient or update "
                     f"and was skipped; nothing was saved after step {mngr.latest_step()}. Lower train.lr, raise "
