@@ -4,7 +4,7 @@
     jaxpar generate --workdir DIR|HF_DIR --prompt TEXT [--max-new-tokens N] [--temperature T] [--top-k K]
                     [--top-p P] [--greedy] [--data D] [--tensor T]
     jaxpar analyze  --config FILE [--format json|table] [--config.section.field=VALUE ...]
-    jaxpar schedule --pipe P --repeats V --microbatches M [--png FILE]
+    jaxpar schedule [--schedule NAME] --pipe P --microbatches M [--chunks V] [--png FILE]
     jaxpar convert  --from DIR | --from-hf HF_DIR   --to DIR2 | --to-hf HF_DIR2   [--step N] [--dtype bfloat16]
     jaxpar launch   --processes N [--devices-per-process K] -- jaxpar train ...
 
@@ -125,14 +125,19 @@ def _analyze(args, overrides: list[str]) -> int:
 
 def _schedule(args, overrides: list[str]) -> int:
     from jaxpar.config import ParallelConfig
-    from jaxpar.parallel import pipeline
+    from jaxpar.parallel import pipeline, schedule
 
-    # The same rules as a training config (microbatches >= pipe and a multiple of it), reported the same way.
-    ParallelConfig(pipe=args.pipe, repeats=args.repeats, microbatches=args.microbatches)
-    print(pipeline.format_schedule(args.pipe, args.repeats, args.microbatches))
+    if args.repeats is None:
+        args.repeats = 2 if args.schedule == "zbv" else 1
+    # The same rules as a training config (schedule, chunks, microbatches against pipe), reported the same way.
+    ParallelConfig(pipe=args.pipe, repeats=args.repeats, microbatches=args.microbatches, schedule=args.schedule)
+    if args.schedule == "circular":  # the autodiff loop's forward iterations, then its table of F/B/W ticks
+        print(pipeline.format_schedule(args.pipe, args.repeats, args.microbatches), end="\n\n")
+    table = schedule.build(args.schedule, args.pipe, args.repeats, args.microbatches)
+    print(schedule.format_table(table))
     if args.png:
         try:
-            pipeline.draw_schedule(args.pipe, args.repeats, args.microbatches, args.png)
+            schedule.draw(table, args.png)
         except OSError as e:
             raise OutputError(f"--png {args.png}: cannot be written ({e.strerror or e})") from None
         print(f"drawn to {args.png}")
@@ -223,9 +228,13 @@ def build_parser() -> argparse.ArgumentParser:
     ana.add_argument("--format", choices=("json", "table"), default="json")
     ana.add_argument("--no-activations", action="store_true", help="skip the per-layer activation measurement")
     ana.set_defaults(run=_analyze)
-    sch = sub.add_parser("schedule", help="print (and draw) the circular pipeline's timeline and bubble fraction")
+    sch = sub.add_parser("schedule", help="print (and draw) a pipeline schedule: its F/B/W ticks per stage, tick "
+                                          "count, bubble fraction and peak in-flight microbatches")
+    sch.add_argument("--schedule", default="circular", help="circular (default), gpipe, 1f1b, interleaved_1f1b, "
+                                                            "zb_h1 or zbv")
     sch.add_argument("--pipe", type=int, required=True)
-    sch.add_argument("--repeats", type=int, default=1)
+    sch.add_argument("--chunks", "--repeats", dest="repeats", type=int, default=None,
+                     help="chunks per stage (parallel.repeats; default: 2 for zbv, else 1)")
     sch.add_argument("--microbatches", type=int, required=True)
     sch.add_argument("--png", help="also draw it to this PNG file (matplotlib)")
     sch.set_defaults(run=_schedule)

@@ -26,6 +26,7 @@ import yaml
 from jaxpar.errors import ConfigError, divisors
 from jaxpar.families import FAMILIES
 from jaxpar.parallel import axes
+from jaxpar.parallel.schedule import SCHEDULES, check as schedule_check
 
 
 def _f(default: Any, help: str) -> Any:
@@ -142,6 +143,8 @@ class ParallelConfig:
     sequence_parallel: bool = _f(False, "shard norms/residuals on the sequence dim inside tensor-parallel regions")
     repeats: int = _f(1, "circular pipeline passes through the stages (1 is GPipe)")
     microbatches: int = _f(1, "pipeline microbatches per step")
+    schedule: str = _f("circular", "pipeline schedule: 'circular' (autodiff of the circular loop), or a table run "
+                       "with explicit vjps: " + ", ".join(SCHEDULES[:1] + SCHEDULES[2:]))
     zero: int = _f(0, "ZeRO stage over 'data': 0 off, 1 optimizer state sharded, 3 parameters too")
     remat: str = _f("none", "activation checkpointing per layer: 'none', 'full', or 'dots' (save matmul outputs)")
 
@@ -165,6 +168,10 @@ class ParallelConfig:
                               "parallel.sequence_parallel=false")
         _check_choice("parallel.zero", self.zero, (0, 1, 3))
         _check_choice("parallel.remat", self.remat, REMAT_POLICIES)
+        if self.schedule != "circular" or self.pipe > 1:
+            why = schedule_check(self.schedule, self.pipe, self.repeats, self.microbatches)
+            if why:
+                raise ConfigError(*why)
         if self.pipe == 1 and (self.repeats != 1 or self.microbatches != 1):
             name = "repeats" if self.repeats != 1 else "microbatches"
             raise ConfigError(f"parallel.{name}", getattr(self, name), "only meaningful with pipeline parallelism "

@@ -23,9 +23,9 @@ PACKAGE = ROOT / "jaxpar"
 # names that share a layer are siblings and must not import each other.
 LAYERS = (
     ("errors",),                                          # the user-error types
-    ("parallel.axes", "families", "matmul",               # mesh-axis names and rules, model families as data (both
-     "distributed", "perf", "launch"),                    # pure data, read by config); the matmul seam; process
-                                                          # setup and local launch: need only errors
+    ("parallel.axes", "parallel.schedule", "families",    # mesh-axis names and rules, pipeline schedule tables,
+     "matmul", "distributed", "perf", "launch"),          # model families as data (pure data, read by config); the
+                                                          # matmul seam; process setup and local launch
     ("config",),                                          # typed config, every check
     ("parallel",),                                        # one file per parallelism: f/g, SP, the pipeline
     ("mesh", "sharding"),                                 # devices → mesh; logical axes → specs

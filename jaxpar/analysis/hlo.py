@@ -311,28 +311,89 @@ def collective_summary(cols: list[Collective]) -> dict[str, dict]:
     return dict(sorted(out.items()))
 
 
+def _instr_flops(prog: HloProgram, ins: _Instr) -> float:
+    """FLOPs of one execution of a dot (2 · output elements · contracted size) or convolution; 0 for anything else."""
+    if ins.op not in ("dot", "convolution"):
+        return 0.0
+    out, _ = _size(_leaves(ins.shape))
+    operands = [_leaves(s) for s in prog.operand_shapes(ins)]
+    if ins.op == "dot":
+        dims = re.search(r"lhs_contracting_dims=\{([\d,]*)\}", ins.attrs)
+        contracted = [int(d) for d in re.findall(r"\d+", dims.group(1))] if dims else []
+        k = math.prod(operands[0][0][1][d] for d in contracted)
+    else:
+        labels = re.search(r"dim_labels=\w+_(\w+)->", ins.attrs)
+        kernel = operands[1][0][1]
+        k = math.prod(d for i, d in enumerate(kernel) if labels and i != labels.group(1).find("o"))
+    return 2.0 * out * k
+
+
 def dot_flops(compiled_or_text) -> float:
     """Sum over dots of 2 * prod(output dims) * prod(lhs contracting dims) * executions per call; convolutions
     count 2 * prod(output dims) * prod(kernel dims other than the output feature). Matmuls that the backend
-    lowered to a custom-call are not seen."""
+    lowered to a custom-call are not seen. Every branch of a conditional counts as if taken each time
+    (`branch_flops` says what each branch costs)."""
     prog = parse_hlo(compiled_or_text)
-    total = 0.0
-    for _, ins, n in prog.instructions():
-        if ins.op not in ("dot", "convolution"):
-            continue
-        out, _ = _size(_leaves(ins.shape))
-        operands = [_leaves(s) for s in prog.operand_shapes(ins)]
-        if ins.op == "dot":
-            dims = re.search(r"lhs_contracting_dims=\{([\d,]*)\}", ins.attrs)
-            contracted = [int(d) for d in re.findall(r"\d+", dims.group(1))] if dims else []
-            k = math.prod(operands[0][0][1][d] for d in contracted)
-        else:
-            labels = re.search(r"dim_labels=\w+_(\w+)->", ins.attrs)
-            kernel = operands[1][0][1]
-            k = math.prod(d for i, d in enumerate(kernel) if labels and i != labels.group(1).find("o"))
-        total += 2.0 * out * k * n
+    total = sum(_instr_flops(prog, ins) * n for _, ins, n in prog.instructions())
     _warn(prog)
     return total
+
+
+@dataclass(frozen=True)
+class Conditional:
+    """A `conditional` (lax.cond / lax.switch): `count` executions per call of its computation (as `parse_hlo`
+    counts it), the dot FLOPs of each branch per execution — the branch's own dots and those of everything it calls,
+    loop trip counts applied, except inside a nested conditional, which is listed on its own with `parent` =
+    (conditional name, branch index) — and its name."""
+
+    name: str
+    count: int
+    branches: tuple[float, ...]
+    parent: tuple[str, int] | None
+
+
+def branch_flops(compiled_or_text) -> list[Conditional]:
+    """Every conditional of the program with the FLOPs of each of its branches (what a branch costs when taken)."""
+    prog = parse_hlo(compiled_or_text)
+    calls: dict[str, list[tuple[str, int, _Instr]]] = {}  # computation -> [(callee, factor, call site)]
+    for comp, instrs in prog.computations.items():
+        for ins in instrs:
+            if ins.op in ("async-update", "async-done"):
+                continue
+            found = _TRIP.search(ins.attrs) if ins.op == "while" else None
+            for key, names in _CALL.findall(_STRING.sub('""', ins.attrs)):
+                trip = int(found.group(1)) if found and key == "body" else 1
+                for callee in re.findall(r"%?([\w.\-]+)", names):
+                    if callee in prog.computations:
+                        calls.setdefault(comp, []).append((callee, trip, ins))
+
+    def own(comp: str) -> tuple[float, list[str]]:
+        """(FLOPs of comp and its non-conditional callees, the computations holding them)."""
+        total = sum(_instr_flops(prog, ins) for ins in prog.computations[comp])
+        held = [comp]
+        for callee, factor, site in calls.get(comp, []):
+            if site.op == "conditional":
+                continue
+            f, h = own(callee)
+            total += factor * f
+            held += h
+        return total, held
+
+    out, parent_of = [], {}
+    for comp, instrs in prog.computations.items():
+        for ins in instrs:
+            if ins.op != "conditional":
+                continue
+            branches = [callee for callee, _, site in calls.get(comp, []) if site is ins]
+            flops = []
+            for i, b in enumerate(branches):
+                f, held = own(b)
+                flops.append(f)
+                for h in held:
+                    parent_of[h] = (ins.name, i)
+            out.append((ins.name, comp, tuple(flops)))
+    _warn(prog)
+    return [Conditional(name, prog.counts.get(comp, 0), flops, parent_of.get(comp)) for name, comp, flops in out]
 
 
 def loop_trip_counts(compiled_or_text) -> dict[str, int]:

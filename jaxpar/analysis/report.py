@@ -8,7 +8,10 @@ Sections of the report (the JSON of `jaxpar analyze`, and what notebooks and tes
 - `memory`: the step's `memory_analysis` (arguments = params + optimizer state + batch, temp = everything else), and
   the activation memory per layer — see `activation_bytes_per_layer`;
 - `expected`: the formulas of `jaxpar.analysis.expected`;
-- `pipeline` (pipe > 1): iterations, bubble fraction, executed/useful FLOPs, collective-permute bytes per iteration;
+- `pipeline` (pipe > 1, the circular loop): iterations, bubble fraction, executed/useful FLOPs, collective-permute
+  bytes per iteration; `schedule` instead (a schedule table): ticks, bubble, peak in flight, executed FLOPs per
+  stage (branch FLOPs from the program × the table's actions), collective-permute bytes against the formula. (The
+  generic counts above take every branch of the tick's conditional as taken on every tick: an upper bound there.)
 - `ratio`: measured / expected for tensor bytes, FLOPs and activation memory.
 """
 
@@ -21,9 +24,9 @@ import re
 import jax
 import jax.numpy as jnp
 from jaxpar.analysis import expected
-from jaxpar.analysis.hlo import collective_summary, collectives, cost, dot_flops, memory
+from jaxpar.analysis.hlo import branch_flops, collective_summary, collectives, cost, dot_flops, memory
 from jaxpar.config import Config
-from jaxpar.parallel import pipeline
+from jaxpar.parallel import pipeline, schedule
 from jaxpar.parallel.axes import PIPE, TENSOR
 from jaxpar.parallel.plan import batch_sharding
 from jaxpar.train.loop import build_trainer
@@ -100,7 +103,9 @@ def analyze(config: Config, devices: list | None = None, *, activations: bool = 
         "ratio": {"tensor_sent_bytes": expected.ratio(tensor_sent, want_bytes["total"]),
                   "flops": expected.ratio(measured_flops, want_flops["executed"])},
     }
-    if config.parallel.pipe > 1:
+    if config.parallel.pipe > 1 and config.parallel.schedule != "circular":
+        report["schedule"] = schedule_section(config, compiled, cols, measured_flops)
+    elif config.parallel.pipe > 1:
         report["pipeline"] = _pipeline_section(config, cols, measured_flops, want_flops)
     if activations:
         act = activation_bytes_per_layer(config, mesh)
@@ -127,6 +132,67 @@ def _pipeline_section(config: Config, cols, measured_flops: float, want_flops: d
         / (p.repeats * p.microbatches),
         "permute_bytes_per_iteration": permute / iterations,
         "expected_permute_bytes_per_iteration": want["permute_bytes_per_iteration"],
+    }
+
+
+def schedule_flops(compiled, program) -> dict:
+    """Executed matmul FLOPs per stage of a scheduled step, from the compiled program and the schedule's table.
+
+    The executor's tick is one `conditional` with a branch per action (idle, F, B, W, BW) and, nested in F, the
+    embedding and head+loss conditionals and, in B and BW, the embedding's backward. Each branch's FLOPs come from
+    the HLO (`hlo.branch_flops`); how often stage s takes it comes from the table. Whatever is outside the tick's
+    conditional (nothing but dead code here) runs on every stage."""
+    conds = branch_flops(compiled)
+    ticks = [c for c in conds if len(c.branches) == 5]
+    if len(ticks) != 1:
+        raise ValueError(f"expected one 5-way tick conditional in the program, found {len(ticks)}")
+    tick = ticks[0]
+    nested = {i: sorted((c for c in conds if c.parent == (tick.name, i)), key=lambda c: max(c.branches))
+              for i in range(5)}
+    # F holds two: the embedding (chunk 0; a gather, ~no matmuls) and the head with its loss gradient (last chunk)
+    embed_f, head_f = (max(nested[1][0].branches), max(nested[1][-1].branches)) if len(nested[1]) == 2 else (0, 0)
+    embed_b = {i: max(nested[i][-1].branches) if nested[i] else 0.0 for i in (2, 4)}
+    in_tree = sum(c.count * sum(c.branches) for c in conds if c is tick or (c.parent and c.parent[0] == tick.name))
+    outside = dot_flops(compiled) - in_tree
+    calls = tick.count // program.table.n_ticks  # > 1 with gradient accumulation
+    kind, first, last = program.kind, program.first, program.last
+    per_tick = tick.branches[1] * (kind == 1) + tick.branches[2] * (kind == 2) + tick.branches[3] * (kind == 3) \
+        + tick.branches[4] * (kind == 4) + head_f * ((kind == 1) & (last == 1)) \
+        + embed_f * ((kind == 1) & (first == 1)) + embed_b[2] * ((kind == 2) & (first == 1)) \
+        + embed_b[4] * ((kind == 4) & (first == 1))
+    per_stage = [outside + calls * float(x) for x in per_tick.sum(axis=0)]
+    return {"per_stage": per_stage, "branches": dict(zip(("idle", "F", "B", "W", "BW"), tick.branches)),
+            "head_and_loss": head_f, "embedding": embed_f, "embedding_backward": max(embed_b.values()),
+            "outside_ticks": outside,
+            # what a masked step (every action's work on every tick, selected by jnp.where) would execute
+            "all_branches_every_tick": outside + calls * program.table.n_ticks * (sum(tick.branches) + head_f
+                                                                                + embed_f + max(embed_b.values()))}
+
+
+def schedule_section(config: Config, compiled, cols, measured_flops: float) -> dict:
+    """The scheduled pipeline: the table's ticks, bubble and peak in flight; executed FLOPs per stage (from the
+    program); collective-permute bytes per step against the formula: every tick sends one message
+    [mb, s(/t), h] float32 in each direction the table uses (down s → s+1, up s → s−1)."""
+    p = config.parallel
+    pipe = pipeline.Pipeline(p.pipe, p.repeats, p.microbatches, config.model.n_layers, p.schedule)
+    program, table = pipe.program, pipe.program.table
+    d = expected._dims(config, config.model.vocab_size)
+    s_local = d["s"] // d["t"] if d["sp"] else d["s"]
+    mb = d["b"] // p.microbatches // config.train.grad_accum
+    sends = program.sends()
+    directions = (sends["down"] > 0) + (sends["up"] > 0)
+    permute = sum(c.sent_bytes * c.count for c in cols if c.kind == "collective-permute" and c.axes == (PIPE,))
+    flops = schedule_flops(compiled, program)
+    return {
+        "schedule": p.schedule, "stages": p.pipe, "chunks": p.repeats, "microbatches": p.microbatches,
+        "ticks": table.n_ticks, "bubble_fraction": table.bubble,
+        "bubble_formula": schedule.formula_bubble(p.schedule, p.pipe, p.repeats, p.microbatches),
+        "peak_in_flight": table.in_flight(), "stash_slots": program.n_stash, "inbox_slots": program.n_inbox,
+        "actions_per_stage": {k: [int(x) for x in v] for k, v in program.actions().items()},
+        "executed_flops_per_stage": flops["per_stage"], "flops": flops,
+        "permute_bytes": permute,
+        "expected_permute_bytes": table.n_ticks * directions * mb * s_local * d["h"] * 4 * config.train.grad_accum,
+        "messages": sends,
     }
 
 
@@ -168,6 +234,14 @@ def format_table(report: dict) -> str:
                     f"{pp['executed_over_useful_flops_layers_formula']:.3f}); permute KB/iteration "
                     f"{pp['permute_bytes_per_iteration'] / 1e3:.1f} (expected "
                     f"{pp['expected_permute_bytes_per_iteration'] / 1e3:.1f})")
+    if "schedule" in report:
+        sc = report["schedule"]
+        per_stage = ", ".join(f"{f / 1e9:.3f}" for f in sc["executed_flops_per_stage"])
+        rows.append(f"schedule {sc['schedule']}: p={sc['stages']} v={sc['chunks']} m={sc['microbatches']}: "
+                    f"{sc['ticks']} ticks, bubble {sc['bubble_fraction']:.3f} (formula {sc['bubble_formula']:.3f}), "
+                    f"peak in flight {sc['peak_in_flight']}; executed GFLOP per stage [{per_stage}] (every branch "
+                    f"on every tick: {sc['flops']['all_branches_every_tick'] / 1e9:.3f}); permute MB "
+                    f"{sc['permute_bytes'] / 1e6:.3f} (expected {sc['expected_permute_bytes'] / 1e6:.3f})")
     step = report["memory"]["step"]
     rows.append(f"step memory/dev: arguments {step['argument_bytes'] / 1e6:.2f} MB, temp {step['temp_bytes'] / 1e6:.2f}"
                 f" MB, peak {step['peak_bytes'] / 1e6:.2f} MB;  XLA cost_analysis flops (loop bodies once): "

@@ -36,6 +36,7 @@ every device, a launch — is paid once per iteration, not twice.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Callable
 
 import jax
@@ -55,11 +56,14 @@ def bubble_fraction(stages: int, repeats: int, microbatches: int) -> float:
     return (stages - 1) / iterations(stages, repeats, microbatches)
 
 
-def pipeline_order(layers: int, stages: int, repeats: int) -> np.ndarray:
-    """order[n] = the model layer stored at position n of the stacked axis (stage-major: n = (s·v + r)·k + i)."""
+def pipeline_order(layers: int, stages: int, repeats: int, placement: tuple[int, ...] | None = None) -> np.ndarray:
+    """order[n] = the model layer stored at position n of the stacked axis (stage-major: n = (s·v + r)·k + i holds
+    layer c·k + i of chunk c, the r-th chunk of stage s — c = r·p + s round-robin, or as `placement` says)."""
     k = layers // (stages * repeats)
-    s, r, i = np.meshgrid(np.arange(stages), np.arange(repeats), np.arange(k), indexing="ij")
-    return ((r * stages + s) * k + i).reshape(-1)
+    if placement is None:
+        placement = tuple(c % stages for c in range(stages * repeats))
+    chunks = [[c for c in range(stages * repeats) if placement[c] == s] for s in range(stages)]
+    return np.array([chunks[s][r] * k + i for s in range(stages) for r in range(repeats) for i in range(k)])
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,15 +75,33 @@ class Pipeline:
     repeats: int
     microbatches: int
     layers: int
+    schedule: str = "circular"  # 'circular': autodiff of `circular`; any other: a table run by `execute`
+
+    def __post_init__(self):
+        if self.layers % (self.stages * self.repeats):  # the config says so too; a Pipeline built by hand must not
+            raise ValueError(f"{self.layers} layers do not split into {self.stages} stages x {self.repeats} chunks")
 
     @property
     def layer_order(self) -> np.ndarray:
         """order[n] = the model layer at position n of the stacked axis in memory (`pipeline_order`)."""
-        return pipeline_order(self.layers, self.stages, self.repeats)
+        placement = None if self.schedule == "circular" else self.program.table.placement
+        return pipeline_order(self.layers, self.stages, self.repeats, placement)
+
+    @property
+    def program(self):
+        """The schedule's table lowered for `execute` (built once per shape)."""
+        return _program(self.schedule, self.stages, self.repeats, self.microbatches)
 
     @property
     def iterations(self) -> int:
         return iterations(self.stages, self.repeats, self.microbatches)
+
+
+@functools.lru_cache(maxsize=64)
+def _program(name: str, stages: int, repeats: int, microbatches: int):
+    from jaxpar.parallel import schedule
+
+    return schedule.lower(schedule.build(name, stages, repeats, microbatches))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -219,3 +241,171 @@ def draw_schedule(stages: int, repeats: int, microbatches: int, path: str) -> No
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+# -----------------------------------------------------------------------------------------------------------------
+# The table executor: any schedule of jaxpar.parallel.schedule, with explicit vjps.
+
+
+def _split_residuals(vjp_fn, params, probes):
+    """Sort the leaves of a vjp closure: ('param', i) — the chunk weights, taken again from the live parameters;
+    ('const', leaf) — values from outside the chunk (identical in two independent traces: masks, positions);
+    ('stash', n) — activations the backward needs, kept per microbatch. `probes`: the leaves of a second trace."""
+    leaves, treedef = jax.tree.flatten(vjp_fn)
+    pid = {id(x): i for i, x in enumerate(jax.tree.leaves(params))}
+    kinds, n = [], 0
+    for leaf, other in zip(leaves, probes):
+        if id(leaf) in pid:
+            kinds.append(("param", pid[id(leaf)]))
+        elif leaf is other:
+            kinds.append(("const", leaf))
+        else:
+            kinds.append(("stash", n))
+            n += 1
+    return treedef, kinds, leaves
+
+
+def execute(program, chunk_fn: Callable, layers, rest, tokens: Array, targets: Array, embed_fn: Callable,
+            head_loss_fn: Callable, *, axis: str = "pipe"):
+    """Run a schedule's ticks on this stage. Call inside shard_map with `axis` bound.
+
+    chunk_fn(chunk_params, x [mb, …]) → [mb, …]: one chunk's k layers.
+    layers: pytree, leaves [v, …]: this stage's chunks in increasing chunk order (`Program.local`).
+    rest: the parameters outside the chunks (embedding, final norm, head), held whole by every stage.
+    tokens, targets: int [m, mb, T]: every microbatch's inputs and next-token targets.
+    embed_fn(rest, tokens [mb, T]) → x [mb, …];  head_loss_fn(rest, y [mb, …], targets [mb, T]) → mean loss.
+
+    Returns (loss, layer_grads, rest_grads), this stage's share: loss = Σ_j loss_j / m over the microbatches whose
+    last chunk it holds; the complete gradients of its chunks; the gradients of `rest` from the microbatches it
+    embedded or finished. Summed over `axis`, loss and rest_grads are the step's.
+
+    Each tick every stage runs one branch of a `lax.switch` on its action — idle, F, B or W — so an idle tick
+    computes nothing and a W computes only weight gradients (XLA drops what the branch does not return). F runs
+    `jax.vjp` of the chunk and stashes the residuals (the leaves of the vjp closure that are activations, not the
+    weights or outside constants) in the slot the table gives it; B and W rebuild the closure from that slot. What
+    a stage sends at tick t (F's output or B's input gradient) travels in one collective-permute per direction
+    used at the end of the tick and is read at t + 1 or later from the inbox.
+    """
+    from jaxpar.parallel.schedule import DO_F
+    from jaxpar.parallel.vma import vary, varying_axes
+
+    table = program.table
+    p, m = table.stages, table.microbatches
+    s = jax.lax.axis_index(axis)
+
+    def like(x, ref):
+        # typed as ref is, and as varying over `axis`: every stage picks its own branch, so whatever leaves a branch
+        # varies over `axis` whether or not it was computed from something that did
+        return vary(x, tuple(varying_axes(ref) | {axis}))
+
+    def zeros(ref):
+        return jax.tree.map(lambda r: like(jnp.zeros(r.shape, r.dtype), r), ref)
+
+    # Two traces of a chunk's forward at the top level (dead code: XLA drops them) fix the closure's structure and
+    # types before the loop: which leaves are weights, which are constants, which the stash must hold.
+    x0 = embed_fn(rest, tokens[0])
+    chunk_a = jax.tree.map(lambda a: a[0], layers)
+    chunk_b = jax.tree.map(lambda a: a[0], layers)
+    y0, vjp_a = jax.vjp(chunk_fn, chunk_a, x0)
+    _, vjp_b = jax.vjp(chunk_fn, chunk_b, x0 + 0)
+    treedef, kinds, leaves_a = _split_residuals(vjp_a, chunk_a, jax.tree.leaves(vjp_b))
+    stash_refs = [leaf for leaf, kind in zip(leaves_a, kinds) if kind[0] == "stash"]
+    loss_ref = head_loss_fn(rest, y0, targets[0])
+    msg_ref = like(jnp.zeros_like(y0), x0)
+    msg_ref = like(msg_ref, y0)
+
+    def rebuild(params_r, stash):
+        plist = jax.tree.leaves(params_r)
+        leaves = [plist[k[1]] if k[0] == "param" else k[1] if k[0] == "const" else stash[k[1]] for k in kinds]
+        return jax.tree.unflatten(treedef, leaves)
+
+    def forward(g, params_r, inbox):
+        j = g["micro"]
+        x = jax.lax.cond(g["first"] == 1, lambda: like(embed_fn(rest, tokens[j]), msg_ref),
+                         lambda: like(inbox[g["x_slot"]], msg_ref))
+        y, vjp_fn = jax.vjp(chunk_fn, params_r, x)
+        _, kinds_f, leaves = _split_residuals(vjp_fn, params_r, leaves_a)
+        if [k[0] for k in kinds_f] != [k[0] for k in kinds]:
+            raise AssertionError("the chunk's vjp closure changed shape between traces")
+        stash = [like(leaf, ref) for leaf, kind, ref in zip(leaves, kinds_f, leaves_a) if kind[0] == "stash"]
+
+        def head(y):
+            loss, (d_rest, dy) = jax.value_and_grad(
+                lambda r_, y_: head_loss_fn(r_, y_, targets[j]) / m, argnums=(0, 1))(rest, y)
+            return like(loss, loss_ref), zeros_add(d_rest), like(dy, msg_ref)
+
+        def no_head(y):
+            return like(jnp.zeros((), loss_ref.dtype), loss_ref), zeros(rest), like(y, msg_ref)
+
+        loss, d_rest, msg = jax.lax.cond(g["last"] == 1, head, no_head, y)
+        return stash, msg, zeros(layer_ref), d_rest, loss
+
+    def zeros_add(tree):
+        return jax.tree.map(lambda x, r: like(x, r), tree, rest)
+
+    def backward(g, params_r, inbox, stash_buf, weights: bool):
+        """B (weights=False): the input gradient, sent on (the first chunk's goes into the embedding); the weight
+        gradient's matmuls are dead code XLA drops. BW (weights=True): both from one pass over the chunk."""
+        vjp_fn = rebuild(params_r, [b[g["stash"]] for b in stash_buf])
+        dw, dx = vjp_fn(inbox[g["x_slot"]])
+        j = g["micro"]
+
+        def embed_grad(dx):
+            _, vjp_e = jax.vjp(lambda r_: embed_fn(r_, tokens[j]), rest)
+            return zeros_add(vjp_e(like(dx, x0))[0])
+
+        d_rest = jax.lax.cond(g["first"] == 1, embed_grad, lambda dx: zeros(rest), dx)
+        dw = jax.tree.map(like, dw, layer_ref) if weights else zeros(layer_ref)
+        return zeros(stash_refs), like(dx, msg_ref), dw, d_rest, zeros(loss_ref)
+
+    def backward_weights(g, params_r, inbox, stash_buf):
+        """W: the weight gradient alone, from the stashed residuals and the kept output gradient. (It re-derives the
+        activation gradients inside the chunk that its B derived: splitting them per matmul is the next step.)"""
+        vjp_fn = rebuild(params_r, [b[g["stash"]] for b in stash_buf])
+        dw, _ = vjp_fn(inbox[g["x_slot"]])
+        dw = jax.tree.map(like, dw, layer_ref)
+        return zeros(stash_refs), zeros(msg_ref), dw, zeros(rest), zeros(loss_ref)
+
+    def idle(g, params_r, inbox, stash_buf):
+        return zeros(stash_refs), zeros(msg_ref), zeros(layer_ref), zeros(rest), zeros(loss_ref)
+
+    layer_ref = chunk_a
+    sends = program.sends()
+    to_next = [(i, (i + 1) % p) for i in range(p)]
+    to_prev = [(i, (i - 1) % p) for i in range(p)]
+
+    def tick(carry, row):
+        inbox, stash_buf, down, up, grads, d_rest_sum, loss_sum = carry
+        g = {k: v[s] for k, v in row.items()}
+        if sends["down"]:
+            inbox = inbox.at[g["recv_down"]].set(down)
+        if sends["up"]:
+            inbox = inbox.at[g["recv_up"]].set(up)
+        params_r = jax.tree.map(lambda a: a[g["local"]], layers)
+        branches = [  # in the order of the kinds: IDLE, DO_F, DO_B, DO_W, DO_BW (jaxpar.parallel.schedule)
+            lambda: idle(g, params_r, inbox, stash_buf),
+            lambda: forward(g, params_r, inbox),
+            lambda: backward(g, params_r, inbox, stash_buf, weights=False),
+            lambda: backward_weights(g, params_r, inbox, stash_buf),
+            lambda: backward(g, params_r, inbox, stash_buf, weights=True),
+        ]
+        new_stash, msg, dw, d_rest, loss = jax.lax.switch(g["kind"], [lambda _, b=b: b() for b in branches], None)
+        # Slots that are not this tick's target are the scratch slot (the last): the writes need no select.
+        write = jnp.where(g["kind"] == DO_F, g["stash"], program.n_stash)
+        stash_buf = [b.at[write].set(x) for b, x in zip(stash_buf, new_stash)]
+        inbox = inbox.at[g["local_slot"]].set(msg)
+        grads = jax.tree.map(lambda acc, d: acc.at[g["local"]].add(d), grads, dw)
+        d_rest_sum = jax.tree.map(jnp.add, d_rest_sum, d_rest)
+        # Both directions carry this tick's message; a receiver keeps it only where the table says it is its own.
+        if sends["down"]:
+            down = jax.lax.ppermute(msg, axis, to_next)
+        if sends["up"]:
+            up = jax.lax.ppermute(msg, axis, to_prev)
+        return (inbox, stash_buf, down, up, grads, d_rest_sum, loss_sum + loss), None
+
+    inbox = jnp.broadcast_to(zeros(msg_ref), (program.n_inbox + 1, *msg_ref.shape))
+    stash_buf = [jnp.broadcast_to(zeros(r), (program.n_stash + 1, *r.shape)) for r in stash_refs]
+    carry = (inbox, stash_buf, zeros(msg_ref), zeros(msg_ref), zeros(layers), zeros(rest), zeros(loss_ref))
+    rows = {k: jnp.asarray(v) for k, v in program.arrays().items()}
+    (_, _, _, _, grads, d_rest, loss), _ = jax.lax.scan(tick, carry, rows)
+    return loss, grads, d_rest

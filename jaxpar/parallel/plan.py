@@ -172,7 +172,8 @@ def make_plan(model: ModelConfig, parallel: ParallelConfig | None = None, device
     tensor = TensorParallel(TENSOR, parallel.sequence_parallel, kv_replicas) if explicit and t > 1 else None
     pipeline = None
     if degrees[PIPE] > 1:
-        pipeline = Pipeline(degrees[PIPE], parallel.repeats, parallel.microbatches, model.n_layers)
+        pipeline = Pipeline(degrees[PIPE], parallel.repeats, parallel.microbatches, model.n_layers,
+                            parallel.schedule)
     runs = resolve_attention(model, mesh.devices.flat[0])
     if tensor is not None and tensor.sequence:
         # One layer per scan iteration under SP: its backward gathers each layer's input again (Korthikanti et al.

@@ -72,6 +72,57 @@ def pipeline_loss(model, batch: jax.Array, pipe: Pipeline, remat: str, par: Para
     return par.cross_entropy(logits, all_targets[held // q, held % q].reshape(R, T)).mean()
 
 
+def scheduled_loss_and_grads(graphdef: nnx.GraphDef, params: nnx.State, batch: jax.Array, pipe: Pipeline,
+                             remat: str, par: Parallel) -> tuple[jax.Array, nnx.State]:
+    """This stage's share of (loss, gradients) under a schedule table (`pipeline.execute`): the table, not autodiff
+    of a loop, decides when each microbatch's backward runs and what stays alive.
+
+    Every stage gathers the step's token rows over `pipe` (4 bytes a token): microbatch j is rows j·mb … of them,
+    embedded by the stage that holds chunk 0 and scored by the one that holds the last chunk. The loss and the
+    gradients of the parameters outside the layers come back as shares to be summed over `pipe`, as the circular
+    path's do."""
+    v, m = pipe.repeats, pipe.microbatches
+    rows = jax.lax.all_gather(batch, PIPE, tiled=True)  # [p·R, T+1], every stage's rows
+    N, T1 = rows.shape
+    mb, T = N // m, T1 - 1
+    rows = rows.reshape(m, mb, T1)
+    positions = default_positions(mb, T)
+    mask = attention_mask(T, None)
+    model = nnx.merge(graphdef, params)
+    cfg = model.cfg
+    keys = list(params.keys())
+
+    def whole(rest: nnx.State, blocks) -> nnx.State:
+        return type(params)({k: blocks if k == "blocks" else rest[k] for k in keys})
+
+    rest = type(params)({k: params[k] for k in keys if k != "blocks"})
+    # [v·k, …] in storage order → [v, k, …]: chunk r of this stage is row r (pipeline_order)
+    layers = jax.tree.map(lambda a: a.reshape(v, a.shape[0] // v, *a.shape[1:]), params["blocks"])
+
+    def chunk_fn(chunk: nnx.State, x: jax.Array) -> jax.Array:
+        return run_layers({name: var[...] for name, var in chunk.items()}, x, positions, mask, cfg, remat=remat,
+                          par=par)
+
+    def embed_fn(r: nnx.State, tokens: jax.Array) -> jax.Array:
+        return nnx.merge(graphdef, whole(r, params["blocks"])).embed_tokens(tokens, positions, par)
+
+    def head_loss_fn(r: nnx.State, y: jax.Array, targets: jax.Array) -> jax.Array:
+        return par.cross_entropy(nnx.merge(graphdef, whole(r, params["blocks"])).logits(y, par), targets).mean()
+
+    loss, layer_grads, rest_grads = pipeline.execute(pipe.program, chunk_fn, layers, rest, rows[..., :-1],
+                                                     rows[..., 1:], embed_fn, head_loss_fn, axis=PIPE)
+    blocks = jax.tree.map(lambda a: a.reshape(a.shape[0] * a.shape[1], *a.shape[2:]), layer_grads)
+    # Back into the parameters' own tree (a State of States), leaf by leaf along the key paths.
+    parts = {("blocks",) + path: g for path, g in _by_path(blocks)} | dict(_by_path(rest_grads))
+    paths = [path for path, _ in _by_path(params)]
+    return loss, jax.tree.unflatten(jax.tree.structure(params), [parts[path] for path in paths])
+
+
+def _by_path(tree) -> list[tuple[tuple, jax.Array]]:
+    return [(tuple(getattr(k, "key", getattr(k, "name", k)) for k in path), leaf)
+            for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]]
+
+
 def loss_and_grads(graphdef: nnx.GraphDef, *, grad_accum: int = 1, remat: str = "none",
                    par: Parallel = SINGLE_DEVICE, grad_axes: tuple[str, ...] = (), pipe: Pipeline | None = None,
                    pipe_replicated=None, zero_dims=None) -> Callable[[nnx.State, jax.Array], tuple[jax.Array, nnx.State]]:
@@ -100,6 +151,8 @@ def loss_and_grads(graphdef: nnx.GraphDef, *, grad_accum: int = 1, remat: str = 
     """
     scale = 1.0 / pipe.stages if pipe is not None else 1.0
     grad_fn = jax.value_and_grad(lambda p, b: scale * next_token_loss(graphdef, p, b, remat, par, pipe))
+    if pipe is not None and pipe.schedule != "circular":
+        grad_fn = lambda p, b: scheduled_loss_and_grads(graphdef, p, b, pipe, remat, par)  # noqa: E731
 
     batch_axes = tuple(grad_axes) + ((PIPE,) if pipe is not None else ())
 

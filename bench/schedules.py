@@ -1,0 +1,127 @@
+"""Pipeline schedules side by side: compiled memory against m, and step time, at (data, pipe, tensor) = (2, 2, 2).
+
+    python -m bench.schedules [--mults 1,2,4,8] [--steps 4] [--rounds 3] [--no-time] [--format table|json]
+
+1. Memory. For each schedule and m = p·mult microbatches at a fixed microbatch size (2 rows of 64 tokens per data
+   shard: the batch grows with m), the train step's compiled temporaries (`memory_analysis().temp_size_in_bytes`,
+   lowered from abstract state: nothing runs) and their ratio to the m = p program. GPipe and the circular loop keep
+   every microbatch's activations until the backward, so theirs grow with m; 1F1B, ZB-H1 and ZB-V keep at most p
+   (ZB-V: 2p half-stage chunks), so theirs stay put. Beside it, each table's ticks, bubble and peak in flight.
+2. Step time at m = 4 (the bench layout), every schedule's compiled step timed in interleaved rounds of `--steps`
+   steps, medians, and the ratio circular / schedule (> 1: faster than the circular loop). On simulated CPU
+   devices the stages share the host's cores, so a bubble costs nothing and extra work does: the times show
+   overheads, not a pipeline's speed-up (a GPU run of bench/gpu.sh shows that).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+DEVICES = 8
+SCHEDULES = {"circular": 2, "gpipe": 1, "1f1b": 1, "interleaved_1f1b": 2, "zb_h1": 1, "zbv": 2}  # name: chunks
+MODEL = ["model.d_model=64", "model.n_layers=4", "model.n_heads=4", "model.n_kv_heads=4", "model.head_dim=16",
+         "model.d_ff=192", "model.max_seq_len=64", "train.seq_len=64"]
+LAYOUT = ["parallel.data=2", "parallel.pipe=2", "parallel.tensor=2"]
+ROWS = 2  # rows per microbatch per data shard
+
+
+def config_for(name: str, microbatches: int):
+    from jaxpar.config import load_config
+
+    over = MODEL + LAYOUT + [f"parallel.schedule={name}", f"parallel.repeats={SCHEDULES[name]}",
+                             f"parallel.microbatches={microbatches}", f"train.batch_size={2 * ROWS * microbatches}"]
+    return load_config("configs/tiny.py", over).resolve_for_devices(DEVICES)
+
+
+def compiled_step(config):
+    import jax
+    import jax.numpy as jnp
+
+    from jaxpar.train import build_trainer
+
+    trainer = build_trainer(config, jax.devices(), abstract=True)
+    t = config.train
+    batch = jax.ShapeDtypeStruct((t.batch_size, t.seq_len + 1), jnp.int32, sharding=trainer.plan.batch_sharding)
+    return trainer.train_step.lower(trainer.state, batch).compile()
+
+
+def memory_rows(mults: list[int]) -> list[dict]:
+    from jaxpar.parallel import schedule
+
+    rows = []
+    for name, v in SCHEDULES.items():
+        base = None
+        for k in mults:
+            m = 2 * k
+            temp = compiled_step(config_for(name, m)).memory_analysis().temp_size_in_bytes
+            base = base or temp
+            table = schedule.build(name, 2, v, m)
+            rows.append({"schedule": name, "chunks": v, "microbatches": m, "temp_bytes": temp,
+                         "vs_m_eq_p": temp / base, "ticks": table.n_ticks, "bubble": table.bubble,
+                         "peak_in_flight": max(table.in_flight())})
+    return rows
+
+
+def time_rows(steps: int, rounds: int) -> list[dict]:
+    import jax
+
+    from jaxpar.train import build_trainer
+
+    runs = {}
+    for name in SCHEDULES:
+        config = config_for(name, 4)
+        trainer = build_trainer(config, jax.devices())
+        batch = trainer.random_batch(config)
+        state, metrics = trainer.train_step(trainer.state, batch)  # compile and warm up
+        jax.block_until_ready(metrics)
+        runs[name] = [trainer, batch, state, []]
+    for _ in range(rounds):
+        for name, run in runs.items():
+            trainer, batch, state, times = run
+            start = time.perf_counter()
+            for _ in range(steps):
+                state, metrics = trainer.train_step(state, batch)
+            jax.block_until_ready(metrics)
+            times.append((time.perf_counter() - start) / steps)
+            run[2] = state
+    base = statistics.median(runs["circular"][3])
+    return [{"schedule": name, "step_ms": statistics.median(r[3]) * 1e3, "circular_over_this":
+             base / statistics.median(r[3])} for name, r in runs.items()]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.schedules", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--mults", default="1,2,4,8", help="m = p·mult microbatches for the memory table")
+    parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--no-time", action="store_true", help="memory table only")
+    parser.add_argument("--format", choices=("table", "json"), default="table")
+    args = parser.parse_args(argv)
+    flag = f"--xla_force_host_platform_device_count={DEVICES}"
+    if flag not in os.environ.get("XLA_FLAGS", ""):  # the device count is fixed when jax starts
+        env = dict(os.environ, XLA_FLAGS=f"{os.environ.get('XLA_FLAGS', '')} {flag}".strip(), JAX_PLATFORMS="cpu")
+        os.execve(sys.executable, [sys.executable, "-m", "bench.schedules", *(argv or sys.argv[1:])], env)
+    mem = memory_rows([int(x) for x in args.mults.split(",")])
+    times = [] if args.no_time else time_rows(args.steps, args.rounds)
+    if args.format == "json":
+        print(json.dumps({"memory": mem, "time": times}, indent=2))
+        return 0
+    print("compiled temporaries per device, (data, pipe, tensor) = (2, 2, 2), microbatch = 2 rows x 64 tokens")
+    print(f"{'schedule':17s} {'v':>2} {'m':>3} {'temp MB':>9} {'vs m=p':>7} {'ticks':>6} {'bubble':>7} {'in flight':>9}")
+    for r in mem:
+        print(f"{r['schedule']:17s} {r['chunks']:2d} {r['microbatches']:3d} {r['temp_bytes'] / 2**20:9.2f} "
+              f"{r['vs_m_eq_p']:7.2f} {r['ticks']:6d} {r['bubble']:7.3f} {r['peak_in_flight']:9d}")
+    if times:
+        print(f"\nstep time at m = 4, medians of {args.rounds} interleaved rounds of {args.steps} steps")
+        for r in times:
+            print(f"{r['schedule']:17s} {r['step_ms']:8.1f} ms   circular/this {r['circular_over_this']:.3f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
