@@ -20,6 +20,9 @@ Sections (each device count runs in its own subprocess: the simulated device cou
    installed beside it (bench/versus.py says how), MaxText's; `--versus-repeats` interleaved rounds (default 1;
    bench/versus.py --repeats 3 is the decisive run), medians, wall and CPU. Each ratio is the other's time over
    jaxpar's (> 1: jaxpar is faster).
+5. pipeline schedules (bench/schedules.py) at (2, 2, 2): per schedule, the step's compiled temporaries at m = p and
+   m = 4p microbatches of a fixed size (the ratio: GPipe and circular grow with m, 1F1B, ZB-H1 and ZB-V do not),
+   and the step time at m = 4 against the circular loop's, interleaved rounds, medians.
 Simulated devices share the host's cores: section 2 shows each layout's overhead, not a speed-up. Sections 1–3
 take about 1.5 minutes on an idle 2-core machine (3–4 under load), `--quick` a little over 1; section 4 about 6
 minutes per round without MaxText and 10 with it (`--versus-repeats 0` or `--quick` skips it).
@@ -172,6 +175,20 @@ def layouts(steps: int, depths: tuple[int, ...]) -> None:
              + ("; at k = 1 XLA drops the one-trip loop" if k == 1 else ""))
 
 
+def schedules(rounds: int) -> None:
+    """Section 5 (8 devices)."""
+    from bench.schedules import memory_rows, time_rows
+
+    mem = {(r["schedule"], r["microbatches"]): r for r in memory_rows([1, 4])}
+    times = {r["schedule"]: r for r in time_rows(steps=4, rounds=rounds)}
+    for name, t in times.items():
+        small, big = mem[(name, 2)], mem[(name, 8)]
+        emit("schedules", f"{name} (2, 2, 2) m=4", f"{t['step_ms']:.1f} ms", f"{times['circular']['step_ms']:.1f} ms",
+             t["circular_over_this"], f"circular/this; temp {small['temp_bytes'] / 2**20:.2f} MB at m=2, "
+             f"{big['temp_bytes'] / 2**20:.2f} MB at m=8 (x{big['temp_bytes'] / small['temp_bytes']:.2f}); "
+             f"bubble {small['bubble']:.3f} at m=2")
+
+
 def versus_rows(repeats: int) -> list[dict]:
     """Section 4: bench/versus.py's table as rows (it runs its own processes, one per measurement)."""
     cmd = [sys.executable, str(ROOT / "bench" / "versus.py"), "--repeats", str(repeats), "--plain", "--format",
@@ -243,7 +260,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=None, help="interleaved rounds, section 1 (default 15, quick 5)")
     parser.add_argument("--versus-repeats", type=int, default=1,
                         help="rounds of section 4, whole processes against plain jit and MaxText (0: skip)")
-    parser.add_argument("--worker", choices=("single", "layouts"), help=argparse.SUPPRESS)
+    parser.add_argument("--worker", choices=("single", "layouts", "schedules"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     args.steps = args.steps or 2
     args.repeats = args.repeats or (5 if args.quick else 15)
@@ -253,8 +270,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.worker == "layouts":
         layouts(2 if args.quick else 4, (4, 16) if args.quick else (4, 16, 32))
         return 0
+    if args.worker == "schedules":
+        schedules(2 if args.quick else 3)
+        return 0
     start = time.perf_counter()
-    rows = _worker("single", None, args) + _worker("layouts", 8, args)
+    rows = _worker("single", None, args) + _worker("layouts", 8, args) + _worker("schedules", 8, args)
     if args.versus_repeats > 0 and not args.quick:
         rows += versus_rows(args.versus_repeats)
     print(format_table(rows))

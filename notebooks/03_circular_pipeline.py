@@ -318,6 +318,88 @@ for path, g in flat_got.items():
 print(f"all {len(flat_got)} gradients agree (rtol 1e-5, atol {floor:.1e})")
 
 # %% [markdown]
+# ## Schedules that own the backward pass: 1F1B, interleaved, zero-bubble
+#
+# Above, autodiff writes the backward: one reversed loop after the whole forward, so every microbatch's activations
+# are alive at the peak and nothing fills the bubble. `parallel.schedule` swaps that for a **table**
+# (`jaxpar.parallel.schedule`): per tick and stage one action on a (microbatch, chunk) — `F` forward, `B` input
+# gradient (sent on at once), `W` weight gradient (nothing waits for it) — and `pipeline.execute` runs any table
+# under the same `shard_map` with an explicit `jax.vjp` per chunk: `F` stashes the vjp residuals, `B`/`W` use them,
+# a `lax.switch` per tick runs only the stage's own action (an idle tick computes nothing).
+#
+# | schedule | chunks per stage | bubble (F = B = W) | in flight per stage |
+# |---|---|---|---|
+# | `gpipe` | 1 | `2(p−1)/(3m+2(p−1))` | all `m` |
+# | `circular` (the table of the loop above) | `v` | `2(p−1)/(3vm+2(p−1))` | all `v·m` |
+# | `1f1b` | 1 | `2(p−1)/(3m+2(p−1))` | `p − s` |
+# | `interleaved_1f1b` | `v` | `2(p−1)/(3vm+2(p−1))` | bounded in `m` |
+# | `zb_h1` | 1 | `(p−1)/(3m+p−1)` | `≤ p` |
+# | `zbv` (V: chunks `s` and `2p−1−s`) | 2 | `(p−1)/(6m+p−1)` | `≤ 2p` half-stage chunks |
+#
+# (Megatron's 1F1B bubble `(p−1)/(m+p−1)` counts B and W as one action sent after both; here `B` sends first.)
+
+# %%
+import matplotlib.pyplot as plt
+
+from jaxpar.parallel import schedule as sched
+
+tables = [sched.build("1f1b", 4, 1, 8), sched.build("zb_h1", 4, 1, 8), sched.build("zbv", 4, 2, 8)]
+fig, axes = plt.subplots(len(tables), 1, figsize=(14, 2.2 * len(tables)))
+for table, ax in zip(tables, axes):
+    sched.validate(table)
+    sched.draw(table, ax=ax)
+fig.tight_layout()
+plt.show()
+print(f"{'schedule':17s} {'m':>3} {'ticks':>5} {'bubble':>7} {'formula':>7}  in flight per stage")
+for name, v in [("gpipe", 1), ("circular", 2), ("1f1b", 1), ("interleaved_1f1b", 2), ("zb_h1", 1), ("zbv", 2)]:
+    for m in (4, 16):
+        table = sched.build(name, 4, v, m)
+        f = sched.formula_bubble(name, 4, v, m)
+        assert abs(table.bubble - f) < 1e-12
+        print(f"{name:17s} {m:3d} {table.n_ticks:5d} {table.bubble:7.3f} {f:7.3f}  {table.in_flight()}")
+
+# %% [markdown]
+# The memory that buys, from the compiled step (`memory_analysis`, nothing runs): GPipe keeps every microbatch until
+# its backward, 1F1B at most `p − s`. At a fixed microbatch size, 4× the microbatches: GPipe's temporaries grow,
+# 1F1B's stay. (`python -m bench.schedules` from the repository root has the whole table, every schedule at m = p … 8p.) And the executor
+# is exact: ZB-V at `(2, 2, 2)` against the sequential reference of the section above.
+
+# %%
+from jaxpar.config import load_config
+from jaxpar.train import build_trainer
+
+
+def temp_bytes(name: str, m: int) -> int:
+    """Compiled temporaries of the train step at (2, 2, 2), m microbatches of 2 rows x 64 tokens per data shard."""
+    config = load_config(None, ["model.d_model=64", "model.n_layers=4", "model.n_heads=4", "model.n_kv_heads=4",
+                                "model.head_dim=16", "model.d_ff=192", "model.max_seq_len=64", "train.seq_len=64",
+                                "parallel.data=2", "parallel.pipe=2", "parallel.tensor=2", "parallel.repeats=1",
+                                f"parallel.schedule={name}", f"parallel.microbatches={m}",
+                                f"train.batch_size={4 * m}"]).resolve_for_devices(8)
+    trainer = build_trainer(config, jax.devices(), abstract=True)
+    rows = jax.ShapeDtypeStruct((4 * m, 65), jnp.int32, sharding=trainer.plan.batch_sharding)
+    return trainer.train_step.lower(trainer.state, rows).compile().memory_analysis().temp_size_in_bytes
+
+
+temp = {(name, m): temp_bytes(name, m) for name in ("gpipe", "1f1b") for m in (2, 8)}
+for name in ("gpipe", "1f1b"):
+    print(f"{name:6s} temp MB at m=2: {temp[(name, 2)] / 2**20:6.2f}, at m=8: {temp[(name, 8)] / 2**20:6.2f} "
+          f"(x{temp[(name, 8)] / temp[(name, 2)]:.2f})")
+assert temp[("gpipe", 8)] > 1.5 * temp[("gpipe", 2)] and temp[("1f1b", 8)] < 1.1 * temp[("1f1b", 2)]
+
+zbv_plan = make_plan(cfg, ParallelConfig(data=2, pipe=2, tensor=2, repeats=2, microbatches=4, schedule="zbv"),
+                     jax.devices())
+zbv_params = zbv_plan.from_canonical(params)
+zbv_params = jax.device_put(zbv_params, param_shardings(zbv_params, zbv_plan.mesh, zbv_plan.rules))
+zbv_fn = sharded_loss_and_grads(pipe_graphdef, zbv_plan, param_specs=param_specs(zbv_params, zbv_plan.rules))
+zbv_loss, zbv_grads = jax.jit(zbv_fn)(zbv_params, jax.device_put(batch, zbv_plan.batch_sharding))
+zbv_grads = dict(nnx.to_flat_state(zbv_plan.to_canonical(zbv_grads)))
+np.testing.assert_allclose(zbv_loss, want_loss, rtol=1e-5)
+for path, g in zbv_grads.items():
+    np.testing.assert_allclose(np.asarray(g[...]), np.asarray(flat_want[path][...]), rtol=1e-5, atol=floor)
+print(f"zbv: loss {float(zbv_loss):.7f} (sequential {float(want_loss):.7f}); all {len(zbv_grads)} gradients agree")
+
+# %% [markdown]
 # ## Summary
 #
 # * Stage `s` at iteration `t` runs microbatch `(t − s) mod m` in pass `⌊(t − s)/m⌋`; the step takes
@@ -328,3 +410,6 @@ print(f"all {len(flat_got)} gradients agree (rtol 1e-5, atol {floor:.1e})")
 #   `(v·m + p − 1)/(v·m)`.
 # * Reordering the work changes nothing numerically: loss and every gradient match the sequential model at
 #   `(data, pipe, tensor) = (2, 2, 2)`, `v = 2`, `m = 4`.
+# * `parallel.schedule` runs a table instead (1F1B, interleaved, ZB-H1, ZB-V): the schedule, not autodiff, decides
+#   when each backward runs, so at most `p` microbatches are in flight whatever `m` is — and still the same loss and
+#   gradients.

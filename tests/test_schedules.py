@@ -203,3 +203,21 @@ def test_executed_flops_and_bytes_follow_the_table(name, pipe, chunks, microbatc
     assert sc["permute_bytes"] == pytest.approx(sc["expected_permute_bytes"], rel=1e-9)
     # the last chunk's stage also runs the head and loss: the imbalance it costs, measured
     assert fl["head_and_loss"] > 0
+
+
+@pytest.mark.parametrize("name", ["1f1b", "zbv"])
+def test_twenty_steps_under_a_schedule_track_single_device_loss_curve(tmp_path, name):
+    """`fit` at the demo layout (data, pipe, tensor) = (2, 2, 2), 4 microbatches, under the schedule: the same
+    losses as one device, step by step."""
+    from jaxpar.train import fit
+
+    base = ["model.d_model=48", "model.n_layers=4", "model.n_heads=4", "model.n_kv_heads=2", "train.steps=20",
+            "train.batch_size=16", "train.seq_len=32", "train.log_every=1", "train.eval_every=0", "train.warmup_steps=5",
+            "train.eval_batches=1"]
+    single = load_config("configs/tiny.py", base + ["parallel.data=1", "parallel.pipe=1", "parallel.tensor=1",
+                                                    "parallel.repeats=1", "parallel.microbatches=1"])
+    layout = load_config("configs/tiny.py", base + [f"parallel.schedule={name}", f"parallel.repeats={CHUNKS[name]}"])
+    want = [r["loss"] for r in fit(single, tmp_path / "one", devices=jax.devices()[:1], progress=False).history]
+    got = [r["loss"] for r in fit(layout, tmp_path / "many", progress=False).history]
+    assert len(got) == len(want) == 20 and want[-1] < want[0]
+    np.testing.assert_allclose(got, want, rtol=1e-4)

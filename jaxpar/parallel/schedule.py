@@ -323,16 +323,20 @@ def format_table(table: Table) -> str:
     return "\n".join(lines)
 
 
-def draw(table: Table, path: str) -> None:
-    """Save the table as a picture: stages as rows, ticks as columns; F, B, W in three hues, one shade per
-    microbatch; idle cells blank."""
+def draw(table: Table, path: str | None = None, ax=None):
+    """Draw the table: stages as rows, ticks as columns; F, B, W in three hues (BW-fused W's too), one shade per
+    microbatch; idle cells blank. Into `ax` (a matplotlib Axes) if given, else a new figure; saved to `path` if
+    given. Returns the Axes."""
     import matplotlib
 
-    matplotlib.use("Agg")
+    if ax is None and path is not None:
+        matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     hues = {F: plt.get_cmap("Blues"), B: plt.get_cmap("Oranges"), W: plt.get_cmap("Greens")}
-    fig, ax = plt.subplots(figsize=(max(6, 0.32 * table.n_ticks), 0.55 * table.stages + 1.2))
+    fig = None
+    if ax is None:
+        fig, ax = plt.subplots(figsize=(max(6, 0.32 * table.n_ticks), 0.55 * table.stages + 1.2))
     for t, row in enumerate(table.ticks):
         for s, a in enumerate(row):
             if a is None:
@@ -345,12 +349,13 @@ def draw(table: Table, path: str) -> None:
     ax.set_yticks([s + 0.5 for s in range(table.stages)], [f"stage {s}" for s in range(table.stages)])
     ax.set_xlabel("tick (blue F, orange B, green W; numbers: microbatch)")
     ax.set_title(f"{table.name} p={table.stages} v={table.chunks} m={table.microbatches}: {table.n_ticks} ticks, "
-                 f"bubble {table.bubble:.3f}, peak in flight {max(table.in_flight())}")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-
-
+                 f"bubble {table.bubble:.3f}, peak in flight {max(table.in_flight())}", fontsize=9)
+    if fig is not None:
+        fig.tight_layout()
+        if path is not None:
+            fig.savefig(path, dpi=120)
+            plt.close(fig)
+    return ax
 
 
 # -----------------------------------------------------------------------------------------------------------------
