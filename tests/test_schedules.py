@@ -134,8 +134,8 @@ SHAPES = {  # (pipe, chunks, microbatches): p = 2 and 4, m from p to 4p
                          [(n, *s) for n in TABLES for s in SHAPES[n]], ids=lambda x: str(x))
 def test_schedule_matches_reference(reference, name, pipe, chunks, microbatches):
     cfg, batch, params, want_loss, want_grads = reference
-    if cfg.family == "gpt2" and (pipe, microbatches) != (4, 8):  # the tied head: one shape per schedule
-        pytest.skip("gpt2 runs one shape per schedule")
+    if cfg.family == "gpt2" and ((pipe, microbatches) != (4, 8) or name in ("gpipe", "zb_h1")):
+        pytest.skip("gpt2 (the tied head) runs one shape of 1f1b, interleaved_1f1b and zbv")
     loss, grads = run(cfg, params, batch, name=name, data=8 // pipe, pipe=pipe, tensor=1, repeats=chunks,
                       microbatches=microbatches)
     np.testing.assert_allclose(loss, want_loss, rtol=1e-5)
@@ -201,11 +201,14 @@ def test_executed_flops_and_bytes_follow_the_table(name, pipe, chunks, microbatc
     assert sum(sc["executed_flops_per_stage"]) == pytest.approx(flat["flops"]["dot_flops"] + split * redo, rel=1e-9)
     assert max(sc["executed_flops_per_stage"]) < 0.5 * fl["all_branches_every_tick"]
     assert sc["permute_bytes"] == pytest.approx(sc["expected_permute_bytes"], rel=1e-9)
+    # each tick's messages are loop-carried: read by the next tick only, so they can overlap the next tick's compute
+    carried = sc["permutes_loop_carried"]
+    assert len(carried) == (sc["messages"]["down"] > 0) + (sc["messages"]["up"] > 0) and all(carried.values()), carried
     # the last chunk's stage also runs the head and loss: the imbalance it costs, measured
     assert fl["head_and_loss"] > 0
 
 
-@pytest.mark.parametrize("name", ["1f1b", "zbv"])
+@pytest.mark.parametrize("name", ["zbv"])
 def test_twenty_steps_under_a_schedule_track_single_device_loss_curve(tmp_path, name):
     """`fit` at the demo layout (data, pipe, tensor) = (2, 2, 2), 4 microbatches, under the schedule: the same
     losses as one device, step by step."""

@@ -429,3 +429,28 @@ def cost(compiled) -> dict[str, float]:
 def _warn(prog: HloProgram) -> None:
     for message in dict.fromkeys(prog.warnings):
         warnings.warn(f"jaxpar.analysis.hlo: {message}", stacklevel=3)
+
+
+def loop_carried_permutes(compiled_or_text) -> dict[str, bool]:
+    """Each collective-permute inside a while body → whether its result only feeds the body's ROOT tuple (through
+    bitcasts and copies): then it is read by the next iteration, nothing in its own iteration waits for it, and an
+    asynchronous backend can run it under the next iteration's compute."""
+    prog = parse_hlo(compiled_or_text)
+    forwarding = ("bitcast", "copy", "reshape", "get-tuple-element", "collective-permute-done")
+    out = {}
+    for body in prog.trip_counts:
+        instrs = prog.computations[body]
+        root = instrs[-1].name  # the text prints ROOT last
+        users: dict[str, list[_Instr]] = {}
+        for ins in instrs:
+            for used in re.findall(r"%([\w.\-]+)", ins.args):
+                users.setdefault(used, []).append(ins)
+
+        def reaches_only_root(name: str) -> bool:
+            us = users.get(name, [])
+            return bool(us) and all(u.name == root or (u.op in forwarding and reaches_only_root(u.name)) for u in us)
+
+        for ins in instrs:
+            if ins.op in ("collective-permute", "collective-permute-start"):
+                out[ins.name] = reaches_only_root(ins.name)
+    return out

@@ -24,7 +24,8 @@ import re
 import jax
 import jax.numpy as jnp
 from jaxpar.analysis import expected
-from jaxpar.analysis.hlo import branch_flops, collective_summary, collectives, cost, dot_flops, memory
+from jaxpar.analysis.hlo import (branch_flops, collective_summary, collectives, cost, dot_flops,
+                                 loop_carried_permutes, memory)
 from jaxpar.config import Config
 from jaxpar.parallel import pipeline, schedule
 from jaxpar.parallel.axes import PIPE, TENSOR
@@ -193,6 +194,8 @@ def schedule_section(config: Config, compiled, cols, measured_flops: float) -> d
         "permute_bytes": permute,
         "expected_permute_bytes": table.n_ticks * directions * mb * s_local * d["h"] * 4 * config.train.grad_accum,
         "messages": sends,
+        # every tick's sends are read only by the next tick (loop-carried): free to overlap its compute
+        "permutes_loop_carried": loop_carried_permutes(compiled),
     }
 
 

@@ -43,6 +43,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxpar.parallel import schedule as tables  # (this module has a `schedule` of its own: the circular table)
+from jaxpar.parallel.schedule import DO_F, Program
+from jaxpar.parallel.vma import vary, varying_axes
+
 Array = jax.Array
 
 
@@ -98,10 +102,8 @@ class Pipeline:
 
 
 @functools.lru_cache(maxsize=64)
-def _program(name: str, stages: int, repeats: int, microbatches: int):
-    from jaxpar.parallel import schedule
-
-    return schedule.lower(schedule.build(name, stages, repeats, microbatches))
+def _program(name: str, stages: int, repeats: int, microbatches: int) -> Program:
+    return tables.lower(tables.build(name, stages, repeats, microbatches))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -265,7 +267,7 @@ def _split_residuals(vjp_fn, params, probes):
     return treedef, kinds, leaves
 
 
-def execute(program, chunk_fn: Callable, layers, rest, tokens: Array, targets: Array, embed_fn: Callable,
+def execute(program: Program, chunk_fn: Callable, layers, rest, tokens: Array, targets: Array, embed_fn: Callable,
             head_loss_fn: Callable, *, axis: str = "pipe"):
     """Run a schedule's ticks on this stage. Call inside shard_map with `axis` bound.
 
@@ -279,16 +281,16 @@ def execute(program, chunk_fn: Callable, layers, rest, tokens: Array, targets: A
     last chunk it holds; the complete gradients of its chunks; the gradients of `rest` from the microbatches it
     embedded or finished. Summed over `axis`, loss and rest_grads are the step's.
 
-    Each tick every stage runs one branch of a `lax.switch` on its action — idle, F, B or W — so an idle tick
-    computes nothing and a W computes only weight gradients (XLA drops what the branch does not return). F runs
+    Each tick every stage runs one branch of a `lax.switch` on its action — idle, F, B, W, or BW (a B with the W
+    the table puts right after it, in one vjp) — so an idle tick computes nothing and a B computes no weight
+    gradients (XLA drops what a branch does not return). The branches return small values and the buffers are
+    written after the switch (scratch slots take what is not for keeping): a branch that passes the buffers
+    through and updates them itself makes XLA:CPU copy them every tick (measured: 2-3x the step time). F runs
     `jax.vjp` of the chunk and stashes the residuals (the leaves of the vjp closure that are activations, not the
     weights or outside constants) in the slot the table gives it; B and W rebuild the closure from that slot. What
     a stage sends at tick t (F's output or B's input gradient) travels in one collective-permute per direction
     used at the end of the tick and is read at t + 1 or later from the inbox.
     """
-    from jaxpar.parallel.schedule import DO_F
-    from jaxpar.parallel.vma import vary, varying_axes
-
     table = program.table
     p, m = table.stages, table.microbatches
     s = jax.lax.axis_index(axis)
@@ -311,8 +313,7 @@ def execute(program, chunk_fn: Callable, layers, rest, tokens: Array, targets: A
     treedef, kinds, leaves_a = _split_residuals(vjp_a, chunk_a, jax.tree.leaves(vjp_b))
     stash_refs = [leaf for leaf, kind in zip(leaves_a, kinds) if kind[0] == "stash"]
     loss_ref = head_loss_fn(rest, y0, targets[0])
-    msg_ref = like(jnp.zeros_like(y0), x0)
-    msg_ref = like(msg_ref, y0)
+    msg_ref = vary(jnp.zeros_like(y0), tuple(varying_axes(x0) | varying_axes(y0) | {axis}))  # inbox, messages
 
     def rebuild(params_r, stash):
         plist = jax.tree.leaves(params_r)
@@ -332,7 +333,7 @@ def execute(program, chunk_fn: Callable, layers, rest, tokens: Array, targets: A
         def head(y):
             loss, (d_rest, dy) = jax.value_and_grad(
                 lambda r_, y_: head_loss_fn(r_, y_, targets[j]) / m, argnums=(0, 1))(rest, y)
-            return like(loss, loss_ref), zeros_add(d_rest), like(dy, msg_ref)
+            return like(loss, loss_ref), typed_rest(d_rest), like(dy, msg_ref)
 
         def no_head(y):
             return like(jnp.zeros((), loss_ref.dtype), loss_ref), zeros(rest), like(y, msg_ref)
@@ -340,8 +341,8 @@ def execute(program, chunk_fn: Callable, layers, rest, tokens: Array, targets: A
         loss, d_rest, msg = jax.lax.cond(g["last"] == 1, head, no_head, y)
         return stash, msg, zeros(layer_ref), d_rest, loss
 
-    def zeros_add(tree):
-        return jax.tree.map(lambda x, r: like(x, r), tree, rest)
+    def typed_rest(tree):  # gradients of `rest`, typed as the branches' common output
+        return jax.tree.map(like, tree, rest)
 
     def backward(g, params_r, inbox, stash_buf, weights: bool):
         """B (weights=False): the input gradient, sent on (the first chunk's goes into the embedding); the weight
@@ -352,7 +353,7 @@ def execute(program, chunk_fn: Callable, layers, rest, tokens: Array, targets: A
 
         def embed_grad(dx):
             _, vjp_e = jax.vjp(lambda r_: embed_fn(r_, tokens[j]), rest)
-            return zeros_add(vjp_e(like(dx, x0))[0])
+            return typed_rest(vjp_e(like(dx, x0))[0])
 
         d_rest = jax.lax.cond(g["first"] == 1, embed_grad, lambda dx: zeros(rest), dx)
         dw = jax.tree.map(like, dw, layer_ref) if weights else zeros(layer_ref)

@@ -16,16 +16,19 @@ it needs was produced at an earlier tick (F(j, c−1), B(j, c+1) or its own F(j,
 is received at t + 1. The result, a `Table`, is all the executor (`jaxpar.parallel.pipeline.execute`) needs, and its
 bubble and memory are counted here, from the table:
 
-    gpipe             v = 1: all F, then all B/W — every microbatch in flight at the peak; bubble (p−1)/(m+p−1)
-    circular          v passes round-robin, all F then all B/W (today's loop, `pipeline.circular`, with its backward
-                      left to autodiff, is the reference); bubble (p−1)/(v·m+p−1), all v·m chunk-activations in flight
-    1f1b              v = 1: p−s−1 warm-up forwards, then one F and one backward (B then W) in turn: ≤ p − s
-                      microbatches in flight on stage s, whatever m is; bubble (p−1)/(m+p−1)
-    interleaved_1f1b  Megatron's order over v chunks (m a multiple of p): bubble (p−1)/(v·m+p−1)
-    zb_h1             1F1B's memory limit (≤ p − s in flight), B before F, W deferred into what would be bubble:
-                      bubble (p−1)/(3m+p−1), a third of 1F1B's
-    zbv               V placement, 2 chunks per stage, zero-bubble greedy order at 1F1B's memory (≤ 2p chunk-
-                      activations, i.e. p microbatches of a whole stage): bubble → 0 as m grows (m ≥ 2p)
+    gpipe             v = 1: all F, then all B/W — every microbatch in flight at the peak
+    circular          v chunks round-robin, all F then all B/W: the table of `pipeline.circular`, whose backward
+                      autodiff writes (that loop is the reference; `parallel.schedule=circular` runs it)
+    1f1b              v = 1: p−s−1 warm-up forwards, then one F and one backward (B, W) in turn: ≤ p − s
+                      microbatches in flight on stage s, whatever m is
+    interleaved_1f1b  Megatron-Core's order over v ≥ 2 chunks (m a multiple of p): in flight bounded in m
+    zb_h1             Qi et al.'s ZB-H1: 1F1B's warm-up, stage s defers each W by s microbatches; ≤ p in flight
+                      (1F1B's peak), and only the ramp down left idle
+    zbv               the V placement, 2 chunks per stage, a greedy order (B, else W, else F below 2p chunk-
+                      activations in flight: 1F1B's p microbatches of a whole stage)
+
+Bubbles, each the table's own count (`formula_bubble` derives them): 2(p−1)/(3vm+2(p−1)) for the fixed orders
+(gpipe and 1f1b at v = 1), (p−1)/(3m+p−1) for ZB-H1, (p−1)/(6m+p−1) for ZB-V (in half-stage ticks).
 
 "In flight" counts a (microbatch, chunk) from its F to its W: what the stage must keep (the vjp residuals).
 """
