@@ -55,15 +55,22 @@ def timed_steps(config, steps: int, *, keep=None) -> tuple[float, float]:
     return compile_s, statistics.median(times[1:])
 
 
-def compile_seconds(config) -> float:
-    """Seconds to lower and compile the train step of `config` on all devices, from abstract state (nothing is
-    allocated or run)."""
+def abstract_step(config):
+    """(train step, abstract state, abstract batch) of `config` on all devices: what lowers and compiles it with
+    nothing allocated or run."""
     config = config.resolve_for_devices(len(jax.devices()))
     trainer = build_trainer(config, jax.devices(), abstract=True)
     t = config.train
     batch = jax.ShapeDtypeStruct((t.batch_size, t.seq_len + 1), jnp.int32, sharding=trainer.plan.batch_sharding)
+    return trainer.train_step, trainer.state, batch
+
+
+def compile_seconds(config) -> float:
+    """Seconds to lower and compile the train step of `config` on all devices, from abstract state (nothing is
+    allocated or run)."""
+    step, state, batch = abstract_step(config)
     start = time.perf_counter()
-    trainer.train_step.lower(trainer.state, batch).compile()
+    step.lower(state, batch).compile()
     return time.perf_counter() - start
 
 

@@ -39,15 +39,10 @@ def config_for(name: str, microbatches: int):
 
 
 def compiled_step(config):
-    import jax
-    import jax.numpy as jnp
+    from bench.pipeline import abstract_step
 
-    from jaxpar.train import build_trainer
-
-    trainer = build_trainer(config, jax.devices(), abstract=True)
-    t = config.train
-    batch = jax.ShapeDtypeStruct((t.batch_size, t.seq_len + 1), jnp.int32, sharding=trainer.plan.batch_sharding)
-    return trainer.train_step.lower(trainer.state, batch).compile()
+    step, state, batch = abstract_step(config)
+    return step.lower(state, batch).compile()
 
 
 def memory_rows(mults: list[int]) -> list[dict]:

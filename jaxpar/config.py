@@ -168,7 +168,7 @@ class ParallelConfig:
                               "parallel.sequence_parallel=false")
         _check_choice("parallel.zero", self.zero, (0, 1, 3))
         _check_choice("parallel.remat", self.remat, REMAT_POLICIES)
-        if self.schedule != "circular" or self.pipe > 1:
+        if self.schedule != "circular":  # the circular loop's own rules follow below
             why = schedule_check(self.schedule, self.pipe, self.repeats, self.microbatches)
             if why:
                 raise ConfigError(*why)

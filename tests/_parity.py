@@ -4,11 +4,39 @@
 (`blocks/wq` [L, …]) is a parameter of its own: every entry must satisfy |got − want| ≤ rtol · max|want| over
 that layer's slice. One scale shared by all parameters (a floor of 1e-6 · the largest gradient anywhere) lets a
 parameter with small gradients pass at any relative error; elementwise rtol alone fails on entries that are zero
-in exact arithmetic and come out as rounding noise."""
+in exact arithmetic and come out as rounding noise.
+
+`single_device` and `on_layout` are the two sides every layout test compares: the plain model on one device, and
+the same parameters laid out for a plan and run through the step's shard_map."""
 
 import jax
 import numpy as np
 from flax import nnx
+
+from jaxpar.model import Transformer
+from jaxpar.parallel.plan import make_plan
+from jaxpar.sharding import param_shardings, param_specs
+from jaxpar.train.step import loss_and_grads, sharded_loss_and_grads
+
+
+def single_device(cfg, batch):
+    """The reference: one device, no mesh, unpadded vocab, layers in model order → (params, loss, grads)."""
+    graphdef, params = nnx.split(Transformer(cfg, rngs=nnx.Rngs(0)), nnx.Param)
+    loss, grads = jax.jit(loss_and_grads(graphdef))(params, batch)
+    return params, loss, grads
+
+
+def on_layout(cfg, params, batch, parallel, *, remat: str = "none", grad_accum: int = 1):
+    """The same parameters laid out for `parallel` (a ParallelConfig) on all devices — vocab padded, layers in the
+    plan's order, ZeRO-3 split if asked — through `sharded_loss_and_grads` → (loss, gradients in model order)."""
+    plan = make_plan(cfg, parallel, jax.devices())
+    graphdef = nnx.graphdef(Transformer(cfg, rngs=nnx.Rngs(0), padded_vocab=plan.padded_vocab))
+    laid_out = plan.from_canonical(params)
+    laid_out = jax.device_put(laid_out, param_shardings(laid_out, plan.mesh, plan.rules, plan.param_zero_data))
+    specs = param_specs(laid_out, plan.rules, plan.param_zero_data)
+    fn = sharded_loss_and_grads(graphdef, plan, param_specs=specs, remat=remat, grad_accum=grad_accum)
+    loss, grads = jax.jit(fn)(laid_out, jax.device_put(batch, plan.batch_sharding))
+    return loss, plan.to_canonical(grads)
 
 
 def _flat(tree) -> dict[str, np.ndarray]:

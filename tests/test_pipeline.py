@@ -4,20 +4,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from jaxpar.analysis import hlo
 from jaxpar.analysis.report import analyze
 from jaxpar.config import ConfigError, ModelConfig, ParallelConfig, load_config
-from jaxpar.model import Transformer
 from jaxpar.parallel import pipeline
-from jaxpar.parallel.plan import make_plan
-from jaxpar.sharding import param_shardings, param_specs
 from jaxpar.train import build_trainer, fit
-from jaxpar.train.step import loss_and_grads, sharded_loss_and_grads
 
-from _parity import assert_grads_match, exactly_zero
+from _parity import assert_grads_match, exactly_zero, on_layout, single_device
 
 LLAMA = dict(vocab_size=263, d_model=20, n_layers=24, n_heads=4, n_kv_heads=2, head_dim=6, d_ff=28, max_seq_len=8,
              init_std=0.1)
@@ -25,29 +20,17 @@ GPT2 = dict(LLAMA, family="gpt2", n_kv_heads=4, tie_embeddings=True)
 B, T = 48, 8
 
 
-def reference(cfg, batch):
-    graphdef, params = nnx.split(Transformer(cfg, rngs=nnx.Rngs(0)), nnx.Param)
-    loss, grads = jax.jit(loss_and_grads(graphdef))(params, batch)
-    return params, loss, grads
-
-
 def pipelined(cfg, params, batch, data, pipe, tensor, repeats, microbatches, sequence=False, remat="none"):
     parallel = ParallelConfig(data=data, pipe=pipe, tensor=tensor, repeats=repeats, microbatches=microbatches,
                               sequence_parallel=sequence)
-    plan = make_plan(cfg, parallel, jax.devices())
-    graphdef = nnx.graphdef(Transformer(cfg, rngs=nnx.Rngs(0), padded_vocab=plan.padded_vocab))
-    laid_out = plan.from_canonical(params)
-    laid_out = jax.device_put(laid_out, param_shardings(laid_out, plan.mesh, plan.rules))
-    fn = sharded_loss_and_grads(graphdef, plan, param_specs=param_specs(laid_out, plan.rules), remat=remat)
-    loss, grads = jax.jit(fn)(laid_out, jax.device_put(batch, plan.batch_sharding))
-    return loss, plan.to_canonical(grads)
+    return on_layout(cfg, params, batch, parallel, remat=remat)
 
 
 @pytest.fixture(scope="module", params=["llama", "gpt2"])
 def family_reference(request):
     cfg = ModelConfig(**(LLAMA if request.param == "llama" else GPT2))
     batch = jnp.asarray(np.random.default_rng(0).integers(0, cfg.vocab_size, (B, T + 1)), jnp.int32)
-    return (cfg, batch, *reference(cfg, batch))
+    return (cfg, batch, *single_device(cfg, batch))
 
 
 @pytest.mark.parametrize("pipe,repeats,microbatches", [(2, 1, 2), (2, 2, 4), (4, 1, 4), (4, 2, 8), (2, 3, 6), (4, 1, 8)])

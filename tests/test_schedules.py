@@ -6,16 +6,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from flax import nnx
 
 from jaxpar.config import ConfigError, ModelConfig, ParallelConfig, load_config
-from jaxpar.model import Transformer
 from jaxpar.parallel import schedule
-from jaxpar.parallel.plan import make_plan
-from jaxpar.sharding import param_shardings, param_specs
-from jaxpar.train.step import loss_and_grads, sharded_loss_and_grads
 
-from _parity import assert_grads_match, exactly_zero
+from _parity import assert_grads_match, exactly_zero, on_layout, single_device
 
 TABLES = ["gpipe", "1f1b", "interleaved_1f1b", "zb_h1", "zbv"]  # run by the executor; circular is the autodiff loop
 CHUNKS = {"gpipe": 1, "1f1b": 1, "zb_h1": 1, "interleaved_1f1b": 2, "zbv": 2, "circular": 2}
@@ -93,32 +88,21 @@ def test_schedule_config_errors(fields, match):
 # ---------------------------------------------------------------------------------------------------------------------
 # The executor against the sequential reference.
 
-LLAMA = dict(vocab_size=263, d_model=20, n_layers=24, n_heads=4, n_kv_heads=2, head_dim=6, d_ff=28, max_seq_len=8, scan_unroll=1,
-             init_std=0.1)
+LLAMA = dict(vocab_size=263, d_model=20, n_layers=24, n_heads=4, n_kv_heads=2, head_dim=6, d_ff=28, max_seq_len=8,
+             scan_unroll=1, init_std=0.1)
 GPT2 = dict(LLAMA, family="gpt2", n_kv_heads=4, tie_embeddings=True)
 B, T = 64, 8
 
 
-def run(cfg, params, batch, *, name, data, pipe, tensor, repeats, microbatches, sequence=False, remat="none", zero=0):
-    parallel = ParallelConfig(data=data, pipe=pipe, tensor=tensor, repeats=repeats, microbatches=microbatches,
-                              sequence_parallel=sequence, schedule=name, zero=zero)
-    plan = make_plan(cfg, parallel, jax.devices())
-    graphdef = nnx.graphdef(Transformer(cfg, rngs=nnx.Rngs(0), padded_vocab=plan.padded_vocab))
-    laid_out = plan.from_canonical(params)
-    laid_out = jax.device_put(laid_out, param_shardings(laid_out, plan.mesh, plan.rules, plan.param_zero_data))
-    specs = param_specs(laid_out, plan.rules, plan.param_zero_data)
-    fn = sharded_loss_and_grads(graphdef, plan, param_specs=specs, remat=remat)
-    loss, grads = jax.jit(fn)(laid_out, jax.device_put(batch, plan.batch_sharding))
-    return loss, plan.to_canonical(grads)
+def run(cfg, params, batch, *, name, remat="none", grad_accum=1, **layout):
+    return on_layout(cfg, params, batch, ParallelConfig(schedule=name, **layout), remat=remat, grad_accum=grad_accum)
 
 
 @pytest.fixture(scope="module", params=["llama", "gpt2"])
 def reference(request):
     cfg = ModelConfig(**(LLAMA if request.param == "llama" else GPT2))
     batch = jnp.asarray(np.random.default_rng(1).integers(0, cfg.vocab_size, (B, T + 1)), jnp.int32)
-    graphdef, params = nnx.split(Transformer(cfg, rngs=nnx.Rngs(0)), nnx.Param)
-    loss, grads = jax.jit(loss_and_grads(graphdef))(params, batch)
-    return cfg, batch, params, loss, grads
+    return (cfg, batch, *single_device(cfg, batch))
 
 
 SHAPES = {  # (pipe, chunks, microbatches): p = 2 and 4, m from p to 4p
@@ -150,18 +134,21 @@ def test_schedule_with_tensor_and_data_matches_reference(reference, name, sequen
     if cfg.family == "gpt2" and (sequence or name != "zbv"):
         pytest.skip("gpt2 runs TP without SP, on ZB-V (embedding and tied head on one stage)")
     loss, grads = run(cfg, params, batch, name=name, data=2, pipe=2, tensor=2, repeats=CHUNKS[name],
-                      microbatches=4, sequence=sequence)
+                      microbatches=4, sequence_parallel=sequence)
     np.testing.assert_allclose(loss, want_loss, rtol=1e-5)
     assert_grads_match(grads, want_grads, zero=exactly_zero(cfg))
 
 
-@pytest.mark.parametrize("name,remat,zero", [("1f1b", "full", 3), ("zbv", "dots", 3), ("zb_h1", "full", 0)])
-def test_schedule_with_remat_and_zero_matches_reference(reference, name, remat, zero):
+@pytest.mark.parametrize("name,remat,zero,grad_accum", [("1f1b", "full", 3, 1), ("zbv", "dots", 3, 1),
+                                                         ("zb_h1", "full", 0, 1), ("zbv", "none", 0, 2)])
+def test_schedule_with_remat_zero_and_accumulation_matches_reference(reference, name, remat, zero, grad_accum):
+    """Remat policies inside the chunk's vjp, ZeRO-3's gathered parameters and reduce-scattered gradients, and
+    gradient accumulation (the executor runs once per accumulation chunk)."""
     cfg, batch, params, want_loss, want_grads = reference
     if cfg.family == "gpt2":
-        pytest.skip("remat and ZeRO do not depend on the family")
+        pytest.skip("remat, ZeRO and accumulation do not depend on the family")
     loss, grads = run(cfg, params, batch, name=name, data=4, pipe=2, tensor=1, repeats=CHUNKS[name],
-                      microbatches=4, remat=remat, zero=zero)
+                      microbatches=4, remat=remat, zero=zero, grad_accum=grad_accum)
     np.testing.assert_allclose(loss, want_loss, rtol=1e-5)
     assert_grads_match(grads, want_grads, zero=exactly_zero(cfg))
 

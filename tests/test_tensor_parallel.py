@@ -18,7 +18,7 @@ from jaxpar.parallel.plan import make_plan
 from jaxpar.sharding import param_shardings, param_specs
 from jaxpar.train.step import loss_and_grads
 
-from _parity import assert_grads_match, exactly_zero
+from _parity import assert_grads_match, exactly_zero, single_device
 
 # Vocab 263 is prime: every tensor degree pads it. 8 query heads over 2 kv heads: at tensor 2 the kv heads split,
 # at tensor 4 and 8 they are replicated (K < t). seq_len 16 divides 8 for sequence parallelism; d_model 30 is odd-ish.
@@ -30,14 +30,6 @@ B, T = 8, 16
 
 def layout(data, tensor):
     return types.SimpleNamespace(data=data, pipe=1, expert=1, context=1, tensor=tensor)
-
-
-def reference(cfg, batch):
-    """Single device, no mesh, unpadded vocab: loss and gradients."""
-    model = Transformer(cfg, rngs=nnx.Rngs(0))
-    graphdef, params = nnx.split(model, nnx.Param)
-    loss, grads = jax.jit(loss_and_grads(graphdef))(params, batch)
-    return params, loss, grads
 
 
 def parallel(cfg, params, batch, data, tensor, sequence):
@@ -61,7 +53,7 @@ def family_reference(request):
 
     cfg = ModelConfig(**(MODEL if request.param == "llama" else GPT2))
     batch = jnp.asarray(np.random.default_rng(0).integers(0, cfg.vocab_size, (B, T + 1)), jnp.int32)
-    return (cfg, batch, *reference(cfg, batch))
+    return (cfg, batch, *single_device(cfg, batch))
 
 
 @pytest.mark.parametrize("sequence", [False, True], ids=["tp", "tp+sp"])

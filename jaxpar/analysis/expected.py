@@ -151,6 +151,15 @@ def pipeline_bytes(config: Config) -> dict[str, float]:
             "permute_bytes": per_iteration * d["iterations"]}
 
 
+def schedule_permute_bytes(config: Config, ticks: int, directions: int) -> float:
+    """A scheduled pipeline's traffic per device per step: every tick sends one microbatch's float32 residual
+    stream [mb, s(/t), h] in each direction the table uses (down s → s+1, up s → s−1), whether or not the stage
+    has something to send (the collective runs on every stage)."""
+    d = _dims(config, config.model.vocab_size)
+    s_local = d["s"] // d["t"] if d["sp"] else d["s"]
+    return ticks * directions * d["mb"] * s_local * d["h"] * 4 * d["A"]
+
+
 def activation_bytes_per_layer(config: Config) -> dict[str, float]:
     """Korthikanti et al.'s activation memory per layer per device (16-bit), for reference."""
     d = _dims(config, config.model.vocab_size)

@@ -77,6 +77,8 @@ class HloProgram:
     exact: dict[str, bool] = field(default_factory=dict)
     trip_counts: dict[str, int] = field(default_factory=dict)
     warnings: list[str] = field(default_factory=list)
+    # computation -> [(callee, executions per call: the trip count for a loop's body and condition, else 1, site)]
+    calls: dict[str, list[tuple[str, int, _Instr]]] = field(default_factory=dict)
 
     def instructions(self):
         """Yields (computation, instruction, executions per call) for every instruction that runs."""
@@ -191,6 +193,7 @@ def parse_hlo(compiled_or_text) -> HloProgram:
                     if callee in comps:
                         factor = trip if loop and trip is not None else 1
                         callers.setdefault(callee, []).append((comp, factor, trip is not None or not loop))
+                        prog.calls.setdefault(comp, []).append((callee, factor, ins))
                         if loop and key == "body" and trip is not None:
                             prog.trip_counts[callee] = trip
 
@@ -355,17 +358,7 @@ class Conditional:
 def branch_flops(compiled_or_text) -> list[Conditional]:
     """Every conditional of the program with the FLOPs of each of its branches (what a branch costs when taken)."""
     prog = parse_hlo(compiled_or_text)
-    calls: dict[str, list[tuple[str, int, _Instr]]] = {}  # computation -> [(callee, factor, call site)]
-    for comp, instrs in prog.computations.items():
-        for ins in instrs:
-            if ins.op in ("async-update", "async-done"):
-                continue
-            found = _TRIP.search(ins.attrs) if ins.op == "while" else None
-            for key, names in _CALL.findall(_STRING.sub('""', ins.attrs)):
-                trip = int(found.group(1)) if found and key == "body" else 1
-                for callee in re.findall(r"%?([\w.\-]+)", names):
-                    if callee in prog.computations:
-                        calls.setdefault(comp, []).append((callee, trip, ins))
+    calls = prog.calls
 
     def own(comp: str) -> tuple[float, list[str]]:
         """(FLOPs of comp and its non-conditional callees, the computations holding them)."""

@@ -105,7 +105,7 @@ def analyze(config: Config, devices: list | None = None, *, activations: bool = 
                   "flops": expected.ratio(measured_flops, want_flops["executed"])},
     }
     if config.parallel.pipe > 1 and config.parallel.schedule != "circular":
-        report["schedule"] = schedule_section(config, compiled, cols, measured_flops)
+        report["schedule"] = schedule_section(config, trainer.plan.pipeline.program, compiled, cols)
     elif config.parallel.pipe > 1:
         report["pipeline"] = _pipeline_section(config, cols, measured_flops, want_flops)
     if activations:
@@ -151,16 +151,17 @@ def schedule_flops(compiled, program) -> dict:
     nested = {i: sorted((c for c in conds if c.parent == (tick.name, i)), key=lambda c: max(c.branches))
               for i in range(5)}
     # F holds two: the embedding (chunk 0; a gather, ~no matmuls) and the head with its loss gradient (last chunk)
-    embed_f, head_f = (max(nested[1][0].branches), max(nested[1][-1].branches)) if len(nested[1]) == 2 else (0, 0)
-    embed_b = {i: max(nested[i][-1].branches) if nested[i] else 0.0 for i in (2, 4)}
+    in_f = nested[schedule.DO_F]
+    embed_f, head_f = (max(in_f[0].branches), max(in_f[-1].branches)) if len(in_f) == 2 else (0, 0)
+    embed_b = {i: max(nested[i][-1].branches) if nested[i] else 0.0 for i in (schedule.DO_B, schedule.DO_BW)}
     in_tree = sum(c.count * sum(c.branches) for c in conds if c is tick or (c.parent and c.parent[0] == tick.name))
     outside = dot_flops(compiled) - in_tree
     calls = tick.count // program.table.n_ticks  # > 1 with gradient accumulation
-    kind, first, last = program.kind, program.first, program.last
-    per_tick = tick.branches[1] * (kind == 1) + tick.branches[2] * (kind == 2) + tick.branches[3] * (kind == 3) \
-        + tick.branches[4] * (kind == 4) + head_f * ((kind == 1) & (last == 1)) \
-        + embed_f * ((kind == 1) & (first == 1)) + embed_b[2] * ((kind == 2) & (first == 1)) \
-        + embed_b[4] * ((kind == 4) & (first == 1))
+    kind, first, last = program.kind, program.first == 1, program.last == 1
+    per_tick = sum(tick.branches[k] * (kind == k) for k in (schedule.DO_F, schedule.DO_B, schedule.DO_W,
+                                                            schedule.DO_BW))
+    per_tick = per_tick + head_f * ((kind == schedule.DO_F) & last) + embed_f * ((kind == schedule.DO_F) & first) \
+        + sum(embed_b[k] * ((kind == k) & first) for k in (schedule.DO_B, schedule.DO_BW))
     per_stage = [outside + calls * float(x) for x in per_tick.sum(axis=0)]
     return {"per_stage": per_stage, "branches": dict(zip(("idle", "F", "B", "W", "BW"), tick.branches)),
             "head_and_loss": head_f, "embedding": embed_f, "embedding_backward": max(embed_b.values()),
@@ -170,18 +171,11 @@ def schedule_flops(compiled, program) -> dict:
                                                                                 + embed_f + max(embed_b.values()))}
 
 
-def schedule_section(config: Config, compiled, cols, measured_flops: float) -> dict:
+def schedule_section(config: Config, program: schedule.Program, compiled, cols) -> dict:
     """The scheduled pipeline: the table's ticks, bubble and peak in flight; executed FLOPs per stage (from the
-    program); collective-permute bytes per step against the formula: every tick sends one message
-    [mb, s(/t), h] float32 in each direction the table uses (down s → s+1, up s → s−1)."""
+    program); collective-permute bytes per step against `expected.schedule_permute_bytes`."""
     p = config.parallel
-    pipe = pipeline.Pipeline(p.pipe, p.repeats, p.microbatches, config.model.n_layers, p.schedule)
-    program, table = pipe.program, pipe.program.table
-    d = expected._dims(config, config.model.vocab_size)
-    s_local = d["s"] // d["t"] if d["sp"] else d["s"]
-    mb = d["b"] // p.microbatches // config.train.grad_accum
-    sends = program.sends()
-    directions = (sends["down"] > 0) + (sends["up"] > 0)
+    table, sends = program.table, program.sends()
     permute = sum(c.sent_bytes * c.count for c in cols if c.kind == "collective-permute" and c.axes == (PIPE,))
     flops = schedule_flops(compiled, program)
     return {
@@ -192,7 +186,8 @@ def schedule_section(config: Config, compiled, cols, measured_flops: float) -> d
         "actions_per_stage": {k: [int(x) for x in v] for k, v in program.actions().items()},
         "executed_flops_per_stage": flops["per_stage"], "flops": flops,
         "permute_bytes": permute,
-        "expected_permute_bytes": table.n_ticks * directions * mb * s_local * d["h"] * 4 * config.train.grad_accum,
+        "expected_permute_bytes": expected.schedule_permute_bytes(
+            config, table.n_ticks, (sends["down"] > 0) + (sends["up"] > 0)),
         "messages": sends,
         # every tick's sends are read only by the next tick (loop-carried): free to overlap its compute
         "permutes_loop_carried": loop_carried_permutes(compiled),

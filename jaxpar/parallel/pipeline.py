@@ -65,7 +65,7 @@ def pipeline_order(layers: int, stages: int, repeats: int, placement: tuple[int,
     layer c·k + i of chunk c, the r-th chunk of stage s — c = r·p + s round-robin, or as `placement` says)."""
     k = layers // (stages * repeats)
     if placement is None:
-        placement = tuple(c % stages for c in range(stages * repeats))
+        placement = tables.placement("circular", stages, repeats)
     chunks = [[c for c in range(stages * repeats) if placement[c] == s] for s in range(stages)]
     return np.array([chunks[s][r] * k + i for s in range(stages) for r in range(repeats) for i in range(k)])
 
@@ -88,8 +88,8 @@ class Pipeline:
     @property
     def layer_order(self) -> np.ndarray:
         """order[n] = the model layer at position n of the stacked axis in memory (`pipeline_order`)."""
-        placement = None if self.schedule == "circular" else self.program.table.placement
-        return pipeline_order(self.layers, self.stages, self.repeats, placement)
+        return pipeline_order(self.layers, self.stages, self.repeats,
+                              tables.placement(self.schedule, self.stages, self.repeats))
 
     @property
     def program(self):
@@ -344,11 +344,18 @@ def execute(program: Program, chunk_fn: Callable, layers, rest, tokens: Array, t
     def typed_rest(tree):  # gradients of `rest`, typed as the branches' common output
         return jax.tree.map(like, tree, rest)
 
-    def backward(g, params_r, inbox, stash_buf, weights: bool):
-        """B (weights=False): the input gradient, sent on (the first chunk's goes into the embedding); the weight
-        gradient's matmuls are dead code XLA drops. BW (weights=True): both from one pass over the chunk."""
+    def backward(g, params_r, inbox, stash_buf, inputs: bool, weights: bool):
+        """The chunk's backward from its stashed residuals and the output gradient in the inbox.
+
+        B (inputs): the input gradient, sent on (the first chunk's goes into the embedding). W (weights): the
+        weight gradient. BW: both from one pass. What a branch does not return is dead code XLA drops — but a W
+        alone still re-derives the activation gradients inside the chunk that its B derived (splitting them per
+        matmul is the next step)."""
         vjp_fn = rebuild(params_r, [b[g["stash"]] for b in stash_buf])
         dw, dx = vjp_fn(inbox[g["x_slot"]])
+        dw = jax.tree.map(like, dw, layer_ref) if weights else zeros(layer_ref)
+        if not inputs:
+            return zeros(stash_refs), zeros(msg_ref), dw, zeros(rest), zeros(loss_ref)
         j = g["micro"]
 
         def embed_grad(dx):
@@ -356,16 +363,7 @@ def execute(program: Program, chunk_fn: Callable, layers, rest, tokens: Array, t
             return typed_rest(vjp_e(like(dx, x0))[0])
 
         d_rest = jax.lax.cond(g["first"] == 1, embed_grad, lambda dx: zeros(rest), dx)
-        dw = jax.tree.map(like, dw, layer_ref) if weights else zeros(layer_ref)
         return zeros(stash_refs), like(dx, msg_ref), dw, d_rest, zeros(loss_ref)
-
-    def backward_weights(g, params_r, inbox, stash_buf):
-        """W: the weight gradient alone, from the stashed residuals and the kept output gradient. (It re-derives the
-        activation gradients inside the chunk that its B derived: splitting them per matmul is the next step.)"""
-        vjp_fn = rebuild(params_r, [b[g["stash"]] for b in stash_buf])
-        dw, _ = vjp_fn(inbox[g["x_slot"]])
-        dw = jax.tree.map(like, dw, layer_ref)
-        return zeros(stash_refs), zeros(msg_ref), dw, zeros(rest), zeros(loss_ref)
 
     def idle(g, params_r, inbox, stash_buf):
         return zeros(stash_refs), zeros(msg_ref), zeros(layer_ref), zeros(rest), zeros(loss_ref)
@@ -386,9 +384,9 @@ def execute(program: Program, chunk_fn: Callable, layers, rest, tokens: Array, t
         branches = [  # in the order of the kinds: IDLE, DO_F, DO_B, DO_W, DO_BW (jaxpar.parallel.schedule)
             lambda: idle(g, params_r, inbox, stash_buf),
             lambda: forward(g, params_r, inbox),
-            lambda: backward(g, params_r, inbox, stash_buf, weights=False),
-            lambda: backward_weights(g, params_r, inbox, stash_buf),
-            lambda: backward(g, params_r, inbox, stash_buf, weights=True),
+            lambda: backward(g, params_r, inbox, stash_buf, inputs=True, weights=False),
+            lambda: backward(g, params_r, inbox, stash_buf, inputs=False, weights=True),
+            lambda: backward(g, params_r, inbox, stash_buf, inputs=True, weights=True),
         ]
         new_stash, msg, dw, d_rest, loss = jax.lax.switch(g["kind"], [lambda _, b=b: b() for b in branches], None)
         # Slots that are not this tick's target are the scratch slot (the last): the writes need no select.

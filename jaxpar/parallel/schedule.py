@@ -36,8 +36,6 @@ Bubbles, each the table's own count (`formula_bubble` derives them): 2(p−1)/(3
 from __future__ import annotations
 
 import dataclasses
-from typing import Iterable
-
 import numpy as np
 
 F, B, W = "F", "B", "W"
@@ -74,10 +72,6 @@ class Table:
         """Index of chunk c among its stage's chunks (0 … v−1), in increasing chunk order."""
         return sum(1 for d in range(c) if self.placement[d] == self.placement[c])
 
-    def chunk_of(self, stage: int, r: int) -> int:
-        """The r-th chunk (increasing order) stage `stage` holds."""
-        return [c for c in range(self.n_chunks) if self.placement[c] == stage][r]
-
     @property
     def n_ticks(self) -> int:
         return len(self.ticks)
@@ -104,6 +98,17 @@ class Table:
     def when(self) -> dict[Action, int]:
         """The tick of every action."""
         return {a: t for t, row in enumerate(self.ticks) for a in row if a is not None}
+
+
+def needs(a: Action, n_chunks: int) -> list[Action]:
+    """What action a waits for (each must run at an earlier tick): F the previous chunk's F; B its own F and the
+    next chunk's B (the last chunk's B takes the loss gradient its own F made); W its own B."""
+    j, c = a.microbatch, a.chunk
+    if a.kind == F:
+        return [Action(F, j, c - 1)] if c else []
+    if a.kind == B:
+        return [Action(F, j, c)] + ([Action(B, j, c + 1)] if c < n_chunks - 1 else [])
+    return [Action(B, j, c)]
 
 
 def placement(name: str, stages: int, chunks: int) -> tuple[int, ...]:
@@ -251,15 +256,7 @@ def build(name: str, stages: int, chunks: int, microbatches: int) -> Table:
             for s in range(p)}
 
     def ready(a: Action, t: int) -> bool:
-        def before(x: Action) -> bool:
-            return x in done_at and done_at[x] < t
-
-        if a.kind == F:
-            return a.chunk == 0 or before(Action(F, a.microbatch, a.chunk - 1))
-        if a.kind == B:
-            up = a.chunk == C - 1 or before(Action(B, a.microbatch, a.chunk + 1))
-            return up and before(Action(F, a.microbatch, a.chunk))
-        return before(Action(B, a.microbatch, a.chunk))
+        return all(x in done_at and done_at[x] < t for x in needs(a, C))
 
     ticks = []
     limit = 4 * (v * m + p) * 3 + 16
@@ -301,15 +298,7 @@ def validate(table: Table) -> None:
     need = {Action(k, j, c) for k in (F, B, W) for j in range(m) for c in range(C)}
     assert set(when) == need, f"missing {sorted(map(str, need - set(when)))[:5]}"
     for a, t in when.items():
-        deps: Iterable[Action]
-        if a.kind == F:
-            deps = [Action(F, a.microbatch, a.chunk - 1)] if a.chunk else []
-        elif a.kind == B:
-            deps = [Action(F, a.microbatch, a.chunk)] + ([Action(B, a.microbatch, a.chunk + 1)] if a.chunk < C - 1
-                                                         else [])
-        else:
-            deps = [Action(B, a.microbatch, a.chunk)]
-        for d in deps:
+        for d in needs(a, C):
             assert when[d] < t, f"{a} at tick {t} before {d} at {when[d]}"
 
 
@@ -405,9 +394,10 @@ class Program:
     recv_up: np.ndarray
 
     def arrays(self) -> dict[str, np.ndarray]:
-        """The per-tick arrays by name (what the executor scans over)."""
+        """The per-tick arrays the executor scans over, by name (`send` is for accounting: what moves is given by
+        the receivers' recv_down / recv_up and local_slot)."""
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in
-                ("table", "n_inbox", "n_stash")}
+                ("table", "n_inbox", "n_stash", "send")}
 
     def actions(self) -> dict[str, np.ndarray]:
         """Per stage, how many ticks run each branch of the executor (idle, F, B, W, BW)."""

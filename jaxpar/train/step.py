@@ -37,6 +37,8 @@ from jaxpar.sharding import constrain
 from jaxpar.train.state import TrainState
 
 Metrics = dict[str, jax.Array]
+# flax >= 0.11 deprecates State.merge for merge_state; older releases have only the former
+_merge_state = getattr(nnx, "merge_state", None) or nnx.State.merge
 
 
 def next_token_loss(graphdef: nnx.GraphDef, params: nnx.State, batch: jax.Array, remat: str = "none",
@@ -88,39 +90,25 @@ def scheduled_loss_and_grads(graphdef: nnx.GraphDef, params: nnx.State, batch: j
     rows = rows.reshape(m, mb, T1)
     positions = default_positions(mb, T)
     mask = attention_mask(T, None)
-    model = nnx.merge(graphdef, params)
-    cfg = model.cfg
-    keys = list(params.keys())
-
-    def whole(rest: nnx.State, blocks) -> nnx.State:
-        return type(params)({k: blocks if k == "blocks" else rest[k] for k in keys})
-
-    rest = type(params)({k: params[k] for k in keys if k != "blocks"})
+    cfg = nnx.merge(graphdef, params).cfg
+    blocks, rest = nnx.split_state(params, nnx.PathContains("blocks"), ...)  # the stacked layers | the rest
     # [v·k, …] in storage order → [v, k, …]: chunk r of this stage is row r (pipeline_order)
-    layers = jax.tree.map(lambda a: a.reshape(v, a.shape[0] // v, *a.shape[1:]), params["blocks"])
+    layers = jax.tree.map(lambda a: a.reshape(v, a.shape[0] // v, *a.shape[1:]), blocks["blocks"])
 
     def chunk_fn(chunk: nnx.State, x: jax.Array) -> jax.Array:
         return run_layers({name: var[...] for name, var in chunk.items()}, x, positions, mask, cfg, remat=remat,
                           par=par)
 
     def embed_fn(r: nnx.State, tokens: jax.Array) -> jax.Array:
-        return nnx.merge(graphdef, whole(r, params["blocks"])).embed_tokens(tokens, positions, par)
+        return nnx.merge(graphdef, r, blocks).embed_tokens(tokens, positions, par)
 
     def head_loss_fn(r: nnx.State, y: jax.Array, targets: jax.Array) -> jax.Array:
-        return par.cross_entropy(nnx.merge(graphdef, whole(r, params["blocks"])).logits(y, par), targets).mean()
+        return par.cross_entropy(nnx.merge(graphdef, r, blocks).logits(y, par), targets).mean()
 
     loss, layer_grads, rest_grads = pipeline.execute(pipe.program, chunk_fn, layers, rest, rows[..., :-1],
                                                      rows[..., 1:], embed_fn, head_loss_fn, axis=PIPE)
-    blocks = jax.tree.map(lambda a: a.reshape(a.shape[0] * a.shape[1], *a.shape[2:]), layer_grads)
-    # Back into the parameters' own tree (a State of States), leaf by leaf along the key paths.
-    parts = {("blocks",) + path: g for path, g in _by_path(blocks)} | dict(_by_path(rest_grads))
-    paths = [path for path, _ in _by_path(params)]
-    return loss, jax.tree.unflatten(jax.tree.structure(params), [parts[path] for path in paths])
-
-
-def _by_path(tree) -> list[tuple[tuple, jax.Array]]:
-    return [(tuple(getattr(k, "key", getattr(k, "name", k)) for k in path), leaf)
-            for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]]
+    block_grads = jax.tree.map(lambda a: a.reshape(a.shape[0] * a.shape[1], *a.shape[2:]), layer_grads)
+    return loss, _merge_state(rest_grads, nnx.State({"blocks": block_grads}))
 
 
 def loss_and_grads(graphdef: nnx.GraphDef, *, grad_accum: int = 1, remat: str = "none",
