@@ -6,7 +6,10 @@
    shard: the batch grows with m), the train step's compiled temporaries (`memory_analysis().temp_size_in_bytes`,
    lowered from abstract state: nothing runs) and their ratio to the m = p program. GPipe and the circular loop keep
    every microbatch's activations until the backward, so theirs grow with m; 1F1B, ZB-H1 and ZB-V keep at most p
-   (ZB-V: 2p half-stage chunks), so theirs stay put. Beside it, each table's ticks, bubble and peak in flight.
+   (ZB-V: 2p half-stage chunks), so theirs stay put. Beside it, each table's ticks, bubble and peak in flight, and
+   the bubble by the compiled program's executed FLOPs (`jaxpar.analysis.report.schedule_flops`): the stages run
+   the ticks in lockstep, so a tick lasts as long as its busiest stage's action (of the layers alone, and with the
+   head and loss, which the stage holding the last chunk runs in its F).
 2. Step time at m = 4 (the bench layout), every schedule's compiled step timed in interleaved rounds of `--steps`
    steps, medians, and the ratio circular / schedule (> 1: faster than the circular loop). On simulated CPU
    devices the stages share the host's cores, so a bubble costs nothing and extra work does: the times show
@@ -46,6 +49,7 @@ def compiled_step(config):
 
 
 def memory_rows(mults: list[int]) -> list[dict]:
+    from jaxpar.analysis.report import schedule_flops
     from jaxpar.parallel import schedule
 
     rows = []
@@ -53,12 +57,16 @@ def memory_rows(mults: list[int]) -> list[dict]:
         base = None
         for k in mults:
             m = 2 * k
-            temp = compiled_step(config_for(name, m)).memory_analysis().temp_size_in_bytes
+            compiled = compiled_step(config_for(name, m))
+            temp = compiled.memory_analysis().temp_size_in_bytes
             base = base or temp
             table = schedule.build(name, 2, v, m)
+            # the executor's lockstep bubble by executed FLOPs: its layer work alone, and with the head and loss
+            executed = {} if name == "circular" else schedule_flops(compiled, schedule.lower(table))
             rows.append({"schedule": name, "chunks": v, "microbatches": m, "temp_bytes": temp,
                          "vs_m_eq_p": temp / base, "ticks": table.n_ticks, "bubble": table.bubble,
-                         "peak_in_flight": max(table.in_flight())})
+                         "bubble_layers": executed.get("bubble_layers"), "bubble_executed":
+                         executed.get("bubble_executed"), "peak_in_flight": max(table.in_flight())})
     return rows
 
 
@@ -107,10 +115,17 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps({"memory": mem, "time": times}, indent=2))
         return 0
     print("compiled temporaries per device, (data, pipe, tensor) = (2, 2, 2), microbatch = 2 rows x 64 tokens")
-    print(f"{'schedule':17s} {'v':>2} {'m':>3} {'temp MB':>9} {'vs m=p':>7} {'ticks':>6} {'bubble':>7} {'in flight':>9}")
+    print("bubble: the table's; then by executed FLOPs in lockstep ticks, of the layer work and with the head")
+    print(f"{'schedule':17s} {'v':>2} {'m':>3} {'temp MB':>9} {'vs m=p':>7} {'ticks':>6} {'bubble':>7} {'layers':>7} "
+          f"{'w/ head':>7} {'in flight':>9}")
+
+    def opt(x):
+        return f"{x:7.3f}" if x is not None else f"{'-':>7}"
+
     for r in mem:
         print(f"{r['schedule']:17s} {r['chunks']:2d} {r['microbatches']:3d} {r['temp_bytes'] / 2**20:9.2f} "
-              f"{r['vs_m_eq_p']:7.2f} {r['ticks']:6d} {r['bubble']:7.3f} {r['peak_in_flight']:9d}")
+              f"{r['vs_m_eq_p']:7.2f} {r['ticks']:6d} {r['bubble']:7.3f} {opt(r['bubble_layers'])} "
+              f"{opt(r['bubble_executed'])} {r['peak_in_flight']:9d}")
     if times:
         print(f"\nstep time at m = 4, medians of {args.rounds} interleaved rounds of {args.steps} steps")
         for r in times:

@@ -42,8 +42,14 @@ class Einsum:
     dtype — the compute dtype, bf16 on GPUs — and contracted with float32 accumulation."""
 
     def __call__(self, equation: str, x: Array, w: Array) -> Array:
-        """einsum(equation, x, w) → float32. x is already in the compute dtype; w as stored."""
-        return token_einsum(equation, x, w.astype(x.dtype))
+        """einsum(equation, x, w) → float32. x is already in the compute dtype; w as stored (or as `operand`
+        made it: applying that again changes nothing)."""
+        return token_einsum(equation, x, self.operand(w, x.dtype))
+
+    def operand(self, w: Array, dtype) -> Array:
+        """The stored weight as the contraction reads it, for activations in `dtype`. (The pipeline executor
+        prepares a chunk's weights with it once a tick, so what its backward closes over is one copy.)"""
+        return w.astype(dtype)
 
     def table(self, w: Array, dtype) -> Array:
         """A weight read by rows (the embedding lookup) in the compute dtype `dtype`."""

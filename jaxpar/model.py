@@ -40,6 +40,7 @@ from jaxpar.config import ModelConfig
 from jaxpar.families import Param, family
 from jaxpar.parallel.context import SINGLE_DEVICE, Parallel
 from jaxpar.parallel.tensor import NEG_INF
+from jaxpar.parallel.weightgrad import MEASURE, RECORD, Tape
 from jaxpar.sharding import constrain
 
 Array = jax.Array
@@ -88,9 +89,15 @@ class Blocks(nnx.Module):
 
 
 def run_layers(stacked: dict[str, Array], x: Array, positions: Array, mask: Array | None, cfg: ModelConfig, *,
-               remat: str = "none", par: Parallel = SINGLE_DEVICE) -> Array:
+               remat: str = "none", par: Parallel = SINGLE_DEVICE, tape: Tape | None = None):
     """Apply the layers of `stacked` ([n, …] each) in order with a scan, `cfg.scan_unroll` layers per iteration;
-    `remat` checkpoints each layer.
+    `remat` checkpoints each layer. → x.
+
+    tape (the pipeline's B/W split, jaxpar.parallel.weightgrad): MEASURE traces layer 0 alone, outside any loop, so
+    the tape can trace the weights back to `stacked`'s arrays (→ x). RECORD and REPLAY scan `tape.feed` (leaves
+    [n, …]) beside the layers, give each layer a tape of its own and return (x, what the tapes collected, stacked
+    [n, …]): the group inputs (RECORD) or outputs (REPLAY). REPLAY runs no remat (it saves nothing but the inputs
+    it is given).
 
     Why unroll: each scan iteration is a loop trip whose layer is cut off from its neighbours — XLA cannot fuse or
     schedule across the boundary, and every activation the backward needs is written into a stacked [n, …] buffer
@@ -99,14 +106,25 @@ def run_layers(stacked: dict[str, Array], x: Array, positions: Array, mask: Arra
     `scan_unroll` copies of the layer, whatever the depth. (Under sequence parallelism the plan sets it to 1:
     see `jaxpar.parallel.plan.make_plan`.)"""
     unroll = max(1, min(cfg.scan_unroll, jax.tree.leaves(stacked)[0].shape[0]))
+    if tape is not None and tape.mode == MEASURE:
+        layer = {name: tape.derive(a[0], a) for name, a in stacked.items()}
+        return block(layer, x, positions, mask, cfg, par.with_tape(tape))[0]
 
     def body(x, layer):
         return block(layer, x, positions, mask, cfg, par)[0], None
 
-    if remat != "none":
+    def tapped(x, xs):
+        layer, feed = xs
+        t = Tape(tape.mode, feed)
+        y = block(layer, x, positions, mask, cfg, par.with_tape(t))[0]
+        return y, t.inputs if tape.mode == RECORD else t.outputs
+
+    if tape is not None:
+        body, stacked = tapped, (stacked, tape.feed)
+    if remat != "none" and (tape is None or tape.mode == RECORD):
         body = jax.checkpoint(body, policy=REMAT_POLICIES[remat], prevent_cse=False)
-    x, _ = jax.lax.scan(body, x, stacked, unroll=unroll)
-    return x
+    x, collected = jax.lax.scan(body, x, stacked, unroll=unroll)
+    return x if tape is None else (x, collected)
 
 
 def run_layers_cached(stacked: dict[str, Array], x: Array, positions: Array, mask: Array, cfg: ModelConfig,

@@ -324,8 +324,10 @@ print(f"all {len(flat_got)} gradients agree (rtol 1e-5, atol {floor:.1e})")
 # are alive at the peak and nothing fills the bubble. `parallel.schedule` swaps that for a **table**
 # (`jaxpar.parallel.schedule`): per tick and stage one action on a (microbatch, chunk) — `F` forward, `B` input
 # gradient (sent on at once), `W` weight gradient (nothing waits for it) — and `pipeline.execute` runs any table
-# under the same `shard_map` with an explicit `jax.vjp` per chunk: `F` stashes the vjp residuals, `B`/`W` use them,
-# a `lax.switch` per tick runs only the stage's own action (an idle tick computes nothing).
+# under the same `shard_map` with an explicit `jax.vjp` per chunk: `F` stashes the vjp residuals and each matmul's
+# input, `B` derives the input gradient and each matmul's output gradient `dy`, `W` only the weight gradients
+# `Σ xᵀ·dy` (`jaxpar.parallel.weightgrad` splits the backward at the model's matmul groups, so neither half repeats the
+# other), and a `lax.switch` per tick runs only the stage's own action (an idle tick computes nothing).
 #
 # | schedule | chunks per stage | bubble (F = B = W) | in flight per stage |
 # |---|---|---|---|

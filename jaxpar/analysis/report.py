@@ -136,39 +136,48 @@ def _pipeline_section(config: Config, cols, measured_flops: float, want_flops: d
     }
 
 
+def lockstep_bubble(work) -> float:
+    """The idle share of a pipeline whose stages run the ticks in lockstep (each tick ends with its sends), from
+    `work` [ticks, stages] (FLOPs): a tick lasts as long as its busiest stage's work, so the step is
+    Σ_t max_s work(t, s) long and the stages are busy Σ work of p times that."""
+    span = float(work.max(axis=1).sum())
+    return 1.0 - float(work.sum()) / (work.shape[1] * span) if span else 0.0
+
+
 def schedule_flops(compiled, program) -> dict:
     """Executed matmul FLOPs per stage of a scheduled step, from the compiled program and the schedule's table.
 
-    The executor's tick is one `conditional` with a branch per action (idle, F, B, W, BW) and, nested in F, the
-    embedding and head+loss conditionals and, in B and BW, the embedding's backward. Each branch's FLOPs come from
-    the HLO (`hlo.branch_flops`); how often stage s takes it comes from the table. Whatever is outside the tick's
+    The executor's tick is one `conditional` with a branch per action (idle, F, B, W) and, nested in F, the
+    embedding and head+loss conditionals and, in B, the embedding's backward. Each branch's FLOPs come from the HLO
+    (`hlo.branch_flops`); how often stage s takes it comes from the table. Whatever is outside the tick's
     conditional (nothing but dead code here) runs on every stage."""
+    n = len(schedule.BRANCHES)
     conds = branch_flops(compiled)
-    ticks = [c for c in conds if len(c.branches) == 5]
+    ticks = [c for c in conds if len(c.branches) == n]
     if len(ticks) != 1:
-        raise ValueError(f"expected one 5-way tick conditional in the program, found {len(ticks)}")
+        raise ValueError(f"expected one {n}-way tick conditional in the program, found {len(ticks)}")
     tick = ticks[0]
     nested = {i: sorted((c for c in conds if c.parent == (tick.name, i)), key=lambda c: max(c.branches))
-              for i in range(5)}
+              for i in range(n)}
     # F holds two: the embedding (chunk 0; a gather, ~no matmuls) and the head with its loss gradient (last chunk)
     in_f = nested[schedule.DO_F]
     embed_f, head_f = (max(in_f[0].branches), max(in_f[-1].branches)) if len(in_f) == 2 else (0, 0)
-    embed_b = {i: max(nested[i][-1].branches) if nested[i] else 0.0 for i in (schedule.DO_B, schedule.DO_BW)}
+    embed_b = max(nested[schedule.DO_B][-1].branches) if nested[schedule.DO_B] else 0.0
     in_tree = sum(c.count * sum(c.branches) for c in conds if c is tick or (c.parent and c.parent[0] == tick.name))
     outside = dot_flops(compiled) - in_tree
     calls = tick.count // program.table.n_ticks  # > 1 with gradient accumulation
     kind, first, last = program.kind, program.first == 1, program.last == 1
-    per_tick = sum(tick.branches[k] * (kind == k) for k in (schedule.DO_F, schedule.DO_B, schedule.DO_W,
-                                                            schedule.DO_BW))
-    per_tick = per_tick + head_f * ((kind == schedule.DO_F) & last) + embed_f * ((kind == schedule.DO_F) & first) \
-        + sum(embed_b[k] * ((kind == k) & first) for k in (schedule.DO_B, schedule.DO_BW))
+    layers_only = sum(tick.branches[k] * (kind == k) for k in (schedule.DO_F, schedule.DO_B, schedule.DO_W))
+    per_tick = layers_only + head_f * ((kind == schedule.DO_F) & last) + embed_f * ((kind == schedule.DO_F) & first) \
+        + embed_b * ((kind == schedule.DO_B) & first)
     per_stage = [outside + calls * float(x) for x in per_tick.sum(axis=0)]
-    return {"per_stage": per_stage, "branches": dict(zip(("idle", "F", "B", "W", "BW"), tick.branches)),
-            "head_and_loss": head_f, "embedding": embed_f, "embedding_backward": max(embed_b.values()),
+    return {"per_stage": per_stage, "branches": dict(zip(schedule.BRANCHES, tick.branches)),
+            "bubble_executed": lockstep_bubble(per_tick), "bubble_layers": lockstep_bubble(layers_only),
+            "head_and_loss": head_f, "embedding": embed_f, "embedding_backward": embed_b,
             "outside_ticks": outside,
             # what a masked step (every action's work on every tick, selected by jnp.where) would execute
             "all_branches_every_tick": outside + calls * program.table.n_ticks * (sum(tick.branches) + head_f
-                                                                                + embed_f + max(embed_b.values()))}
+                                                                                + embed_f + embed_b)}
 
 
 def schedule_section(config: Config, program: schedule.Program, compiled, cols) -> dict:
@@ -180,9 +189,11 @@ def schedule_section(config: Config, program: schedule.Program, compiled, cols) 
     flops = schedule_flops(compiled, program)
     return {
         "schedule": p.schedule, "stages": p.pipe, "chunks": p.repeats, "microbatches": p.microbatches,
-        "ticks": table.n_ticks, "bubble_fraction": table.bubble,
+        "ticks": table.n_ticks, "bubble_fraction": table.bubble, "bubble_executed": flops["bubble_executed"],
+        "bubble_layers": flops["bubble_layers"],
         "bubble_formula": schedule.formula_bubble(p.schedule, p.pipe, p.repeats, p.microbatches),
         "peak_in_flight": table.in_flight(), "stash_slots": program.n_stash, "inbox_slots": program.n_inbox,
+        "tape_slots": program.n_tape, "dys_slots": program.n_dys,
         "actions_per_stage": {k: [int(x) for x in v] for k, v in program.actions().items()},
         "executed_flops_per_stage": flops["per_stage"], "flops": flops,
         "permute_bytes": permute,

@@ -18,6 +18,8 @@ the model with the default context *is* the reference every parallel layout is t
 field: `tensor` (jaxpar.parallel.tensor.TensorParallel) today; `context` and `expert` will sit beside it, each
 implemented in its own file under jaxpar/parallel/, so a new strategy widens neither the model nor another strategy.
 Every weight the methods receive is contracted through `dot` (jaxpar.matmul), the seam weight formats replace.
+A `tape` (jaxpar.parallel.weightgrad) sees every matmul group the model runs: the zero-bubble pipeline schedules use
+it to split a chunk's backward into its input gradients (B) and its weight gradients (W).
 The plan (jaxpar.parallel.plan: `plan.parallel`) builds the context once per model and mesh.
 """
 
@@ -31,29 +33,44 @@ import jax.numpy as jnp
 
 from jaxpar.matmul import PLAIN, Einsum
 from jaxpar.parallel.tensor import TensorParallel, vocab_parallel_cross_entropy
+from jaxpar.parallel.weightgrad import Tape
 
 Array = jax.Array
 
 
 @dataclasses.dataclass(frozen=True)
 class Parallel:
-    """The boundaries the model calls. tensor: Megatron TP/SP inside shard_map, or None (single device / GSPMD)."""
+    """The boundaries the model calls. tensor: Megatron TP/SP inside shard_map, or None (single device / GSPMD).
+    tape: set by the pipeline executor around one layer (`with_tape`); None everywhere else."""
 
     tensor: TensorParallel | None = None
     dot: Einsum = PLAIN
+    tape: Tape | None = dataclasses.field(default=None, compare=False, repr=False)
+
+    def with_tape(self, tape: Tape | None) -> "Parallel":
+        """This context with `tape` watching its matmul groups (jaxpar.parallel.weightgrad)."""
+        return dataclasses.replace(self, tape=tape)
 
     def column(self, h: Array, weights: Sequence[Array], equations: Sequence[str]) -> list[Array]:
         """Matmuls of one column-parallel group sharing the input h [B, T, D] (compute dtype) → float32 outputs."""
-        if self.tensor is not None:
-            return self.tensor.column(h, weights, equations, self.dot)
-        return [self.dot(eq, h, w) for eq, w in zip(equations, weights)]
+
+        def group(h, weights):
+            if self.tensor is not None:
+                return self.tensor.column(h, weights, equations, self.dot)
+            return [self.dot(eq, h, w) for eq, w in zip(equations, weights)]
+
+        return group(h, weights) if self.tape is None else self.tape.group(h, weights, group)
 
     def row(self, x: Array, w: Array, equation: str) -> Array:
         """The matmul that closes a region: x (compute dtype) · w → float32 [B, T, D]. Rounded to the compute dtype
         once, as the tensor-parallel partial sums are for the wire, so the reference and every layout agree."""
-        if self.tensor is not None:
-            return self.tensor.row(x, w, equation, self.dot)
-        return self.dot(equation, x, w).astype(x.dtype).astype(jnp.float32)
+
+        def group(x, weights):
+            if self.tensor is not None:
+                return [self.tensor.row(x, weights[0], equation, self.dot)]
+            return [self.dot(equation, x, weights[0]).astype(x.dtype).astype(jnp.float32)]
+
+        return (group(x, (w,)) if self.tape is None else self.tape.group(x, (w,), group))[0]
 
     def replicated(self, p: Array) -> Array:
         """A parameter held whole by every tensor rank (norm scales, output biases, positions)."""
@@ -61,7 +78,8 @@ class Parallel:
 
     def kv_weight(self, w: Array) -> Array:
         """The kv heads of w [..., K, E] this rank attends with."""
-        return w if self.tensor is None else self.tensor.kv_weight(w)
+        heads = w if self.tensor is None else self.tensor.kv_weight(w)
+        return heads if self.tape is None else self.tape.derive(heads, w)
 
     def embed(self, table: Array, tokens: Array, dtype) -> Array:
         """Token embedding: table [V, D] as stored, tokens [B, T] → float32 [B, T, D] (rows read in `dtype`)."""

@@ -44,8 +44,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxpar.parallel import schedule as tables  # (this module has a `schedule` of its own: the circular table)
-from jaxpar.parallel.schedule import DO_F, Program
+from jaxpar.parallel.schedule import DO_B, DO_F, Program
 from jaxpar.parallel.vma import vary, varying_axes
+from jaxpar.parallel.weightgrad import MEASURE, RECORD, REPLAY, Tape
 
 Array = jax.Array
 
@@ -249,12 +250,13 @@ def draw_schedule(stages: int, repeats: int, microbatches: int, path: str) -> No
 # The table executor: any schedule of jaxpar.parallel.schedule, with explicit vjps.
 
 
-def _split_residuals(vjp_fn, params, probes):
-    """Sort the leaves of a vjp closure: ('param', i) — the chunk weights, taken again from the live parameters;
-    ('const', leaf) — values from outside the chunk (identical in two independent traces: masks, positions);
-    ('stash', n) — activations the backward needs, kept per microbatch. `probes`: the leaves of a second trace."""
+def _split_residuals(vjp_fn, known, probes):
+    """Sort the leaves of a vjp closure: ('param', i) — known[i], the chunk's parameters or the weights as the
+    matmuls read them, taken again from the live parameters; ('const', leaf) — values from outside the chunk
+    (identical in two independent traces: masks, positions); ('stash', n) — activations the backward needs, kept per
+    microbatch. `probes`: the leaves of a second trace."""
     leaves, treedef = jax.tree.flatten(vjp_fn)
-    pid = {id(x): i for i, x in enumerate(jax.tree.leaves(params))}
+    pid = {id(x): i for i, x in reversed(list(enumerate(known)))}
     kinds, n = [], 0
     for leaf, other in zip(leaves, probes):
         if id(leaf) in pid:
@@ -268,27 +270,37 @@ def _split_residuals(vjp_fn, params, probes):
 
 
 def execute(program: Program, chunk_fn: Callable, layers, rest, tokens: Array, targets: Array, embed_fn: Callable,
-            head_loss_fn: Callable, *, axis: str = "pipe"):
+            head_loss_fn: Callable, *, axis: str = "pipe", operand: Callable[[Array], Array] = lambda w: w):
     """Run a schedule's ticks on this stage. Call inside shard_map with `axis` bound.
 
-    chunk_fn(chunk_params, x [mb, …]) → [mb, …]: one chunk's k layers.
+    chunk_fn(chunk_params, x [mb, …], tape=None) → [mb, …]: one chunk's k layers; with a tape
+    (jaxpar.parallel.weightgrad), as `jaxpar.model.run_layers` runs them with one.
     layers: pytree, leaves [v, …]: this stage's chunks in increasing chunk order (`Program.local`).
     rest: the parameters outside the chunks (embedding, final norm, head), held whole by every stage.
     tokens, targets: int [m, mb, T]: every microbatch's inputs and next-token targets.
     embed_fn(rest, tokens [mb, T]) → x [mb, …];  head_loss_fn(rest, y [mb, …], targets [mb, T]) → mean loss.
+    operand(w): a matmul weight as the contraction reads it (jaxpar.matmul: `Einsum.operand`).
 
     Returns (loss, layer_grads, rest_grads), this stage's share: loss = Σ_j loss_j / m over the microbatches whose
     last chunk it holds; the complete gradients of its chunks; the gradients of `rest` from the microbatches it
     embedded or finished. Summed over `axis`, loss and rest_grads are the step's.
 
-    Each tick every stage runs one branch of a `lax.switch` on its action — idle, F, B, W, or BW (a B with the W
-    the table puts right after it, in one vjp) — so an idle tick computes nothing and a B computes no weight
-    gradients (XLA drops what a branch does not return). The branches return small values and the buffers are
-    written after the switch (scratch slots take what is not for keeping): a branch that passes the buffers
-    through and updates them itself makes XLA:CPU copy them every tick (measured: 2-3x the step time). F runs
-    `jax.vjp` of the chunk and stashes the residuals (the leaves of the vjp closure that are activations, not the
-    weights or outside constants) in the slot the table gives it; B and W rebuild the closure from that slot. What
-    a stage sends at tick t (F's output or B's input gradient) travels in one collective-permute per direction
+    Each tick every stage runs one branch of a `lax.switch` on its action — idle, F, B or W — so an idle tick
+    computes nothing. The chunk runs under a tape (`jaxpar.parallel.weightgrad`), which splits its backward in two:
+
+        F  `jax.vjp` of the chunk with respect to its input, its non-matmul parameters (norms, biases) and zero
+           probes on the matmul outputs; the weights are closed over. Stashes the residuals (the vjp closure's
+           leaves that are activations, not weights or outside constants) and every matmul group's input (tape).
+        B  rebuilds the closure from its stash: the input gradient (sent on; the first chunk's goes into the
+           embedding), the non-matmul parameters' gradients, and every matmul's output gradient dy (kept in dys).
+        W  Σ xᵀ·dy over the chunk's matmuls, from the tape and dys slots.
+
+    So B and W split the backward's work as Qi et al. do, and nothing is derived twice. The branches return small
+    values and the buffers are written after the switch (scratch slots take what is not for keeping): a branch that
+    passes the buffers through and updates them itself makes XLA:CPU copy them every tick (measured: 2-3x the step
+    time).
+
+    What a stage sends at tick t (F's output or B's input gradient) travels in one collective-permute per direction
     used at the end of the tick and is read at t + 1 or later from the inbox.
     """
     table = program.table
@@ -303,29 +315,76 @@ def execute(program: Program, chunk_fn: Callable, layers, rest, tokens: Array, t
     def zeros(ref):
         return jax.tree.map(lambda r: like(jnp.zeros(r.shape, r.dtype), r), ref)
 
-    # Two traces of a chunk's forward at the top level (dead code: XLA drops them) fix the closure's structure and
-    # types before the loop: which leaves are weights, which are constants, which the stash must hold.
+    # One layer traced at the top level (dead code, as the traces below: XLA drops them) tells which parameters are
+    # matmul weights and sizes the probes (each group's outputs) and the tape (each group's input), [k, …] for the
+    # chunk's k layers.
     x0 = embed_fn(rest, tokens[0])
     chunk_a = jax.tree.map(lambda a: a[0], layers)
     chunk_b = jax.tree.map(lambda a: a[0], layers)
-    y0, vjp_a = jax.vjp(chunk_fn, chunk_a, x0)
-    _, vjp_b = jax.vjp(chunk_fn, chunk_b, x0 + 0)
-    treedef, kinds, leaves_a = _split_residuals(vjp_a, chunk_a, jax.tree.leaves(vjp_b))
-    stash_refs = [leaf for leaf, kind in zip(leaves_a, kinds) if kind[0] == "stash"]
+    param_leaves, param_def = jax.tree.flatten(chunk_a)
+    measured = Tape(MEASURE)
+    chunk_fn(chunk_a, x0, measured)
+    weight_ids = {id(w) for w in measured.weights}
+    is_matmul = [id(leaf) in weight_ids for leaf in param_leaves]
+    if not any(is_matmul):
+        raise ValueError("the chunk contracts none of its parameters through Parallel.column / Parallel.row: the "
+                         "executor's W has no weight gradients to derive")
+    k = param_leaves[0].shape[0]
+    probe_ref = [[like(jnp.zeros((k, *y.shape), y.dtype), y) for y in ys] for ys in measured.outputs]
+    tape_ref = [like(jnp.zeros((k, *x.shape), x.dtype), x) for x in measured.inputs]
+    dys_ref, dys_def = jax.tree.flatten(probe_ref)
+
+    def part(params, matmul: bool) -> list:
+        return [leaf for leaf, w in zip(jax.tree.leaves(params), is_matmul) if w == matmul]
+
+    def join(weights: list, others: list):
+        weights, others = iter(weights), iter(others)
+        return jax.tree.unflatten(param_def, [next(weights) if w else next(others) for w in is_matmul])
+
+    def known(params_r) -> list:
+        """What B takes from the live parameters rather than the stash: the chunk's parameters, and its weights as
+        the matmuls read them (`operand`: cast once here, or every in-flight microbatch's residuals would hold a
+        compute-dtype copy of the chunk's weights)."""
+        return jax.tree.leaves(params_r) + [operand(w) for w in part(params_r, True)]
+
+    def chunk_vjp(params_r, x):
+        """(y, vjp of (non-matmul params, x, probes), the groups' inputs, known(params_r))."""
+        leaves = known(params_r)
+        weights = leaves[len(is_matmul):]  # closed over: B derives no weight gradient, F keeps no input for one
+
+        def record(others, x, probes):
+            return chunk_fn(join(weights, others), x, Tape(RECORD, probes))
+
+        return (*jax.vjp(record, part(params_r, False), x, zeros(probe_ref), has_aux=True), leaves)
+
+    # Two traces of a chunk's forward fix the closure's structure and types before the loop: which leaves are
+    # weights, which are constants, which the stash must hold.
+    y0, vjp_a, _, known_a = chunk_vjp(chunk_a, x0)
+    _, vjp_b, _, _ = chunk_vjp(chunk_b, x0 + 0)
+    treedef, kinds, leaves_a = _split_residuals(vjp_a, known_a, jax.tree.leaves(vjp_b))
+    stash_ref = [leaf for leaf, kind in zip(leaves_a, kinds) if kind[0] == "stash"]
     loss_ref = head_loss_fn(rest, y0, targets[0])
     msg_ref = vary(jnp.zeros_like(y0), tuple(varying_axes(x0) | varying_axes(y0) | {axis}))  # inbox, messages
 
     def rebuild(params_r, stash):
-        plist = jax.tree.leaves(params_r)
+        plist = known(params_r)
         leaves = [plist[k[1]] if k[0] == "param" else k[1] if k[0] == "const" else stash[k[1]] for k in kinds]
         return jax.tree.unflatten(treedef, leaves)
+
+    def typed_rest(tree):  # gradients of `rest`, typed as the branches' common output
+        return jax.tree.map(like, tree, rest)
+
+    def nothing():
+        """A branch's outputs, all zero: (stash, tape, dys, message, chunk grads, rest grads, loss)."""
+        return (zeros(stash_ref), zeros(tape_ref), zeros(dys_ref), zeros(msg_ref), zeros(chunk_a), zeros(rest),
+                zeros(loss_ref))
 
     def forward(g, params_r, inbox):
         j = g["micro"]
         x = jax.lax.cond(g["first"] == 1, lambda: like(embed_fn(rest, tokens[j]), msg_ref),
                          lambda: like(inbox[g["x_slot"]], msg_ref))
-        y, vjp_fn = jax.vjp(chunk_fn, params_r, x)
-        _, kinds_f, leaves = _split_residuals(vjp_fn, params_r, leaves_a)
+        y, vjp_fn, inputs, known_f = chunk_vjp(params_r, x)
+        _, kinds_f, leaves = _split_residuals(vjp_fn, known_f, leaves_a)
         if [k[0] for k in kinds_f] != [k[0] for k in kinds]:
             raise AssertionError("the chunk's vjp closure changed shape between traces")
         stash = [like(leaf, ref) for leaf, kind, ref in zip(leaves, kinds_f, leaves_a) if kind[0] == "stash"]
@@ -339,23 +398,15 @@ def execute(program: Program, chunk_fn: Callable, layers, rest, tokens: Array, t
             return like(jnp.zeros((), loss_ref.dtype), loss_ref), zeros(rest), like(y, msg_ref)
 
         loss, d_rest, msg = jax.lax.cond(g["last"] == 1, head, no_head, y)
-        return stash, msg, zeros(layer_ref), d_rest, loss
+        _, _, dys, _, d_chunk, _, _ = nothing()
+        return stash, [like(a, r) for a, r in zip(inputs, tape_ref)], dys, msg, d_chunk, d_rest, loss
 
-    def typed_rest(tree):  # gradients of `rest`, typed as the branches' common output
-        return jax.tree.map(like, tree, rest)
-
-    def backward(g, params_r, inbox, stash_buf, inputs: bool, weights: bool):
-        """The chunk's backward from its stashed residuals and the output gradient in the inbox.
-
-        B (inputs): the input gradient, sent on (the first chunk's goes into the embedding). W (weights): the
-        weight gradient. BW: both from one pass. What a branch does not return is dead code XLA drops — but a W
-        alone still re-derives the activation gradients inside the chunk that its B derived (splitting them per
-        matmul is the next step)."""
-        vjp_fn = rebuild(params_r, [b[g["stash"]] for b in stash_buf])
-        dw, dx = vjp_fn(inbox[g["x_slot"]])
-        dw = jax.tree.map(like, dw, layer_ref) if weights else zeros(layer_ref)
-        if not inputs:
-            return zeros(stash_refs), zeros(msg_ref), dw, zeros(rest), zeros(loss_ref)
+    def input_grads(g, params_r, inbox, stash_buf):
+        """B: from the stash and the output gradient in the inbox."""
+        stash, tape, _, _, d_chunk, _, loss = nothing()
+        d_others, dx, d_probes = rebuild(params_r, [b[g["stash"]] for b in stash_buf])(inbox[g["x_slot"]])
+        dys = [like(d, r) for d, r in zip(jax.tree.leaves(d_probes), dys_ref)]
+        d_chunk = jax.tree.map(like, join(part(d_chunk, True), d_others), chunk_a)
         j = g["micro"]
 
         def embed_grad(dx):
@@ -363,48 +414,64 @@ def execute(program: Program, chunk_fn: Callable, layers, rest, tokens: Array, t
             return typed_rest(vjp_e(like(dx, x0))[0])
 
         d_rest = jax.lax.cond(g["first"] == 1, embed_grad, lambda dx: zeros(rest), dx)
-        return zeros(stash_refs), like(dx, msg_ref), dw, d_rest, zeros(loss_ref)
+        return stash, tape, dys, like(dx, msg_ref), d_chunk, d_rest, loss
 
-    def idle(g, params_r, inbox, stash_buf):
-        return zeros(stash_refs), zeros(msg_ref), zeros(layer_ref), zeros(rest), zeros(loss_ref)
+    def weight_grads(g, params_r, tape_buf, dys_buf):
+        """W: Σ xᵀ·dy over the chunk's matmuls, each group replayed on its stashed input."""
+        stash, tape, dys, msg, d_chunk, d_rest, loss = nothing()
+        others = part(params_r, False)
 
-    layer_ref = chunk_a
+        def replay(weights):
+            return chunk_fn(join(weights, others), zeros(msg_ref), Tape(REPLAY, [b[g["tape"]] for b in tape_buf]))[1]
+
+        _, vjp_w = jax.vjp(replay, part(params_r, True))
+        (d_weights,) = vjp_w(jax.tree.unflatten(dys_def, [b[g["dys"]] for b in dys_buf]))
+        d_chunk = jax.tree.map(like, join(d_weights, part(d_chunk, False)), chunk_a)
+        return stash, tape, dys, msg, d_chunk, d_rest, loss
+
     sends = program.sends()
     to_next = [(i, (i + 1) % p) for i in range(p)]
     to_prev = [(i, (i - 1) % p) for i in range(p)]
 
+    def keep(bufs, values, write):
+        return [b.at[write].set(x) for b, x in zip(bufs, values)]
+
     def tick(carry, row):
-        inbox, stash_buf, down, up, grads, d_rest_sum, loss_sum = carry
+        inbox, stash_buf, tape_buf, dys_buf, down, up, grads, d_rest_sum, loss_sum = carry
         g = {k: v[s] for k, v in row.items()}
         if sends["down"]:
             inbox = inbox.at[g["recv_down"]].set(down)
         if sends["up"]:
             inbox = inbox.at[g["recv_up"]].set(up)
         params_r = jax.tree.map(lambda a: a[g["local"]], layers)
-        branches = [  # in the order of the kinds: IDLE, DO_F, DO_B, DO_W, DO_BW (jaxpar.parallel.schedule)
-            lambda: idle(g, params_r, inbox, stash_buf),
+        branches = [  # in the order of the kinds: IDLE, DO_F, DO_B, DO_W (jaxpar.parallel.schedule)
+            nothing,
             lambda: forward(g, params_r, inbox),
-            lambda: backward(g, params_r, inbox, stash_buf, inputs=True, weights=False),
-            lambda: backward(g, params_r, inbox, stash_buf, inputs=False, weights=True),
-            lambda: backward(g, params_r, inbox, stash_buf, inputs=True, weights=True),
+            lambda: input_grads(g, params_r, inbox, stash_buf),
+            lambda: weight_grads(g, params_r, tape_buf, dys_buf),
         ]
-        new_stash, msg, dw, d_rest, loss = jax.lax.switch(g["kind"], [lambda _, b=b: b() for b in branches], None)
+        stash, tape, dys, msg, d_chunk, d_rest, loss = jax.lax.switch(
+            g["kind"], [lambda _, b=b: b() for b in branches], None)
         # Slots that are not this tick's target are the scratch slot (the last): the writes need no select.
-        write = jnp.where(g["kind"] == DO_F, g["stash"], program.n_stash)
-        stash_buf = [b.at[write].set(x) for b, x in zip(stash_buf, new_stash)]
+        stash_buf = keep(stash_buf, stash, jnp.where(g["kind"] == DO_F, g["stash"], program.n_stash))
+        tape_buf = keep(tape_buf, tape, jnp.where(g["kind"] == DO_F, g["tape"], program.n_tape))
+        dys_buf = keep(dys_buf, dys, jnp.where(g["kind"] == DO_B, g["dys"], program.n_dys))
         inbox = inbox.at[g["local_slot"]].set(msg)
-        grads = jax.tree.map(lambda acc, d: acc.at[g["local"]].add(d), grads, dw)
+        grads = jax.tree.map(lambda acc, d: acc.at[g["local"]].add(d), grads, d_chunk)
         d_rest_sum = jax.tree.map(jnp.add, d_rest_sum, d_rest)
         # Both directions carry this tick's message; a receiver keeps it only where the table says it is its own.
         if sends["down"]:
             down = jax.lax.ppermute(msg, axis, to_next)
         if sends["up"]:
             up = jax.lax.ppermute(msg, axis, to_prev)
-        return (inbox, stash_buf, down, up, grads, d_rest_sum, loss_sum + loss), None
+        return (inbox, stash_buf, tape_buf, dys_buf, down, up, grads, d_rest_sum, loss_sum + loss), None
 
-    inbox = jnp.broadcast_to(zeros(msg_ref), (program.n_inbox + 1, *msg_ref.shape))
-    stash_buf = [jnp.broadcast_to(zeros(r), (program.n_stash + 1, *r.shape)) for r in stash_refs]
-    carry = (inbox, stash_buf, zeros(msg_ref), zeros(msg_ref), zeros(layers), zeros(rest), zeros(loss_ref))
+    def buffer(refs, n):
+        return [jnp.broadcast_to(zeros(r), (n + 1, *r.shape)) for r in refs]
+
+    carry = (buffer([msg_ref], program.n_inbox)[0], buffer(stash_ref, program.n_stash),
+             buffer(tape_ref, program.n_tape), buffer(dys_ref, program.n_dys), zeros(msg_ref), zeros(msg_ref),
+             zeros(layers), zeros(rest), zeros(loss_ref))
     rows = {k: jnp.asarray(v) for k, v in program.arrays().items()}
-    (_, _, _, _, grads, d_rest, loss), _ = jax.lax.scan(tick, carry, rows)
+    (_, _, _, _, _, _, grads, d_rest, loss), _ = jax.lax.scan(tick, carry, rows)
     return loss, grads, d_rest

@@ -316,7 +316,7 @@ def format_table(table: Table) -> str:
 
 
 def draw(table: Table, path: str | None = None, ax=None):
-    """Draw the table: stages as rows, ticks as columns; F, B, W in three hues (BW-fused W's too), one shade per
+    """Draw the table: stages as rows, ticks as columns; F, B, W in three hues, one shade per
     microbatch; idle cells blank. Into `ax` (a matplotlib Axes) if given, else a new figure; saved to `path` if
     given. Returns the Axes."""
     import matplotlib
@@ -353,7 +353,8 @@ def draw(table: Table, path: str | None = None, ax=None):
 # -----------------------------------------------------------------------------------------------------------------
 # Lowering a table to the executor's per-tick arrays.
 
-IDLE, DO_F, DO_B, DO_W, DO_BW = 0, 1, 2, 3, 4
+IDLE, DO_F, DO_B, DO_W = 0, 1, 2, 3
+BRANCHES = ("idle", "F", "B", "W")  # the executor's branches, by kind
 NO_SEND, DOWN, UP, LOCAL = 0, 1, 2, 3
 
 
@@ -361,18 +362,25 @@ NO_SEND, DOWN, UP, LOCAL = 0, 1, 2, 3
 class Program:
     """A table as int arrays [ticks, stages] for the executor, with the buffer sizes it needs.
 
-    Each stage keeps two slot buffers, sized from the table by interval colouring (a slot is reused once its last
-    reader has run): `inbox` [n_inbox + 1, mb, …] for activations and gradients received (from a neighbour, or from
-    itself: the loss gradient of the last chunk, and ZB-V's turn at the bottom of the V), and `stash`
-    [n_stash + 1, …] for each F's vjp residuals until its W. Index n (the last slot) is scratch: writes that must go
-    somewhere but are never read.
-        kind      IDLE / DO_F / DO_B / DO_W / DO_BW    local    the chunk's index among the stage's (0 … v−1)
-                  (DO_BW: a B whose W the table puts on the next tick of the same stage runs both in one vjp —
-                  the activation gradients inside the chunk are derived once, not again by the W — and that W's
-                  tick is IDLE; a deferred W (ZB-H1, ZB-V) re-derives them from the stashed residuals)
+    Every action runs on its own tick, B and W apart (jaxpar.parallel.weightgrad: B derives the input gradient and
+    the matmul output gradients dy, W only the weight gradients Σ xᵀ·dy, so neither repeats the other's work). The
+    stages run the ticks in lockstep, so a tick lasts as long as its busiest stage's action: with F ≈ B ≈ W each
+    tick is about one unit. (Fusing a B with the W the table puts right after it would make that tick two units
+    long on every stage, while the neighbour, one tick behind, runs a one-unit F beside it — in 1F1B's steady state
+    that idles half the stages' time.)
+
+    Each stage keeps four slot buffers sized from the table by interval colouring (a slot is reused once its last
+    reader has run); index n of each (the last slot) is scratch: writes that must go somewhere but are never read.
+        inbox [n_inbox + 1, mb, …]  activations and gradients received (from a neighbour, or from itself: the loss
+                                    gradient of the last chunk, and ZB-V's turn at the bottom of the V), until read
+        stash [n_stash + 1, …]      each F's vjp residuals, until its B
+        tape  [n_tape + 1, …]       each F's matmul-group inputs, until its W
+        dys   [n_dys + 1, …]        each B's matmul-group output gradients, until its W
+    The per-tick arrays:
+        kind      IDLE / DO_F / DO_B / DO_W            local    the chunk's index among the stage's (0 … v−1)
         micro     the microbatch                       first / last   chunk 0 (embedding) / chunk C−1 (head, loss)
-        x_slot    inbox slot read: F's input (c > 0), B's and W's output gradient
-        stash     stash slot: written by F, read by B and W
+        x_slot    inbox slot read: F's input (c > 0), B's output gradient
+        stash / tape / dys   the slots of the microbatch-chunk in those buffers
         send      NO_SEND / DOWN (to s+1) / UP (to s−1) / LOCAL — where F's output or B's input gradient goes
         local_slot  inbox slot a LOCAL send is written to
         recv_down / recv_up   inbox slot for what arrives at this tick from s−1 (sent DOWN) / from s+1 (sent UP)
@@ -381,6 +389,8 @@ class Program:
     table: Table
     n_inbox: int
     n_stash: int
+    n_tape: int
+    n_dys: int
     kind: np.ndarray
     local: np.ndarray
     micro: np.ndarray
@@ -388,6 +398,8 @@ class Program:
     last: np.ndarray
     x_slot: np.ndarray
     stash: np.ndarray
+    tape: np.ndarray
+    dys: np.ndarray
     send: np.ndarray
     local_slot: np.ndarray
     recv_down: np.ndarray
@@ -397,11 +409,11 @@ class Program:
         """The per-tick arrays the executor scans over, by name (`send` is for accounting: what moves is given by
         the receivers' recv_down / recv_up and local_slot)."""
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in
-                ("table", "n_inbox", "n_stash", "send")}
+                ("table", "n_inbox", "n_stash", "n_tape", "n_dys", "send")}
 
     def actions(self) -> dict[str, np.ndarray]:
-        """Per stage, how many ticks run each branch of the executor (idle, F, B, W, BW)."""
-        return {k: (self.kind == i).sum(axis=0) for i, k in enumerate(("idle", "F", "B", "W", "BW"))}
+        """Per stage, how many ticks run each branch of the executor (idle, F, B, W)."""
+        return {k: (self.kind == i).sum(axis=0) for i, k in enumerate(BRANCHES)}
 
     def sends(self) -> dict[str, int]:
         """How many stage-to-stage messages (one microbatch activation or gradient each) the step sends."""
@@ -425,7 +437,7 @@ def _colour(intervals: list[tuple[int, int, object]]) -> tuple[dict[object, int]
 
 
 def lower(table: Table) -> Program:
-    """The table as the executor's per-tick arrays, with inbox and stash slots sized by interval colouring."""
+    """The table as the executor's per-tick arrays, with its buffers sized by interval colouring."""
     p, C = table.stages, table.n_chunks
     when = table.when()
     T = table.n_ticks
@@ -438,70 +450,66 @@ def lower(table: Table) -> Program:
             return table.placement[a.chunk - 1]
         return None
 
-    def consumer(a: Action) -> tuple[Action, Action]:
-        """(first reader, last reader) of a's message: F's output → F of the next chunk (or, for the last chunk,
-        the loss gradient → its own B, kept until its W); B's input gradient → B, W of the previous chunk."""
+    def reader(a: Action) -> Action:
+        """The one reader of a's message: F's output → F of the next chunk (the last chunk's: its loss gradient →
+        its own B); B's input gradient → B of the previous chunk."""
         if a.kind == F and a.chunk < C - 1:
-            nxt = Action(F, a.microbatch, a.chunk + 1)
-            return nxt, nxt
-        c = a.chunk if a.kind == F else a.chunk - 1
-        return Action(B, a.microbatch, c), Action(W, a.microbatch, c)
+            return Action(F, a.microbatch, a.chunk + 1)
+        return Action(B, a.microbatch, a.chunk if a.kind == F else a.chunk - 1)
 
-    inbox_iv: dict[int, list] = {s: [] for s in range(p)}
-    stash_iv: dict[int, list] = {s: [] for s in range(p)}
+    intervals: dict[str, dict[int, list]] = {k: {s: [] for s in range(p)} for k in ("inbox", "stash", "tape", "dys")}
     for a, t in when.items():
         s = table.placement[a.chunk]
+        b, w = Action(B, a.microbatch, a.chunk), Action(W, a.microbatch, a.chunk)
         if a.kind == F:
-            stash_iv[s].append((t, when[Action(W, a.microbatch, a.chunk)], a))
+            intervals["stash"][s].append((t, when[b], a))
+            intervals["tape"][s].append((t, when[w], a))
+        elif a.kind == B:
+            intervals["dys"][s].append((t, when[w], a))
         d = dest(a)
         if d is not None:
-            first_reader, last_reader = consumer(a)
-            assert when[first_reader] > t
-            inbox_iv[d].append((t + 1, when[last_reader], a))
-    inbox_slot, stash_slot = {}, {}
-    n_inbox = n_stash = 0
-    for s in range(p):
-        sl, n = _colour(inbox_iv[s])
-        inbox_slot.update(sl)
-        n_inbox = max(n_inbox, n)
-        sl, n = _colour(stash_iv[s])
-        stash_slot.update(sl)
-        n_stash = max(n_stash, n)
+            assert when[reader(a)] > t
+            intervals["inbox"][d].append((t + 1, when[reader(a)], a))
+    slot: dict[str, dict] = {}
+    size: dict[str, int] = {}
+    for k, per_stage in intervals.items():
+        slot[k], size[k] = {}, 0
+        for s in range(p):
+            sl, n = _colour(per_stage[s])
+            slot[k].update(sl)
+            size[k] = max(size[k], n)
 
     def arr(fill: int):
         return np.full((T, p), fill, np.int32)
 
     kind, local, micro, first, last = arr(IDLE), arr(0), arr(0), arr(0), arr(0)
-    x_slot, stash, send, local_slot = arr(n_inbox), arr(n_stash), arr(NO_SEND), arr(n_inbox)
-    recv_down, recv_up = arr(n_inbox), arr(n_inbox)
+    x_slot, send, local_slot = arr(size["inbox"]), arr(NO_SEND), arr(size["inbox"])
+    stash, tape, dys = arr(size["stash"]), arr(size["tape"]), arr(size["dys"])
+    recv_down, recv_up = arr(size["inbox"]), arr(size["inbox"])
     for a, t in when.items():
         s = table.placement[a.chunk]
+        f, b = Action(F, a.microbatch, a.chunk), Action(B, a.microbatch, a.chunk)
         kind[t, s] = {F: DO_F, B: DO_B, W: DO_W}[a.kind]
-        if a.kind == B and t + 1 < T and table.ticks[t + 1][s] == Action(W, a.microbatch, a.chunk):
-            kind[t, s] = DO_BW
-        if a.kind == W and t > 0 and table.ticks[t - 1][s] == Action(B, a.microbatch, a.chunk):
-            kind[t, s] = IDLE
-            continue
         local[t, s], micro[t, s] = table.local_chunk(a.chunk), a.microbatch
         first[t, s], last[t, s] = a.chunk == 0, a.chunk == C - 1
-        stash[t, s] = stash_slot[Action(F, a.microbatch, a.chunk)]
+        stash[t, s], tape[t, s], dys[t, s] = slot["stash"][f], slot["tape"][f], slot["dys"][b]
         if a.kind == F and a.chunk > 0:
-            x_slot[t, s] = inbox_slot[Action(F, a.microbatch, a.chunk - 1)]
-        elif a.kind in (B, W):
-            producer = Action(F, a.microbatch, a.chunk) if a.chunk == C - 1 else Action(B, a.microbatch, a.chunk + 1)
-            x_slot[t, s] = inbox_slot[producer]
+            x_slot[t, s] = slot["inbox"][Action(F, a.microbatch, a.chunk - 1)]
+        elif a.kind == B:
+            producer = f if a.chunk == C - 1 else Action(B, a.microbatch, a.chunk + 1)
+            x_slot[t, s] = slot["inbox"][producer]
         d = dest(a)
         if d is None:
             continue
         if d == s:
-            send[t, s], local_slot[t, s] = LOCAL, inbox_slot[a]
+            send[t, s], local_slot[t, s] = LOCAL, slot["inbox"][a]
         elif d == (s + 1) % p:
             send[t, s] = DOWN
-            recv_down[t + 1, d] = inbox_slot[a]
+            recv_down[t + 1, d] = slot["inbox"][a]
         elif d == (s - 1) % p:
             send[t, s] = UP
-            recv_up[t + 1, d] = inbox_slot[a]
+            recv_up[t + 1, d] = slot["inbox"][a]
         else:
             raise ValueError(f"{a} on stage {s} sends to stage {d}, not a neighbour")
-    return Program(table, n_inbox, n_stash, kind, local, micro, first, last, x_slot, stash, send, local_slot,
-                   recv_down, recv_up)
+    return Program(table, size["inbox"], size["stash"], size["tape"], size["dys"], kind, local, micro, first, last,
+                   x_slot, stash, tape, dys, send, local_slot, recv_down, recv_up)

@@ -95,9 +95,9 @@ def scheduled_loss_and_grads(graphdef: nnx.GraphDef, params: nnx.State, batch: j
     # [v·k, …] in storage order → [v, k, …]: chunk r of this stage is row r (pipeline_order)
     layers = jax.tree.map(lambda a: a.reshape(v, a.shape[0] // v, *a.shape[1:]), blocks["blocks"])
 
-    def chunk_fn(chunk: nnx.State, x: jax.Array) -> jax.Array:
+    def chunk_fn(chunk: nnx.State, x: jax.Array, tape=None):
         return run_layers({name: var[...] for name, var in chunk.items()}, x, positions, mask, cfg, remat=remat,
-                          par=par)
+                          par=par, tape=tape)
 
     def embed_fn(r: nnx.State, tokens: jax.Array) -> jax.Array:
         return nnx.merge(graphdef, r, blocks).embed_tokens(tokens, positions, par)
@@ -106,7 +106,8 @@ def scheduled_loss_and_grads(graphdef: nnx.GraphDef, params: nnx.State, batch: j
         return par.cross_entropy(nnx.merge(graphdef, r, blocks).logits(y, par), targets).mean()
 
     loss, layer_grads, rest_grads = pipeline.execute(pipe.program, chunk_fn, layers, rest, rows[..., :-1],
-                                                     rows[..., 1:], embed_fn, head_loss_fn, axis=PIPE)
+                                                     rows[..., 1:], embed_fn, head_loss_fn, axis=PIPE,
+                                                     operand=lambda w: par.dot.operand(w, cfg.dtype))
     block_grads = jax.tree.map(lambda a: a.reshape(a.shape[0] * a.shape[1], *a.shape[2:]), layer_grads)
     return loss, _merge_state(rest_grads, nnx.State({"blocks": block_grads}))
 

@@ -1,0 +1,85 @@
+"""The B/W split of the zero-bubble schedules (Qi et al. 2023): a chunk's backward as two passes.
+
+The backward of a matmul y = x·W is two independent products:
+
+    B  (input gradient)    dx = dy·Wᵀ    on the critical path: the previous stage is waiting for it
+    W  (weight gradient)   dW = xᵀ·dy    wanted only by the optimizer, so a schedule may run it later, in a bubble
+
+B propagates a chunk's output gradient back through all its layers to the chunk's input; W then needs, per matmul,
+only that matmul's input x (kept from the forward) and its output gradient dy (kept from B). The model contracts
+every weight matrix in a *group* — `Parallel.column` (matmuls sharing one input) or `Parallel.row` — so a `Tape` on
+the model's parallel context sees each one, and the pipeline executor (jaxpar.parallel.pipeline.execute) runs the
+chunk in one of three modes:
+
+    MEASURE  one layer, traced once outside any loop: which of the chunk's parameters are matmul weights (traced
+             back through `derive`: a layer's slice of a stacked array, the kv heads of a rank) and each group's
+             input and output shapes (the W stash and the probes are sized from them).
+    RECORD   the forward F. Each group's input is collected (→ the W stash), and a zero *probe* is added to each of
+             its outputs, so the chunk's vjp with respect to the probes is every group output's gradient dy
+             (→ the W stash, written by B). The matmul weights are closed over, not differentiated: B computes no
+             weight gradient, and the forward's residuals hold no matmul input for one.
+    REPLAY   the W. Each group runs on its stashed input (what the model computed for it is ignored), and the vjp
+             of the groups' outputs with respect to the weights at the stashed dys is Σ xᵀ·dy — the very
+             contraction autodiff transposes, behind the same collectives (f's identity; under sequence parallelism
+             the re-gather of the input and of a row group's output gradient), so the gradients are the same
+             numbers. Everything else the replayed layer computes is dead code, which XLA drops.
+
+The probe sits on the group's output as the model receives it (after a row group's g or reduce-scatter), so a group
+is one function of (input, weights) whatever the tensor layout, and the same code taps the plain, tensor-parallel
+and sequence-parallel paths.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+import jax
+
+Array = jax.Array
+
+MEASURE, RECORD, REPLAY = "measure", "record", "replay"
+
+
+class Tape:
+    """One chunk-layer's matmul groups, in the order the model runs them.
+
+    feed: RECORD — per group, the probes to add to its outputs (a list of arrays per group); REPLAY — per group,
+    its stashed input; MEASURE — nothing. After the layer ran: `inputs` and `outputs` per group, and (MEASURE)
+    `weights`, each group weight traced back to the array it was derived from.
+    """
+
+    def __init__(self, mode: str, feed: Sequence | None = None):
+        if mode not in (MEASURE, RECORD, REPLAY):
+            raise ValueError(f"Tape mode {mode!r}: expected one of {MEASURE}, {RECORD}, {REPLAY}")
+        self.mode, self.feed = mode, feed
+        self.inputs: list[Array] = []
+        self.outputs: list[list[Array]] = []
+        self.weights: list[Array] = []
+        self._source: dict[int, tuple[Array, Array]] = {}  # id(derived) → (derived, source): the pair keeps ids live
+
+    def derive(self, result: Array, source: Array) -> Array:
+        """Note that `result` is a function of `source` alone (MEASURE traces group weights back through it)."""
+        if self.mode == MEASURE and result is not source:
+            self._source[id(result)] = (result, source)
+        return result
+
+    def root(self, w: Array) -> Array:
+        """The array w was derived from, through every `derive`."""
+        while id(w) in self._source:
+            w = self._source[id(w)][1]
+        return w
+
+    def group(self, x: Array, weights: Sequence[Array], fn: Callable[[Array, Sequence[Array]], list[Array]]
+              ) -> list[Array]:
+        """One matmul group: fn(x, weights) → its outputs, run as the mode says (see the module docstring)."""
+        i = len(self.inputs)
+        if self.mode == REPLAY:
+            x = self.feed[i]
+        ys = list(fn(x, weights))
+        if self.mode == RECORD and self.feed is not None:
+            ys = [y + probe for y, probe in zip(ys, self.feed[i], strict=True)]
+        if self.mode == MEASURE:
+            self.weights.extend(self.root(w) for w in weights)
+        self.inputs.append(x)
+        self.outputs.append(ys)
+        return ys
