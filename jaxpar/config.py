@@ -28,6 +28,8 @@ from jaxpar.families import FAMILIES
 from jaxpar.parallel import axes
 from jaxpar.parallel.schedule import SCHEDULES, check as schedule_check
 
+CONTEXT_IMPLS = ("all_gather",)  # jaxpar.parallel.context_parallel (kept here: the config loads before jax)
+
 
 def _f(default: Any, help: str) -> Any:
     """A dataclass field with a one-line help string (the README's config reference is generated from these)."""
@@ -137,8 +139,10 @@ class ParallelConfig:
     data: int = _f(-1, "data-parallel degree (batch sharded over 'data'); -1 fills the devices left over")
     pipe: int = _f(1, "pipeline stages on 'pipe'")
     expert: int = _f(1, "expert-parallel degree on 'expert' (MoE experts; not implemented yet: must be 1)")
-    context: int = _f(1, "context-parallel degree on 'context' (sequence dim of activations; not implemented yet: "
-                      "must be 1)")
+    context: int = _f(1, "context-parallel degree on 'context': the sequence of every activation split over "
+                      "ranks (zigzag chunks, causal work balanced)")
+    context_impl: str = _f("all_gather", "context-parallel attention: 'all_gather' (each layer gathers K/V over "
+                           "'context' and reduce-scatters their gradients)")
     tensor: int = _f(1, "tensor-parallel degree on 'tensor' (innermost mesh axis, fastest links)")
     sequence_parallel: bool = _f(False, "shard norms/residuals on the sequence dim inside tensor-parallel regions")
     repeats: int = _f(1, "circular pipeline passes through the stages (1 is GPipe)")
@@ -167,6 +171,7 @@ class ParallelConfig:
                               "tensor axis, and parallel.tensor = 1", "set parallel.tensor > 1, or "
                               "parallel.sequence_parallel=false")
         _check_choice("parallel.zero", self.zero, (0, 1, 3))
+        _check_choice("parallel.context_impl", self.context_impl, CONTEXT_IMPLS)
         _check_choice("parallel.remat", self.remat, REMAT_POLICIES)
         if self.schedule != "circular":  # the circular loop's own rules follow below
             why = schedule_check(self.schedule, self.pipe, self.repeats, self.microbatches)
@@ -288,6 +293,14 @@ class Config:
                               f"use n_kv_heads among {divisors(p.tensor)} or a multiple of {p.tensor}")
         _check_divides("model.d_ff", m.d_ff, "parallel.tensor", p.tensor, "the MLP hidden dim is split over tensor")
         # model.vocab_size needs no check: the embedding is padded to a multiple of tensor (jaxpar.sharding).
+        if p.context > 1 and t.seq_len % (2 * p.context * (p.tensor if p.sequence_parallel else 1)):
+            # zigzag: 2c chunks, rank r holding chunks r and 2c-1-r; SP then splits each rank's seq_len/c over tensor
+            k = 2 * p.context * (p.tensor if p.sequence_parallel else 1)
+            by = f"2 × parallel.context = {2 * p.context}" + (f" × parallel.tensor = {p.tensor} (sequence "
+                                                               "parallel)" if p.sequence_parallel else "")
+            raise ConfigError("train.seq_len", t.seq_len, f"must be divisible by {by} = {k}: context parallelism "
+                              "cuts the sequence into 2 chunks per context rank",
+                              f"use seq_len {_nearest_multiples(t.seq_len, k)}, or a smaller parallel.context")
         if p.sequence_parallel and t.seq_len % p.tensor:
             raise ConfigError("train.seq_len", t.seq_len,
                               f"must be divisible by parallel.tensor = {p.tensor} with sequence_parallel on "

@@ -16,6 +16,8 @@ Tensor-axis traffic (Megatron; Korthikanti et al. 2022 for SP), N = b·s·h·β:
                        SP: the f on tensor-replicated params used on sequence shards (norm scales, output biases,
                        gpt2 positions) all-reduces their gradients.
 Data-axis traffic: one all-reduce of the local gradient shard.
+Context-axis traffic (all-gather K/V; s = S/c tokens of a row per device): per layer, K and V gathered forward and
+their gradients reduce-scattered backward, 4·(c−1)·b·s·K_loc·E·β (`context_bytes`).
 
 FLOPs (matmuls only, per device; training = 3 × forward: forward, input gradient, weight gradient):
     forward per token, per layer: 2h·E·(a_loc + 2·K_loc) + 4·s·E·a_loc + 2·a_loc·E·h + 2·h·F/t·n (n: the family's
@@ -56,17 +58,18 @@ def _dims(config: Config, padded_vocab: int) -> dict:
     L·A of (b/A)·s without a pipeline, (v·m + p − 1)·k·A of mb·s with one (bubbles included); A = grad_accum."""
     m, p, t = config.model, config.parallel, config.train
     b = rows_per_data_shard(config)
-    d = dict(b=b, s=t.seq_len, h=m.d_model, a=m.n_heads, E=m.head_dim, K=m.n_kv_heads, F=m.d_ff, V=padded_vocab,
+    # s: the tokens of a row this device holds (seq_len / context under context parallelism); S: the whole row's
+    d = dict(b=b, s=t.seq_len // p.context, S=t.seq_len, c=p.context, h=m.d_model, a=m.n_heads, E=m.head_dim, K=m.n_kv_heads, F=m.d_ff, V=padded_vocab,
              L=m.n_layers, t=p.tensor, sp=p.sequence_parallel, A=t.grad_accum,
              beta=4 if m.dtype == "float32" else 2)
     if p.pipe > 1:
         k = m.n_layers // (p.pipe * p.repeats)
         mb = b // p.microbatches
         n = pipeline.iterations(p.pipe, p.repeats, p.microbatches)
-        d.update(rows=b // p.pipe, layer_execs=n * k * t.grad_accum, tokens_per_exec=mb // t.grad_accum * t.seq_len,
+        d.update(rows=b // p.pipe, layer_execs=n * k * t.grad_accum, tokens_per_exec=mb // t.grad_accum * d["s"],
                  mb=mb // t.grad_accum, iterations=n * t.grad_accum)
     else:
-        d.update(rows=b, layer_execs=m.n_layers * t.grad_accum, tokens_per_exec=b // t.grad_accum * t.seq_len)
+        d.update(rows=b, layer_execs=m.n_layers * t.grad_accum, tokens_per_exec=b // t.grad_accum * d["s"])
     return d
 
 
@@ -132,7 +135,7 @@ def step_flops(config: Config, padded_vocab: int) -> dict[str, float]:
     useful = 3 * (d["L"] / config.parallel.pipe * d["b"] * d["s"] * layer + head)  # each stage: its L/p layers, all b
     tokens = d["b"] * d["s"] / config.parallel.pipe  # the device's share of the step's tokens
     # The MFU numerator, one definition for `analyze` and the training logs (causal pairs only, no recomputation).
-    model = tokens * flops.train_flops_per_token(config.model, d["s"]) / d["t"]
+    model = tokens * flops.train_flops_per_token(config.model, d["S"]) / d["t"]
     return {"executed": executed, "useful": useful, "model_flops_per_device": model}
 
 
@@ -158,6 +161,18 @@ def schedule_permute_bytes(config: Config, ticks: int, directions: int) -> float
     d = _dims(config, config.model.vocab_size)
     s_local = d["s"] // d["t"] if d["sp"] else d["s"]
     return ticks * directions * d["mb"] * s_local * d["h"] * 4 * d["A"]
+
+
+def context_bytes(config: Config) -> float:
+    """Context-axis traffic per device per step (all-gather K/V, jaxpar.parallel.context_parallel): each layer
+    application gathers this device's keys and values [rows, S/c, K_loc, E] over the c ranks — a ring all-gather
+    sends (c−1) times its local share — and the backward reduce-scatters their gradients, as many bytes:
+    4·(c−1)·(tokens of the layer application)·K_loc·E·β, with K_loc = max(K/t, 1) and β the compute dtype's bytes."""
+    d = _dims(config, config.model.vocab_size)
+    if d["c"] == 1:
+        return 0.0
+    k_local = max(d["K"] // d["t"], 1)
+    return d["layer_execs"] * 4 * (d["c"] - 1) * d["tokens_per_exec"] * k_local * d["E"] * d["beta"]
 
 
 def activation_bytes_per_layer(config: Config) -> dict[str, float]:

@@ -27,8 +27,8 @@ from jaxpar.analysis import expected
 from jaxpar.analysis.hlo import (branch_flops, collective_summary, collectives, cost, dot_flops,
                                  loop_carried_permutes, memory)
 from jaxpar.config import Config
-from jaxpar.parallel import pipeline, schedule
-from jaxpar.parallel.axes import PIPE, TENSOR
+from jaxpar.parallel import context_parallel as cp, pipeline, schedule
+from jaxpar.parallel.axes import CONTEXT, PIPE, TENSOR
 from jaxpar.parallel.plan import batch_sharding
 from jaxpar.train.loop import build_trainer
 
@@ -104,6 +104,10 @@ def analyze(config: Config, devices: list | None = None, *, activations: bool = 
         "ratio": {"tensor_sent_bytes": expected.ratio(tensor_sent, want_bytes["total"]),
                   "flops": expected.ratio(measured_flops, want_flops["executed"])},
     }
+    if config.parallel.context > 1:
+        report["context"] = context_section(config, cols)
+        report["ratio"]["context_sent_bytes"] = expected.ratio(report["context"]["sent_bytes"],
+                                                               report["context"]["expected_sent_bytes"])
     if config.parallel.pipe > 1 and config.parallel.schedule != "circular":
         report["schedule"] = schedule_section(config, trainer.plan.pipeline.program, compiled, cols)
     elif config.parallel.pipe > 1:
@@ -134,6 +138,24 @@ def _pipeline_section(config: Config, cols, measured_flops: float, want_flops: d
         "permute_bytes_per_iteration": permute / iterations,
         "expected_permute_bytes_per_iteration": want["permute_bytes_per_iteration"],
     }
+
+
+def context_section(config: Config, cols) -> dict:
+    """Context parallelism: the collectives on `context` (sent bytes against `expected.context_bytes`) and the
+    causal work per rank — unmasked (query, key) pairs, zigzag against contiguous chunks (max/min over ranks)."""
+    p, S = config.parallel, config.train.seq_len
+    on_context = [c for c in cols if c.axes == (CONTEXT,)]
+    kv = [c for c in on_context if c.kind in ("all-gather", "reduce-scatter")]  # attention's K/V and their grads
+    window = config.model.sliding_window
+    zig, flat = (cp.unmasked_pairs(layout(S, p.context), window) for layout in (cp.zigzag, cp.contiguous))
+    return {"impl": p.context_impl, "degree": p.context,
+            "sent_bytes": sum(c.sent_bytes * c.count for c in kv),
+            "expected_sent_bytes": expected.context_bytes(config),
+            # the gradients' mean over the gradient axes lands here alone when data (and pipe) are 1
+            "gradient_sent_bytes": sum(c.sent_bytes * c.count for c in on_context if c not in kv),
+            "by_kind": collective_summary(on_context),
+            "pairs_per_rank": [int(x) for x in zig], "pairs_max_over_min": float(zig.max() / zig.min()),
+            "contiguous_pairs_max_over_min": float(flat.max() / flat.min())}
 
 
 def lockstep_bubble(work) -> float:

@@ -19,8 +19,10 @@ Derived here, so adding an axis is one `MeshAxis` row plus its logical names:
   tuple of them in table order (`batch → ("data", "pipe", "expert")`).
 - `resolve_degrees`: the degree of every axis for a device count (`data = -1` fills what the others leave).
 - `BATCH_AXES`: the axes that split batch rows (the data loader's row split, the batch's PartitionSpec).
-- `GRAD_AXES`: the axes gradients are averaged over — the batch axes other than `pipe` (a pipeline's stages each
+- `GRAD_AXES`: the batch axes gradients are averaged over — those other than `pipe` (a pipeline's stages each
   hold different layers; gradients of what they all hold are summed over `pipe` by the pipeline step instead).
+- `SEQ_AXES`: the axes that split the tokens of a row (`context`): every rank holds the whole rows and takes its
+  part; loss and gradients are averaged over them too (each rank's loss is the mean over its equal share).
 
 Pure data: this module imports only jaxpar.errors, so jaxpar.config can use it without a cycle.
 """
@@ -56,8 +58,7 @@ MESH_AXES: tuple[MeshAxis, ...] = (
              "rows over the stages"),
     MeshAxis("expert", ("batch", "experts"), "MoE experts split over ranks that are data-parallel outside the MoE "
              "layers", missing="the model has no expert (MoE) layers"),
-    MeshAxis("context", ("seq",), "context parallelism: activations split on the sequence dim",
-             missing="the model has no context-parallel attention"),
+    MeshAxis("context", ("seq",), "context parallelism: activations split on the sequence dim"),
     MeshAxis("tensor", ("heads", "kv_heads", "mlp", "vocab"), "Megatron TP: heads and MLP columns split, vocab-parallel "
              "embedding and head (innermost: the fastest links)"),
 )
@@ -84,6 +85,7 @@ RULES: tuple[tuple[str, MeshAxes], ...] = _rules()
 
 BATCH_AXES: tuple[str, ...] = tuple(a.name for a in MESH_AXES if "batch" in a.splits)
 GRAD_AXES: tuple[str, ...] = tuple(a for a in BATCH_AXES if a != PIPE)
+SEQ_AXES: tuple[str, ...] = tuple(a.name for a in MESH_AXES if "seq" in a.splits)  # split the tokens of a row
 
 
 def resolve_degrees(parallel: Any, n_devices: int) -> dict[str, int]:

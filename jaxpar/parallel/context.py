@@ -8,15 +8,17 @@ The model (jaxpar.model) speaks logical axes and calls these methods where a par
     embed / vocab_ids   the vocab-parallel embedding lookup and the ids of this rank's logit columns
     cross_entropy       the loss over (possibly vocab-sharded) logits
     seq_shard           this rank's part of a full-sequence array (sequence parallelism)
-    attention           attention of local queries over keys that may be sharded (context parallelism plugs in
-                        here: ring or all-gather K/V around the same local kernel)
+    attention           attention of local queries over keys that may be sharded (context parallelism:
+                        all-gather K/V around the same local kernel, jaxpar.parallel.context_parallel)
+    context_shard       this rank's part of a full-sequence array (context parallelism's zigzag chunks)
 
 The mixture-of-experts issue adds `dispatch` / `combine` (tokens to experts and back, an all-to-all over `expert`).
 
 `Parallel()` — no strategy — is the plain single-device computation: each method below is the obvious math, so
 the model with the default context *is* the reference every parallel layout is tested against. A strategy is a
-field: `tensor` (jaxpar.parallel.tensor.TensorParallel) today; `context` and `expert` will sit beside it, each
-implemented in its own file under jaxpar/parallel/, so a new strategy widens neither the model nor another strategy.
+field: `tensor` (jaxpar.parallel.tensor.TensorParallel) and `context` (jaxpar.parallel.context_parallel); `expert`
+will sit beside them, each implemented in its own file under jaxpar/parallel/, so a new strategy widens neither the
+model nor another strategy.
 Every weight the methods receive is contracted through `dot` (jaxpar.matmul), the seam weight formats replace.
 A `tape` (jaxpar.parallel.weightgrad) sees every matmul group the model runs: the zero-bubble pipeline schedules use
 it to split a chunk's backward into its input gradients (B) and its weight gradients (W).
@@ -32,6 +34,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxpar.matmul import PLAIN, Einsum
+from jaxpar.parallel.context_parallel import ContextParallel
 from jaxpar.parallel.tensor import TensorParallel, vocab_parallel_cross_entropy
 from jaxpar.parallel.weightgrad import Tape
 
@@ -41,10 +44,12 @@ Array = jax.Array
 @dataclasses.dataclass(frozen=True)
 class Parallel:
     """The boundaries the model calls. tensor: Megatron TP/SP inside shard_map, or None (single device / GSPMD).
-    tape: set by the pipeline executor around one layer (`with_tape`); None everywhere else."""
+    context: the sequence split over `context`, or None. tape: set by the pipeline executor around one layer
+    (`with_tape`); None everywhere else."""
 
     tensor: TensorParallel | None = None
     dot: Einsum = PLAIN
+    context: ContextParallel | None = None
     tape: Tape | None = dataclasses.field(default=None, compare=False, repr=False)
 
     def with_tape(self, tape: Tape | None) -> "Parallel":
@@ -105,8 +110,16 @@ class Parallel:
     def attention(self, kernel: Callable[[Array, Array, Array, Array | None], Array], q: Array, k: Array, v: Array,
                   mask: Array | None) -> Array:
         """kernel(q, k, v, mask) over this rank's queries q [B, T, H, E] and the keys k, v [B, S, K, E]. With heads
-        split by tensor parallelism each rank's heads are self-contained, so this is the kernel itself."""
+        split by tensor parallelism each rank's heads are self-contained, so this is the kernel itself; with the
+        sequence split over `context`, the keys of the other ranks join (context_parallel.ContextParallel)."""
+        if self.context is not None:
+            return self.context.attention(kernel, q, k, v, mask)
         return kernel(q, k, v, mask)
+
+    def context_shard(self, x: Array) -> Array:
+        """This rank's part of a full-sequence array [B, S, …] under context parallelism (→ [B, S/c, …]); x itself
+        otherwise. The step takes tokens, targets and positions through it before the model sees them."""
+        return x if self.context is None else self.context.shard(x)
 
 
 SINGLE_DEVICE = Parallel()

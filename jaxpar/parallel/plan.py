@@ -29,7 +29,9 @@ import jax
 
 from jaxpar.config import ConfigError, ModelConfig, ParallelConfig, resolve_attention
 from jaxpar.mesh import make_mesh
-from jaxpar.parallel.axes import AXES, BATCH_AXES, DATA, GRAD_AXES, MESH_AXES, PIPE, RULES, TENSOR, MeshAxes
+from jaxpar.parallel.axes import (AXES, BATCH_AXES, CONTEXT, DATA, GRAD_AXES, MESH_AXES, PIPE, RULES, SEQ_AXES, TENSOR,
+                                  MeshAxes)
+from jaxpar.parallel.context_parallel import ContextParallel
 from jaxpar.parallel.pipeline import Pipeline
 from jaxpar.parallel.context import Parallel
 from jaxpar.parallel.tensor import TensorParallel
@@ -48,6 +50,7 @@ class Plan:
         pad rows are zero and their logits masked, so the math is unchanged).
     model: the model config as it runs on these devices (attention 'auto' resolved to a kernel).
     tensor: Megatron tensor parallelism under shard_map (None without a mesh, and for GSPMD).
+    context: context parallelism (the sequence split over `context`) when context > 1, else None.
     pipeline: the circular pipeline's counts when pipe > 1, else None.
     zero: ZeRO stage: 1 shards optimizer moments over `data`, 3 parameters too.
     explicit: the step runs under shard_map with our collectives; False leaves partitioning to GSPMD.
@@ -62,6 +65,7 @@ class Plan:
     zero: int = 0
     explicit: bool = True
     model: ModelConfig | None = None
+    context: ContextParallel | None = None
 
     @property
     def data(self) -> int:
@@ -95,8 +99,10 @@ class Plan:
     def grad_axes(self) -> tuple[str, ...]:
         """The mesh axes loss and gradients are averaged over: the batch axes but a running pipeline's `pipe` (whose
         stages' losses the pipeline step sums instead). Without a pipeline `pipe` has size 1 and stays in the tuple:
-        the rows are split over it too, so the reduction must name it (check_vma), at no cost."""
-        return GRAD_AXES if self.pipeline is not None else BATCH_AXES
+        the rows are split over it too, so the reduction must name it (check_vma), at no cost. With context
+        parallelism, `context` too: its ranks each hold an equal share of every row's tokens, so their mean losses
+        average to the step's."""
+        return (GRAD_AXES if self.pipeline is not None else BATCH_AXES) + (SEQ_AXES if self.context else ())
 
     def from_canonical(self, params: nnx.State) -> nnx.State:
         """Canonical params (stacked layers in model order, the true vocab) → this plan's runtime layout: the vocab
@@ -114,7 +120,7 @@ class Plan:
     @property
     def parallel(self) -> Parallel:
         """The context the model calls at its parallel boundaries (jaxpar.parallel.context)."""
-        return Parallel(self.tensor)
+        return Parallel(self.tensor, context=self.context)
 
     @property
     def batch_spec(self) -> P:
@@ -180,8 +186,11 @@ def make_plan(model: ModelConfig, parallel: ParallelConfig | None = None, device
         # §4.2.2), and in an unrolled body XLA's CSE merges that re-gather with the forward's gather and keeps the
         # full-sequence activation alive — the memory SP exists to save.
         runs = dataclasses.replace(runs, scan_unroll=1)
+    context = None
+    if degrees[CONTEXT] > 1:
+        context = ContextParallel(CONTEXT, degrees[CONTEXT], parallel.context_impl, model.sliding_window)
     return Plan(mesh, degrees, rules, math.ceil(model.vocab_size / t) * t, tensor, pipeline, parallel.zero, explicit,
-                runs)
+                runs, context)
 
 
 def _validate(parallel: ParallelConfig, degrees: dict[str, int], explicit: bool) -> None:
@@ -201,6 +210,9 @@ def _validate(parallel: ParallelConfig, degrees: dict[str, int], explicit: bool)
         if parallel.sequence_parallel:
             raise ConfigError("parallel.sequence_parallel", True, "the GSPMD baseline (explicit=False) does not "
                               "implement sequence parallelism", "set parallel.sequence_parallel=false for it")
+        if degrees[CONTEXT] > 1:
+            raise ConfigError("parallel.context", degrees[CONTEXT], "the GSPMD baseline (explicit=False) does not "
+                              "implement context parallelism", "compare against GSPMD at parallel.context=1")
     if parallel.zero and degrees[DATA] == 1:
         # ZeRO splits optimizer state (and at stage 3 parameters) over `data`: with one data rank it splits nothing.
         raise ConfigError("parallel.zero", parallel.zero, "ZeRO shards over the data axis, which has size 1 here "

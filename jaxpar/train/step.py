@@ -45,12 +45,23 @@ def next_token_loss(graphdef: nnx.GraphDef, params: nnx.State, batch: jax.Array,
                     par: Parallel = SINGLE_DEVICE, pipe: Pipeline | None = None) -> jax.Array:
     """Mean cross-entropy (float32, nats/token) of predicting batch[:, 1:] from batch[:, :-1]. batch int [B, T+1].
 
-    With `pipe`, these are this stage's rows and the layers run through the circular pipeline."""
+    With `pipe`, these are this stage's rows and the layers run through the circular pipeline. Under context
+    parallelism each rank scores its part of every row's tokens (`sequence_share`)."""
     model = nnx.merge(graphdef, params)
     if pipe is not None:
         return pipeline_loss(model, batch, pipe, remat, par)
-    logits = model(batch[:, :-1], remat=remat, par=par)  # [B, T, V_local] float32
-    return par.cross_entropy(logits, batch[:, 1:]).mean()
+    tokens, targets, positions = sequence_share(batch, par)
+    logits = model(tokens, positions=positions, remat=remat, par=par)  # [B, T(/c), V_local] float32
+    return par.cross_entropy(logits, targets).mean()
+
+
+def sequence_share(batch: jax.Array, par: Parallel) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """(tokens, next-token targets, global positions), int [B, T] each, of rows batch [B, T+1] — this rank's
+    [B, T/c] part of them under context parallelism (targets are taken before the split, so the ones across a
+    shard boundary are right)."""
+    tokens, targets = batch[:, :-1], batch[:, 1:]
+    positions = default_positions(*tokens.shape)
+    return par.context_shard(tokens), par.context_shard(targets), par.context_shard(positions)
 
 
 def pipeline_loss(model, batch: jax.Array, pipe: Pipeline, remat: str, par: Parallel) -> jax.Array:
@@ -58,11 +69,11 @@ def pipeline_loss(model, batch: jax.Array, pipe: Pipeline, remat: str, par: Para
     the stage holds at the end (paired with their targets, which are all-gathered over `pipe`)."""
     p, v, m = pipe.stages, pipe.repeats, pipe.microbatches
     q = m // p
-    tokens, targets = batch[:, :-1], batch[:, 1:]  # [R, T], R = q·mb rows of this stage
+    tokens, targets, row_positions = sequence_share(batch, par)  # [R, T(/c)], R = q·mb rows of this stage
     R, T = tokens.shape
     mb = R // q
-    positions = default_positions(mb, T)
-    x = model.embed_tokens(tokens, default_positions(R, T), par)  # [R, T(/t), D]
+    positions = row_positions[:mb]  # every row has the same positions
+    x = model.embed_tokens(tokens, row_positions, par)  # [R, T(/t), D]
     io = x.reshape(q, mb, *x.shape[1:])
     per_pass = jax.tree.map(lambda a: a.reshape(v, a.shape[0] // v, *a.shape[1:]), model.blocks.stacked())
     mask = attention_mask(T, None)
@@ -84,11 +95,10 @@ def scheduled_loss_and_grads(graphdef: nnx.GraphDef, params: nnx.State, batch: j
     gradients of the parameters outside the layers come back as shares to be summed over `pipe`, as the circular
     path's do."""
     v, m = pipe.repeats, pipe.microbatches
-    rows = jax.lax.all_gather(batch, PIPE, tiled=True)  # [p·R, T+1], every stage's rows
-    N, T1 = rows.shape
-    mb, T = N // m, T1 - 1
-    rows = rows.reshape(m, mb, T1)
-    positions = default_positions(mb, T)
+    tokens, targets, positions = sequence_share(jax.lax.all_gather(batch, PIPE, tiled=True), par)  # every stage's
+    N, T = tokens.shape  # rows (T: this rank's share of the tokens under context parallelism)
+    mb = N // m
+    positions = positions[:mb]
     mask = attention_mask(T, None)
     cfg = nnx.merge(graphdef, params).cfg
     blocks, rest = nnx.split_state(params, nnx.PathContains("blocks"), ...)  # the stacked layers | the rest
@@ -105,8 +115,8 @@ def scheduled_loss_and_grads(graphdef: nnx.GraphDef, params: nnx.State, batch: j
     def head_loss_fn(r: nnx.State, y: jax.Array, targets: jax.Array) -> jax.Array:
         return par.cross_entropy(nnx.merge(graphdef, r, blocks).logits(y, par), targets).mean()
 
-    loss, layer_grads, rest_grads = pipeline.execute(pipe.program, chunk_fn, layers, rest, rows[..., :-1],
-                                                     rows[..., 1:], embed_fn, head_loss_fn, axis=PIPE,
+    loss, layer_grads, rest_grads = pipeline.execute(pipe.program, chunk_fn, layers, rest, tokens.reshape(m, mb, T),
+                                                     targets.reshape(m, mb, T), embed_fn, head_loss_fn, axis=PIPE,
                                                      operand=lambda w: par.dot.operand(w, cfg.dtype))
     block_grads = jax.tree.map(lambda a: a.reshape(a.shape[0] * a.shape[1], *a.shape[2:]), layer_grads)
     return loss, _merge_state(rest_grads, nnx.State({"blocks": block_grads}))
