@@ -23,6 +23,9 @@ Sections (each device count runs in its own subprocess: the simulated device cou
 5. pipeline schedules (bench/schedules.py) at (2, 2, 2): per schedule, the step's compiled temporaries at m = p and
    m = 4p microbatches of a fixed size (the ratio: GPipe and circular grow with m, 1F1B, ZB-H1 and ZB-V do not),
    and the step time at m = 4 against the circular loop's, interleaved rounds, medians.
+6. context parallelism (bench/context.py) at equal devices: all-gather K/V and ring attention at context 2 and 8
+   against context 1 — the step's compiled temporaries for one 2048-token sequence per data shard (about 1/c), and
+   the step time for 8 such sequences, interleaved rounds, medians (`--quick`: 1024 tokens).
 Simulated devices share the host's cores: section 2 shows each layout's overhead, not a speed-up. Sections 1–3
 take about 1.5 minutes on an idle 2-core machine (3–4 under load), `--quick` a little over 1; section 4 about 6
 minutes per round without MaxText and 10 with it (`--versus-repeats 0` or `--quick` skips it).
@@ -189,6 +192,21 @@ def schedules(rounds: int) -> None:
              f"bubble {small['bubble']:.3f} at m=2")
 
 
+def context(rounds: int, seq_len: int) -> None:
+    """Section 6 (8 devices)."""
+    from bench.context import memory_rows, time_rows
+
+    degrees, impls = [1, 2, 8], ["all_gather", "ring"]
+    mem = {(r["context"], r["impl"]): r for r in memory_rows(degrees, impls, seq_len)}
+    times = time_rows(degrees, impls, seq_len, steps=2, rounds=rounds)
+    base = times[0]
+    for t in times:
+        m = mem[(t["context"], t["impl"])]
+        emit("context", f"context {t['context']} {t['impl']}", f"{t['step_ms']:.1f} ms", f"{base['step_ms']:.1f} ms",
+             1 / t["vs_first"], f"context-1 time / this; temp {m['temp_bytes'] / 2**20:.2f} MB for one "
+             f"{seq_len}-token sequence per shard ({m['vs_first']:.3f} of context 1, 1/c = {m['ideal']:.3f})")
+
+
 def versus_rows(repeats: int) -> list[dict]:
     """Section 4: bench/versus.py's table as rows (it runs its own processes, one per measurement)."""
     cmd = [sys.executable, str(ROOT / "bench" / "versus.py"), "--repeats", str(repeats), "--plain", "--format",
@@ -260,7 +278,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=None, help="interleaved rounds, section 1 (default 15, quick 5)")
     parser.add_argument("--versus-repeats", type=int, default=1,
                         help="rounds of section 4, whole processes against plain jit and MaxText (0: skip)")
-    parser.add_argument("--worker", choices=("single", "layouts", "schedules"), help=argparse.SUPPRESS)
+    parser.add_argument("--worker", choices=("single", "layouts", "schedules", "context"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     args.steps = args.steps or 2
     args.repeats = args.repeats or (5 if args.quick else 15)
@@ -273,8 +291,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.worker == "schedules":
         schedules(2 if args.quick else 3)
         return 0
+    if args.worker == "context":
+        context(2 if args.quick else 3, 1024 if args.quick else 2048)
+        return 0
     start = time.perf_counter()
-    rows = _worker("single", None, args) + _worker("layouts", 8, args) + _worker("schedules", 8, args)
+    rows = _worker("single", None, args) + _worker("layouts", 8, args) + _worker("schedules", 8, args) \
+        + _worker("context", 8, args)
     if args.versus_repeats > 0 and not args.quick:
         rows += versus_rows(args.versus_repeats)
     print(format_table(rows))

@@ -28,7 +28,7 @@ from jaxpar.families import FAMILIES
 from jaxpar.parallel import axes
 from jaxpar.parallel.schedule import SCHEDULES, check as schedule_check
 
-CONTEXT_IMPLS = ("all_gather",)  # jaxpar.parallel.context_parallel (kept here: the config loads before jax)
+CONTEXT_IMPLS = ("all_gather", "ring")  # jaxpar.parallel.context_parallel (here: the config loads before jax)
 
 
 def _f(default: Any, help: str) -> Any:
@@ -142,7 +142,8 @@ class ParallelConfig:
     context: int = _f(1, "context-parallel degree on 'context': the sequence of every activation split over "
                       "ranks (zigzag chunks, causal work balanced)")
     context_impl: str = _f("all_gather", "context-parallel attention: 'all_gather' (each layer gathers K/V over "
-                           "'context' and reduce-scatters their gradients)")
+                           "'context', reduce-scatters their gradients) or 'ring' (K/V blocks passed around the "
+                           "ring, online softmax, no S-long score row)")
     tensor: int = _f(1, "tensor-parallel degree on 'tensor' (innermost mesh axis, fastest links)")
     sequence_parallel: bool = _f(False, "shard norms/residuals on the sequence dim inside tensor-parallel regions")
     repeats: int = _f(1, "circular pipeline passes through the stages (1 is GPipe)")
@@ -172,6 +173,14 @@ class ParallelConfig:
                               "parallel.sequence_parallel=false")
         _check_choice("parallel.zero", self.zero, (0, 1, 3))
         _check_choice("parallel.context_impl", self.context_impl, CONTEXT_IMPLS)
+        if self.context > 1 and self.context_impl == "ring" and self.pipe > 1 and self.schedule != "circular":
+            # The executor runs each stage's action in its own switch branch; XLA:CPU's collective-permute waits
+            # for every device of the mesh, so a ring step in one stage's branch waits for stages that never come.
+            raise ConfigError("parallel.context_impl", "ring", f"ring attention's collective-permutes would run "
+                              f"inside the per-stage branches of the '{self.schedule}' schedule, where XLA waits "
+                              "for every device of the mesh (stages on other actions never arrive)",
+                              "use parallel.context_impl=all_gather with a schedule table, or "
+                              "parallel.schedule=circular")
         _check_choice("parallel.remat", self.remat, REMAT_POLICIES)
         if self.schedule != "circular":  # the circular loop's own rules follow below
             why = schedule_check(self.schedule, self.pipe, self.repeats, self.microbatches)

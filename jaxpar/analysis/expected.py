@@ -16,8 +16,8 @@ Tensor-axis traffic (Megatron; Korthikanti et al. 2022 for SP), N = b·s·h·β:
                        SP: the f on tensor-replicated params used on sequence shards (norm scales, output biases,
                        gpt2 positions) all-reduces their gradients.
 Data-axis traffic: one all-reduce of the local gradient shard.
-Context-axis traffic (all-gather K/V; s = S/c tokens of a row per device): per layer, K and V gathered forward and
-their gradients reduce-scattered backward, 4·(c−1)·b·s·K_loc·E·β (`context_bytes`).
+Context-axis traffic (s = S/c tokens of a row per device, N = b·s·K_loc·E per layer): all-gather K/V 4·(c−1)·N·β
+(gathered forward, gradients reduce-scattered backward); ring (c−1)·4·N·β + 2c·N·4 (`context_bytes`).
 
 FLOPs (matmuls only, per device; training = 3 × forward: forward, input gradient, weight gradient):
     forward per token, per layer: 2h·E·(a_loc + 2·K_loc) + 4·s·E·a_loc + 2·a_loc·E·h + 2·h·F/t·n (n: the family's
@@ -164,15 +164,23 @@ def schedule_permute_bytes(config: Config, ticks: int, directions: int) -> float
 
 
 def context_bytes(config: Config) -> float:
-    """Context-axis traffic per device per step (all-gather K/V, jaxpar.parallel.context_parallel): each layer
-    application gathers this device's keys and values [rows, S/c, K_loc, E] over the c ranks — a ring all-gather
-    sends (c−1) times its local share — and the backward reduce-scatters their gradients, as many bytes:
-    4·(c−1)·(tokens of the layer application)·K_loc·E·β, with K_loc = max(K/t, 1) and β the compute dtype's bytes."""
+    """Context-axis traffic per device per step (jaxpar.parallel.context_parallel), in units of one K (or V) block
+    of a layer application, N = (tokens of the application)·K_loc·E elements, K_loc = max(K/t, 1):
+        all_gather  each layer gathers K and V — a ring all-gather sends (c−1) times the local share — and the
+                    backward reduce-scatters their gradients, as many: 4·(c−1)·N·β
+        ring        the forward passes K and V on c−1 times, (c−1)·2·N·β; the backward passes them on c−1 times
+                    again and their float32 gradients c times (home): (c−1)·2·N·β + c·2·N·4
+    β: the compute dtype's bytes."""
     d = _dims(config, config.model.vocab_size)
-    if d["c"] == 1:
+    c = d["c"]
+    if c == 1:
         return 0.0
-    k_local = max(d["K"] // d["t"], 1)
-    return d["layer_execs"] * 4 * (d["c"] - 1) * d["tokens_per_exec"] * k_local * d["E"] * d["beta"]
+    block = d["tokens_per_exec"] * max(d["K"] // d["t"], 1) * d["E"]
+    if config.parallel.context_impl == "ring":
+        per_exec = 4 * (c - 1) * block * d["beta"] + 2 * c * block * 4
+    else:
+        per_exec = 4 * (c - 1) * block * d["beta"]
+    return d["layer_execs"] * per_exec
 
 
 def activation_bytes_per_layer(config: Config) -> dict[str, float]:

@@ -145,7 +145,7 @@ def context_section(config: Config, cols) -> dict:
     causal work per rank — unmasked (query, key) pairs, zigzag against contiguous chunks (max/min over ranks)."""
     p, S = config.parallel, config.train.seq_len
     on_context = [c for c in cols if c.axes == (CONTEXT,)]
-    kv = [c for c in on_context if c.kind in ("all-gather", "reduce-scatter")]  # attention's K/V and their grads
+    kv = [c for c in on_context if c.kind in ("all-gather", "reduce-scatter", "collective-permute")]  # K/V, dK/dV
     window = config.model.sliding_window
     zig, flat = (cp.unmasked_pairs(layout(S, p.context), window) for layout in (cp.zigzag, cp.contiguous))
     return {"impl": p.context_impl, "degree": p.context,

@@ -18,6 +18,16 @@ positions. Autodiff transposes the all-gather into the reduce-scatter of dK and 
 forward gathers (c−1)/c · 2·S·K·E elements, the backward reduce-scatters as many — kv heads only (GQA's saving).
 The score matrix per rank is [S/c, S]: 1/c of the unsharded one.
 
+**Ring attention** (`impl = "ring"`, Liu et al. 2023). Each rank keeps its queries; the K/V blocks travel around
+the ring of context ranks (one `ppermute` a step, c − 1 steps), and each step's partial result — attention of the
+local queries over the block that is here, under the mask of the block's global positions — is merged into the
+running one with the online-softmax rule (running max m and sum l: o ← o·e^(m−m') + o_i·e^(m_i−m'), the
+log-sum-exp rule). Nothing S-long is ever held: per step a [S/c, S/c] score block. The backward (a custom VJP) runs
+the ring again from the saved q, k, v, output and log-sum-exp: each step's dK, dV ride with their block and arrive
+home after c hops. A block the mask hides entirely (a sliding window far behind, a causal block ahead) is skipped
+(`lax.cond`). Bytes per layer and rank: forward (c−1)·2·(S/c)·K·E elements; backward (c−1)·2 for K, V again and c·2
+for their gradients (kept in float32 on the wire).
+
 Runs inside `jax.shard_map` with `axis` bound, composed with tensor parallelism (heads over `tensor`, so K/V of
 the local kv heads are gathered) and sequence parallelism (which splits each rank's S/c tokens further over
 `tensor` outside the tensor-parallel regions; attention sees the rank's S/c after the SP gather).
@@ -33,8 +43,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxpar.parallel.vma import vary, varying_axes
+
 Array = jax.Array
-IMPLS = ("all_gather",)
+IMPLS = ("all_gather", "ring")
+NEG_INF = -1e30  # finite: a fully masked row gives exp(NEG_INF − NEG_INF) = 1 against p = 0, never nan
 
 
 @functools.lru_cache(maxsize=None)
@@ -81,6 +94,8 @@ class ContextParallel:
             raise ValueError("context parallelism writes the causal mask from global positions; a mask of the "
                              "caller's (packed segments, a KV cache) is not supported with parallel.context > 1")
         seq_len = q.shape[1] * self.degree
+        if self.impl == "ring":
+            return ring_attention(q, k, v, self.axis, self.degree, self.window)
         layout = zigzag(seq_len, self.degree)
         k_all = jax.lax.all_gather(k, self.axis, axis=1, tiled=True)  # [B, S, K, E], rank r's tokens at r·S/c …
         v_all = jax.lax.all_gather(v, self.axis, axis=1, tiled=True)
@@ -90,3 +105,133 @@ class ContextParallel:
         if self.window:
             keep &= q_pos - k_pos < self.window
         return kernel(q, k_all, v_all, keep[None, None])
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Ring attention. Shapes: q [B, T, K, G, E] (H = K·G query heads, head n in kv group n // G), k and v [B, T, K, E],
+# T = S/c this rank's tokens; m, l, lse [B, K, G, T] (float32).
+
+
+def _keep(q_pos: Array, k_pos: Array, window: int) -> Array:
+    """[T, T] bool: query position i sees key position j (j ≤ i, within the window)."""
+    keep = k_pos[None, :] <= q_pos[:, None]
+    if window:
+        keep &= q_pos[:, None] - k_pos[None, :] < window
+    return keep
+
+
+def _scores(q, k, keep):
+    """Masked scaled scores [B, K, G, T, T] in float32."""
+    s = jnp.einsum("btkge,bske->bkgts", q, k, preferred_element_type=jnp.float32)
+    return jnp.where(keep, s / np.sqrt(q.shape[-1]), NEG_INF)
+
+
+def _block_forward(q, k, v, keep):
+    """One block's (o unnormalised [B, T, K, G, E], running max m, sum l)."""
+    s = _scores(q, k, keep)
+    m = s.max(-1)
+    p = jnp.exp(s - m[..., None]) * keep
+    o = jnp.einsum("bkgts,bske->btkge", p, v.astype(jnp.float32))
+    return o, m, p.sum(-1)
+
+
+def _typed(outputs, *inputs):
+    """outputs typed as varying over every axis any of `inputs` varies over (both branches of a block's `cond` must
+    return the same types, and the skipping one computes from none of them)."""
+    axes = frozenset().union(*(varying_axes(x) for x in inputs))
+    return jax.tree.map(lambda x: vary(x, tuple(axes)), outputs)
+
+
+def _ring(x, axis: str, c: int):
+    """Send to the next rank of the ring (r → r+1): what arrives is the previous rank's."""
+    return jax.lax.ppermute(x, axis, [(r, (r + 1) % c) for r in range(c)])
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
+def ring_attention(q: Array, k: Array, v: Array, axis: str, c: int, window: int) -> Array:
+    """softmax(q·kᵀ/√E under the causal zigzag mask) v over the whole sequence, K/V passed around the ring.
+    q [B, T, H, E], k, v [B, T, K, E] (this rank's T = S/c tokens, zigzag order) → [B, T, H, E] in q's dtype."""
+    return _ring_forward(q, k, v, axis, c, window)[0]
+
+
+def _positions(T: int, axis: str, c: int):
+    """(this rank's positions [T], table [c, T] of every rank's, this rank's index)."""
+    table = jnp.asarray(zigzag(T * c, c))
+    r = jax.lax.axis_index(axis)
+    return table[r], table, r
+
+
+def _ring_forward(q, k, v, axis, c, window):
+    B, T, H, E = q.shape
+    K = k.shape[2]
+    qg = q.reshape(B, T, K, H // K, E)
+    q_pos, table, r = _positions(T, axis, c)
+    o = jnp.zeros(qg.shape, jnp.float32)
+    m = jnp.full((B, K, H // K, T), NEG_INF, jnp.float32)
+    l = jnp.zeros((B, K, H // K, T), jnp.float32)
+    kv = (k, v)
+    for i in range(c):  # at step i this rank holds the block of rank r − i
+        keep = _keep(q_pos, table[(r - i) % c], window)
+
+        def attend(kv, keep=keep):
+            return _typed(_block_forward(qg, kv[0], kv[1], keep), qg, *kv)
+
+        def skip(kv):
+            return _typed((jnp.zeros_like(o), jnp.full_like(m, NEG_INF), jnp.zeros_like(l)), qg, *kv)
+
+        o_i, m_i, l_i = jax.lax.cond(keep.any(), attend, skip, kv)
+        m_new = jnp.maximum(m, m_i)
+        a, b = jnp.exp(m - m_new), jnp.exp(m_i - m_new)
+        o = o * jnp.moveaxis(a, 3, 1)[..., None] + o_i * jnp.moveaxis(b, 3, 1)[..., None]
+        l, m = l * a + l_i * b, m_new
+        if i < c - 1:
+            kv = _ring(kv, axis, c)
+    out = (o / jnp.moveaxis(l, 3, 1)[..., None]).reshape(B, T, H, E)
+    return out.astype(q.dtype), (q, k, v, out, m + jnp.log(l))
+
+
+def _ring_fwd(q, k, v, axis, c, window):
+    return _ring_forward(q, k, v, axis, c, window)
+
+
+def _ring_bwd(axis, c, window, residuals, d_out):
+    q, k, v, out, lse = residuals
+    B, T, H, E = q.shape
+    K = k.shape[2]
+    G = H // K
+    qg = q.reshape(B, T, K, G, E)
+    do = d_out.astype(jnp.float32).reshape(B, T, K, G, E)
+    delta = jnp.einsum("btkge,btkge->bkgt", do, out.reshape(B, T, K, G, E))  # Σ_e dO·O per query
+    q_pos, table, r = _positions(T, axis, c)
+    dq = jnp.zeros(qg.shape, jnp.float32)
+    # Without the barrier XLA's CSE sees the forward's K/V rotations again here and keeps every block the forward
+    # passed alive until the backward (the whole sequence's K/V per layer: the memory the ring exists to save).
+    k, v = jax.lax.optimization_barrier((k, v))
+    carry = (k, v, jnp.zeros(k.shape, jnp.float32), jnp.zeros(v.shape, jnp.float32))
+    for i in range(c):
+        keep = _keep(q_pos, table[(r - i) % c], window)
+
+        def grads(carry, keep=keep):
+            k_i, v_i = carry[0], carry[1]
+            p = jnp.exp(_scores(qg, k_i, keep) - lse[..., None]) * keep  # [B, K, G, T, S]
+            dv = jnp.einsum("bkgts,btkge->bske", p, do)
+            dp = jnp.einsum("btkge,bske->bkgts", do, v_i.astype(jnp.float32))
+            ds = p * (dp - delta[..., None]) / np.sqrt(E)
+            dq_i = jnp.einsum("bkgts,bske->btkge", ds, k_i.astype(jnp.float32))
+            dk = jnp.einsum("bkgts,btkge->bske", ds, qg.astype(jnp.float32))
+            return _typed((dq_i, dk, dv), qg, do, *carry)
+
+        def skip(carry):
+            return _typed((jnp.zeros_like(dq), jnp.zeros_like(carry[2]), jnp.zeros_like(carry[3])), qg, do, *carry)
+
+        dq_i, dk, dv = jax.lax.cond(keep.any(), grads, skip, carry)
+        dq = dq + dq_i
+        carry = (carry[0], carry[1], carry[2] + dk, carry[3] + dv)
+        # K, V move on for the next step; their gradients move every step, so after c hops they are home
+        carry = (*_ring(carry[:2], axis, c), *_ring(carry[2:], axis, c)) if i < c - 1 else \
+            (carry[0], carry[1], *_ring(carry[2:], axis, c))
+    dk, dv = carry[2], carry[3]
+    return dq.reshape(q.shape).astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
+
+
+ring_attention.defvjp(_ring_fwd, _ring_bwd)
