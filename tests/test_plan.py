@@ -54,7 +54,7 @@ def test_degree_resolution_and_its_errors():
         axes.resolve_degrees(ParallelConfig(pipe=3, microbatches=3), 8)
 
 
-@pytest.mark.parametrize("name", ["expert", "context"])
+@pytest.mark.parametrize("name", ["expert"])
 def test_axes_without_a_strategy_refuse_a_degree_above_one(name):
     with pytest.raises(ConfigError, match=rf"^parallel.{name} = 2: nothing splits over '{name}' yet.*"
                                           rf"Fix: set parallel.{name}=1"):

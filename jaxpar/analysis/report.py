@@ -272,7 +272,13 @@ def format_table(report: dict) -> str:
                     f"{sc['ticks']} ticks, bubble {sc['bubble_fraction']:.3f} (formula {sc['bubble_formula']:.3f}), "
                     f"peak in flight {sc['peak_in_flight']}; executed GFLOP per stage [{per_stage}] (every branch "
                     f"on every tick: {sc['flops']['all_branches_every_tick'] / 1e9:.3f}); permute MB "
-                    f"{sc['permute_bytes'] / 1e6:.3f} (expected {sc['expected_permute_bytes'] / 1e6:.3f})")
+                    f"{sc['permute_bytes'] / 1e6:.3f} (expected {sc['expected_permute_bytes'] / 1e6:.3f}); bubble by "
+                    f"executed FLOPs {sc['bubble_layers']:.3f} (layers), {sc['bubble_executed']:.3f} (with the head)")
+    if "context" in report:
+        cx = report["context"]
+        rows.append(f"context {cx['impl']} c={cx['degree']}: K/V MB sent/dev {cx['sent_bytes'] / 1e6:.3f} (expected "
+                    f"{cx['expected_sent_bytes'] / 1e6:.3f}); causal pairs per rank max/min "
+                    f"{cx['pairs_max_over_min']:.2f} (contiguous chunks: {cx['contiguous_pairs_max_over_min']:.2f})")
     step = report["memory"]["step"]
     rows.append(f"step memory/dev: arguments {step['argument_bytes'] / 1e6:.2f} MB, temp {step['temp_bytes'] / 1e6:.2f}"
                 f" MB, peak {step['peak_bytes'] / 1e6:.2f} MB;  XLA cost_analysis flops (loop bodies once): "
