@@ -17,10 +17,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import sys
 import time
+
+from bench import with_devices
 
 DEVICES = 8
 MODEL = ["model.d_model=64", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2", "model.head_dim=16",
@@ -93,10 +94,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-time", action="store_true", help="memory table only")
     parser.add_argument("--format", choices=("table", "json"), default="table")
     args = parser.parse_args(argv)
-    flag = f"--xla_force_host_platform_device_count={DEVICES}"
-    if flag not in os.environ.get("XLA_FLAGS", ""):  # the device count is fixed when jax starts
-        env = dict(os.environ, XLA_FLAGS=f"{os.environ.get('XLA_FLAGS', '')} {flag}".strip(), JAX_PLATFORMS="cpu")
-        os.execve(sys.executable, [sys.executable, "-m", "bench.context", *(argv or sys.argv[1:])], env)
+    with_devices("bench.context", DEVICES, argv)  # the device count is fixed when jax starts
     degrees = [int(x) for x in args.degrees.split(",")]
     impls = args.impls.split(",")
     mem = memory_rows(degrees, impls, args.seq_len)

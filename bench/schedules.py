@@ -20,10 +20,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import sys
 import time
+
+from bench import with_devices
 
 DEVICES = 8
 SCHEDULES = {"circular": 2, "gpipe": 1, "1f1b": 1, "interleaved_1f1b": 2, "zb_h1": 1, "zbv": 2}  # name: chunks
@@ -105,10 +106,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-time", action="store_true", help="memory table only")
     parser.add_argument("--format", choices=("table", "json"), default="table")
     args = parser.parse_args(argv)
-    flag = f"--xla_force_host_platform_device_count={DEVICES}"
-    if flag not in os.environ.get("XLA_FLAGS", ""):  # the device count is fixed when jax starts
-        env = dict(os.environ, XLA_FLAGS=f"{os.environ.get('XLA_FLAGS', '')} {flag}".strip(), JAX_PLATFORMS="cpu")
-        os.execve(sys.executable, [sys.executable, "-m", "bench.schedules", *(argv or sys.argv[1:])], env)
+    with_devices("bench.schedules", DEVICES, argv)  # the device count is fixed when jax starts
     mem = memory_rows([int(x) for x in args.mults.split(",")])
     times = [] if args.no_time else time_rows(args.steps, args.rounds)
     if args.format == "json":

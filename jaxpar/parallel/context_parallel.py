@@ -93,17 +93,12 @@ class ContextParallel:
         if mask is not None:
             raise ValueError("context parallelism writes the causal mask from global positions; a mask of the "
                              "caller's (packed segments, a KV cache) is not supported with parallel.context > 1")
-        seq_len = q.shape[1] * self.degree
         if self.impl == "ring":
             return ring_attention(q, k, v, self.axis, self.degree, self.window)
-        layout = zigzag(seq_len, self.degree)
         k_all = jax.lax.all_gather(k, self.axis, axis=1, tiled=True)  # [B, S, K, E], rank r's tokens at r·S/c …
         v_all = jax.lax.all_gather(v, self.axis, axis=1, tiled=True)
-        q_pos = jnp.asarray(layout)[jax.lax.axis_index(self.axis)][:, None]  # [S/c, 1]
-        k_pos = jnp.asarray(layout.reshape(-1))[None, :]  # [1, S]: the gathered order
-        keep = k_pos <= q_pos
-        if self.window:
-            keep &= q_pos - k_pos < self.window
+        q_pos, table, _ = _positions(q.shape[1], self.axis, self.degree)
+        keep = _keep(q_pos, table.reshape(-1), self.window)  # [S/c, S]: keys in the gathered order
         return kernel(q, k_all, v_all, keep[None, None])
 
 
