@@ -44,6 +44,43 @@ SOURCES = ("default", "synthetic", "text", "tokens")
 
 
 @dataclasses.dataclass(frozen=True)
+class MoEConfig:
+    """Mixture of experts: a router and stacked SwiGLU experts in place of each layer's MLP (n_experts 0: dense)."""
+
+    n_experts: int = _f(0, "routed experts per MoE layer (split over 'expert'); 0: a dense MLP in every layer")
+    top_k: int = _f(2, "experts each token is sent to")
+    d_ff: int = _f(0, "hidden width of one expert; 0 means model.d_ff")
+    norm_topk_prob: bool = _f(True, "renormalise the top-k router probabilities to sum to 1 (Mixtral: true; "
+                              "Qwen2-MoE's default: false)")
+    capacity_factor: float = _f(0.0, "0: dropless (every assignment computed); > 0: each expert takes at most "
+                                "ceil(capacity_factor * seq_len * top_k / n_experts) tokens of a sequence, first "
+                                "choices before second, earlier tokens first; the rest are dropped and counted")
+    aux_loss_coef: float = _f(0.01, "Switch/GShard load-balancing loss coefficient: coef * n_experts * sum_e f_e * "
+                              "P_e per sequence, averaged over sequences and MoE layers; 0: off")
+    z_loss_coef: float = _f(0.0, "router z-loss coefficient (ST-MoE): coef * mean logsumexp(router logits)^2; 0: off")
+    shared_d_ff: int = _f(0, "hidden width of a shared expert every token also passes (Qwen2-MoE); 0: none")
+    shared_gate: bool = _f(False, "scale the shared expert's output by sigmoid(x . w) per token (Qwen2-MoE)")
+
+    def __post_init__(self):
+        _check_fields(self, "moe")
+        for name in ("n_experts", "d_ff", "shared_d_ff"):
+            _check_positive(f"moe.{name}", getattr(self, name), allow_zero="derived" if name == "d_ff" else "off")
+        for name in ("capacity_factor", "aux_loss_coef", "z_loss_coef"):
+            _check_positive(f"moe.{name}", getattr(self, name), allow_zero="off")
+        _check_positive("moe.top_k", self.top_k)
+        if self.n_experts and self.top_k > self.n_experts:
+            raise ConfigError("moe.top_k", self.top_k, f"must be <= moe.n_experts = {self.n_experts} (a token "
+                              "picks distinct experts)", f"use top_k among 1..{self.n_experts}")
+        if self.shared_gate and not self.shared_d_ff:
+            raise ConfigError("moe.shared_gate", True, "gates the shared expert, and moe.shared_d_ff = 0 (none)",
+                              "set moe.shared_d_ff > 0, or moe.shared_gate=false")
+
+    @property
+    def enabled(self) -> bool:
+        return self.n_experts > 0
+
+
+@dataclasses.dataclass(frozen=True)
 class ModelConfig:
     """The transformer's shape and numerics. Sizes of 0 are derived (see each field)."""
 
@@ -78,8 +115,14 @@ class ModelConfig:
     init_std: float = _f(0.02, "std of the normal init; output projections get init_std/sqrt(2*n_layers)")
     dtype: str = _f("float32", "compute dtype of matmuls ('bfloat16' on GPUs); softmax and loss always run in float32")
     param_dtype: str = _f("float32", "dtype of the master parameters and optimizer state")
+    # The `moe` section is part of the model's shape, so it rides inside ModelConfig (everything that builds a model
+    # from a ModelConfig — the plan, checkpoints, Hugging Face import — gets it for free); on the command line, in
+    # config files and in config.json it is its own section `moe.*` (config_from_dict / Config.to_dict move it).
+    moe: MoEConfig = dataclasses.field(default_factory=MoEConfig, metadata={"section": "moe"})
 
     def __post_init__(self):
+        if isinstance(self.moe, dict):  # config.json written before `moe` moved out, or a dict from a caller
+            object.__setattr__(self, "moe", MoEConfig(**self.moe))
         _check_fields(self, "model")
         _check_choice("model.family", self.family, tuple(FAMILIES))
         _check_choice("model.dtype", self.dtype, DTYPES)
@@ -113,6 +156,12 @@ class ModelConfig:
             object.__setattr__(self, "head_dim", self.d_model // self.n_heads)
         if self.d_ff == 0:
             object.__setattr__(self, "d_ff", FAMILIES[self.family].default_d_ff(self.d_model))
+        if self.moe.enabled and self.moe.d_ff == 0:
+            object.__setattr__(self, "moe", dataclasses.replace(self.moe, d_ff=self.d_ff))
+        if self.moe.enabled and FAMILIES[self.family].mlp != "swiglu":
+            raise ConfigError("moe.n_experts", self.moe.n_experts, f"MoE experts are SwiGLU MLPs, and the "
+                              f"{self.family} family's MLP is {FAMILIES[self.family].mlp}",
+                              "use model.family=llama for an MoE model, or moe.n_experts=0")
         FAMILIES[self.family].check(self)  # the family's own rules (llama: an even head_dim for RoPE)
         if self.n_heads % self.n_kv_heads:
             raise ConfigError("model.n_kv_heads", self.n_kv_heads,
@@ -138,7 +187,8 @@ class ParallelConfig:
 
     data: int = _f(-1, "data-parallel degree (batch sharded over 'data'); -1 fills the devices left over")
     pipe: int = _f(1, "pipeline stages on 'pipe'")
-    expert: int = _f(1, "expert-parallel degree on 'expert' (MoE experts; not implemented yet: must be 1)")
+    expert: int = _f(1, "expert-parallel degree on 'expert': MoE experts split over its ranks, which are "
+                     "data-parallel outside the MoE layers (tokens reach their experts by all-to-all)")
     context: int = _f(1, "context-parallel degree on 'context': the sequence of every activation split over "
                       "ranks (zigzag chunks, causal work balanced)")
     context_impl: str = _f("all_gather", "context-parallel attention: 'all_gather' (each layer gathers K/V over "
@@ -301,6 +351,7 @@ class Config:
                               "over tensor, or replicated so each rank holds the one its query heads use)",
                               f"use n_kv_heads among {divisors(p.tensor)} or a multiple of {p.tensor}")
         _check_divides("model.d_ff", m.d_ff, "parallel.tensor", p.tensor, "the MLP hidden dim is split over tensor")
+        self._check_moe()
         # model.vocab_size needs no check: the embedding is padded to a multiple of tensor (jaxpar.sharding).
         if p.context > 1 and t.seq_len % (2 * p.context * (p.tensor if p.sequence_parallel else 1)):
             # zigzag: 2c chunks, rank r holding chunks r and 2c-1-r; SP then splits each rank's seq_len/c over tensor
@@ -327,6 +378,35 @@ class Config:
             raise ConfigError("model.vocab_size", m.vocab_size, "the byte tokenizer needs 256 ids",
                               "set model.vocab_size >= 256")
 
+    def _check_moe(self):
+        """Mixture-of-experts rules: experts split evenly over `expert`, expert widths over `tensor`, and the
+        combinations this release does not run refused by name."""
+        m, p, moe = self.model, self.parallel, self.model.moe
+        if not moe.enabled:
+            if p.expert > 1:
+                raise ConfigError("parallel.expert", p.expert, "nothing splits over 'expert': the model has no MoE "
+                                  "layers (moe.n_experts = 0)", "set parallel.expert=1, or moe.n_experts > 0")
+            return
+        _check_divides("moe.n_experts", moe.n_experts, "parallel.expert", p.expert, "each expert rank holds "
+                       "n_experts/expert whole experts")
+        _check_divides("moe.d_ff", moe.d_ff, "parallel.tensor", p.tensor, "each expert's hidden dim is split over "
+                       "tensor")
+        if moe.shared_d_ff:
+            _check_divides("moe.shared_d_ff", moe.shared_d_ff, "parallel.tensor", p.tensor, "the shared expert's "
+                           "hidden dim is split over tensor")
+        if p.context > 1:
+            raise ConfigError("parallel.context", p.context, "MoE layers route whole sequences (capacity and the "
+                              "load-balancing loss are per sequence), and context parallelism splits them",
+                              "set parallel.context=1 for an MoE model")
+        if p.sequence_parallel:
+            raise ConfigError("parallel.sequence_parallel", True, "MoE layers do not implement sequence "
+                              "parallelism yet (the router would see a sequence shard)",
+                              "set parallel.sequence_parallel=false for an MoE model")
+        if p.pipe > 1 and p.schedule != "circular":
+            raise ConfigError("parallel.schedule", p.schedule, "the schedule tables split each backward at the "
+                              "matmul groups (B/W), and the experts' grouped matmuls depend on routing the W "
+                              "replay does not see", "use parallel.schedule=circular for an MoE model")
+
     def _check_batch(self, data: int):
         p, t = self.parallel, self.train
         per_step = data * p.microbatches * t.grad_accum
@@ -350,17 +430,23 @@ class Config:
         resolved._check_batch(resolved.parallel.data)
         return resolved
 
+    @property
+    def moe(self) -> MoEConfig:
+        """The `moe` section (held by the model config: it is part of the model's shape)."""
+        return self.model.moe
+
     def to_dict(self) -> dict:
-        """The config as nested plain dicts (what config.json and checkpoints store)."""
-        return dataclasses.asdict(self)
+        """The config as nested plain dicts (what config.json and checkpoints store); `moe` is its own section."""
+        d = dataclasses.asdict(self)
+        return {"model": d["model"], "moe": d["model"].pop("moe"), **{k: v for k, v in d.items() if k != "model"}}
 
     def to_json(self) -> str:
         """The config as sorted, indented JSON (config.json); `config_from_dict` reads it back."""
         return json.dumps(self.to_dict(), indent=2, sort_keys=True)
 
 
-SECTIONS: dict[str, type] = {"model": ModelConfig, "parallel": ParallelConfig, "train": TrainConfig, "data": DataConfig,
-            "checkpoint": CheckpointConfig}
+SECTIONS: dict[str, type] = {"model": ModelConfig, "moe": MoEConfig, "parallel": ParallelConfig, "train": TrainConfig,
+            "data": DataConfig, "checkpoint": CheckpointConfig}
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -373,12 +459,14 @@ def config_from_dict(d: dict) -> Config:
         raise ConfigError("config", type(d).__name__, "must be a mapping of sections", "write sections like model: {...}")
     _reject_unknown(d, SECTIONS, prefix="")
     sections = {}
-    for name, cls in SECTIONS.items():
-        raw = d.get(name, {}) or {}
+    for name in sorted(SECTIONS, key=lambda n: n != "moe"):  # moe first: the model config holds it
+        cls, raw = SECTIONS[name], d.get(name, {}) or {}
         if not isinstance(raw, dict):
             raise ConfigError(name, raw, "must be a mapping of fields", f"write {name}: {{field: value}}")
-        names = {f.name: f for f in dataclasses.fields(cls)}
+        names = {f.name: f for f in dataclasses.fields(cls) if not f.metadata.get("section")}
         _reject_unknown(raw, names, prefix=f"{name}.")
+        if name == "model":  # the moe section, already built, rides inside the model config
+            raw = dict(raw, moe=sections.pop("moe"))
         sections[name] = cls(**raw)
     return Config(**sections)
 
@@ -592,6 +680,8 @@ def reference_markdown() -> str:
                   "| field | type | default | meaning |", "|---|---|---|---|"]
         hints = typing.get_type_hints(cls)
         for f in dataclasses.fields(cls):
+            if f.metadata.get("section"):
+                continue
             lines.append(f"| `{section}.{f.name}` | {hints[f.name].__name__} | `{f.default!r}` | {f.metadata['help']} |")
         lines.append("")
     return "\n".join(lines).rstrip() + "\n"

@@ -51,6 +51,11 @@ class Einsum:
         prepares a chunk's weights with it once a tick, so what its backward closes over is one copy.)"""
         return w.astype(dtype)
 
+    def ragged(self, x: Array, w: Array, group_sizes: Array) -> Array:
+        """Grouped matmul (the experts of an MoE layer): rows x [M, K] sorted by group, w [G, K, N], group_sizes
+        [G] → float32 [M, N], row i times w[its group]; rows past Σ group_sizes give zeros."""
+        return jax.lax.ragged_dot(x, self.operand(w, x.dtype), group_sizes, preferred_element_type=jnp.float32)
+
     def table(self, w: Array, dtype) -> Array:
         """A weight read by rows (the embedding lookup) in the compute dtype `dtype`."""
         return w.astype(dtype)

@@ -39,6 +39,7 @@ from flax import nnx
 from jaxpar.config import ModelConfig
 from jaxpar.families import Param, family
 from jaxpar.parallel.context import SINGLE_DEVICE, Parallel
+from jaxpar.parallel.expert import capacity, route
 from jaxpar.parallel.tensor import NEG_INF
 from jaxpar.parallel.weightgrad import MEASURE, RECORD, Tape
 from jaxpar.sharding import constrain
@@ -83,15 +84,17 @@ class Blocks(nnx.Module):
         return {name: v[...] for name, v in vars(self).items() if isinstance(v, nnx.Param)}
 
     def __call__(self, x: Array, positions: Array, mask: Array | None, *, remat: str = "none",
-                 par: Parallel = SINGLE_DEVICE) -> Array:
-        """x [B, T, D] float32 (T/t under sequence parallelism) → same; positions [B, T]; mask as `attend`'s."""
-        return run_layers(self.stacked(), x, positions, mask, self.cfg, remat=remat, par=par)
+                 par: Parallel = SINGLE_DEVICE, stats: bool = False):
+        """x [B, T, D] float32 (T/t under sequence parallelism) → same (and the layers' MoE statistics, `stats`);
+        positions [B, T]; mask as `attend`'s."""
+        return run_layers(self.stacked(), x, positions, mask, self.cfg, remat=remat, par=par, stats=stats)
 
 
 def run_layers(stacked: dict[str, Array], x: Array, positions: Array, mask: Array | None, cfg: ModelConfig, *,
-               remat: str = "none", par: Parallel = SINGLE_DEVICE, tape: Tape | None = None):
+               remat: str = "none", par: Parallel = SINGLE_DEVICE, tape: Tape | None = None, stats: bool = False):
     """Apply the layers of `stacked` ([n, …] each) in order with a scan, `cfg.scan_unroll` layers per iteration;
-    `remat` checkpoints each layer. → x.
+    `remat` checkpoints each layer. → x, or (x, the MoE layers' statistics summed over them) with `stats` (an empty
+    dict for a dense model; see `moe`).
 
     tape (the pipeline's B/W split, jaxpar.parallel.weightgrad): MEASURE traces layer 0 alone, outside any loop, so
     the tape can trace the weights back to `stacked`'s arrays (→ x). RECORD and REPLAY scan `tape.feed` (leaves
@@ -111,7 +114,8 @@ def run_layers(stacked: dict[str, Array], x: Array, positions: Array, mask: Arra
         return block(layer, x, positions, mask, cfg, par.with_tape(tape))[0]
 
     def body(x, layer):
-        return block(layer, x, positions, mask, cfg, par)[0], None
+        x, _, layer_stats = block(layer, x, positions, mask, cfg, par)
+        return x, layer_stats if stats else None
 
     def tapped(x, xs):
         layer, feed = xs
@@ -124,6 +128,8 @@ def run_layers(stacked: dict[str, Array], x: Array, positions: Array, mask: Arra
     if remat != "none" and (tape is None or tape.mode == RECORD):
         body = jax.checkpoint(body, policy=REMAT_POLICIES[remat], prevent_cse=False)
     x, collected = jax.lax.scan(body, x, stacked, unroll=unroll)
+    if stats:  # per-layer statistics come out stacked [n, …] (no carry to type under check_vma): sum them
+        return x, jax.tree.map(lambda a: a.sum(0), collected)
     return x if tape is None else (x, collected)
 
 
@@ -141,7 +147,7 @@ def run_layers_cached(stacked: dict[str, Array], x: Array, positions: Array, mas
         x, k_all, v_all = carry
         layer, l = xs
         k, v = k_all[l], v_all[l]  # [B, S, K, E]: this layer's cache, read by its attention
-        x, (k, v) = block(layer, x, positions, mask, cfg, kv_cache=(k, v, slot))
+        x, (k, v), _ = block(layer, x, positions, mask, cfg, kv_cache=(k, v, slot))
         T = x.shape[1]
         new_k = jax.lax.dynamic_slice_in_dim(k, slot, T, axis=1)[None]  # [1, B, T, K, E]: just the new slots
         new_v = jax.lax.dynamic_slice_in_dim(v, slot, T, axis=1)[None]
@@ -202,18 +208,20 @@ class Transformer(nnx.Module):
         self.cfg = cfg
 
     def __call__(self, tokens: Array, *, positions: Array | None = None, segment_ids: Array | None = None,
-                 remat: str = "none", par: Parallel = SINGLE_DEVICE) -> Array:
+                 remat: str = "none", par: Parallel = SINGLE_DEVICE, stats: bool = False):
         """tokens int [B, T]; positions [B, T] (default 0..T-1); segment_ids [B, T]: attend only within a segment.
 
         Returns float32 logits [B, T, V_local]: the whole (padded) vocab on one device, this rank's vocab shard under
-        tensor parallelism (the loss is then `par.cross_entropy`).
+        tensor parallelism (the loss is then `par.cross_entropy`); with `stats`, (logits, the MoE layers'
+        statistics summed over layers and rows — `moe`).
         """
         B, T = tokens.shape
         if positions is None:
             positions = default_positions(B, T)
         x = self.embed_tokens(tokens, positions, par)
-        x = self.blocks(x, positions, attention_mask(T, segment_ids, self.cfg.sliding_window), remat=remat, par=par)
-        return self.logits(x, par)
+        mask = attention_mask(T, segment_ids, self.cfg.sliding_window)
+        x, layer_stats = self.blocks(x, positions, mask, remat=remat, par=par, stats=True)
+        return (self.logits(x, par), layer_stats) if stats else self.logits(x, par)
 
     def decode(self, tokens: Array, cache: KVCache) -> tuple[Array, KVCache]:
         """Run the next T tokens of every row (prefill: the left-padded prompts; decode: T = 1) against `cache`.
@@ -267,17 +275,18 @@ def _maybe(fn, x):
 
 def block(p: dict[str, Array], x: Array, positions: Array, mask: Array | None, cfg: ModelConfig,
           par: Parallel = SINGLE_DEVICE, kv_cache: tuple[Array, Array, Array] | None = None
-          ) -> tuple[Array, tuple[Array, Array] | None]:
+          ) -> tuple[Array, tuple[Array, Array] | None, dict[str, Array]]:
     """One pre-norm transformer block. p holds one layer's parameters (no leading L); x [B, T, D] float32
     ([B, T/t, D] under sequence parallelism: norms and residual adds run on sequence shards).
 
-    kv_cache: this layer's (k [B, S, K, E], v, slot) when decoding. Returns (x, updated (k, v) or None)."""
+    kv_cache: this layer's (k [B, S, K, E], v, slot) when decoding. Returns (x, updated (k, v) or None, the MoE
+    layer's statistics (`moe`; {} for a dense MLP))."""
     h = norm(x, par.replicated(p["attn_norm"]), _maybe(par.replicated, p.get("attn_norm_b")), cfg)
     a, kv = attention(p, h, positions, mask, cfg, par, kv_cache)
     x = constrain(x + a, ("batch", "seq", "embed"))
     h = norm(x, par.replicated(p["mlp_norm"]), _maybe(par.replicated, p.get("mlp_norm_b")), cfg)
-    x = x + mlp(p, h, cfg, par)
-    return constrain(x, ("batch", "seq", "embed")), kv
+    out, stats = moe(p, h, cfg, par) if "router" in p else (mlp(p, h, cfg, par), {})
+    return constrain(x + out, ("batch", "seq", "embed")), kv, stats
 
 
 def norm(x: Array, scale: Array, bias: Array | None, cfg: ModelConfig) -> Array:
@@ -352,6 +361,49 @@ def mlp(p: dict[str, Array], h: Array, cfg: ModelConfig, par: Parallel = SINGLE_
     if "b_down" in p:
         out = out + par.replicated(p["b_down"]).astype(jnp.float32)
     return out
+
+
+def moe(p: dict[str, Array], h: Array, cfg: ModelConfig, par: Parallel = SINGLE_DEVICE
+        ) -> tuple[Array, dict[str, Array]]:
+    """A mixture of SwiGLU experts in place of the MLP (Mixtral, Qwen2-MoE; jaxpar.parallel.expert has the math).
+    h [B, T, D] (compute dtype) → ([B, T, D] float32, statistics):
+
+        Σ_j g_j · SwiGLU_{e_j}(h)  [+ sigmoid(h·ws_score) ·] SharedSwiGLU(h)
+
+    router [D, X]; we_gate, we_up [X, D, F_e]; we_down [X, F_e, D] (X/ep local experts, F_e/t local columns);
+    ws_* the shared expert. Statistics, summed over the B rows: `aux` (load-balancing loss) and `z` (z-loss),
+    which the step adds to the objective (`moe_objective`), `load` [X] (assignments per expert) and `dropped`."""
+    m, (B, T, _) = cfg.moe, h.shape
+    logits = par.dot("btd,dx->btx", h, p["router"])  # [B, T, X] float32, every tensor rank the same
+    routing = route(logits, m.top_k, m.norm_topk_prob, m.capacity_factor)
+    ffn = functools.partial(grouped_swiglu, dot=par.dot, dtype=cfg.dtype)
+    out = par.experts(h, routing, (p["we_gate"], p["we_up"], p["we_down"]), ffn,
+                      capacity(T, m.top_k, m.n_experts, m.capacity_factor))
+    if "ws_gate" in p:  # the shared expert: a dense SwiGLU every token passes
+        gate, up = par.column(h, (p["ws_gate"], p["ws_up"]), ("btd,df->btf", "btd,df->btf"))
+        shared = par.row((jax.nn.silu(gate) * up).astype(cfg.dtype), p["ws_down"], "btf,fd->btd")
+        if "ws_score" in p:
+            shared = shared * jax.nn.sigmoid(par.dot("btd,d->bt", h, p["ws_score"]))[..., None]
+        out = out + shared
+    stats = dict(aux=routing.aux, z=routing.z, load=routing.load.sum(0), dropped=routing.dropped)
+    return out, stats
+
+
+def moe_objective(stats: dict[str, Array], cfg: ModelConfig, rows: int) -> Array:
+    """What the MoE layers add to the training objective, from their statistics summed over `rows` rows and every
+    layer: coef × the mean over rows and MoE layers of the load-balancing loss and of the z-loss (0 when dense)."""
+    if not stats:
+        return jnp.zeros((), jnp.float32)
+    m = cfg.moe
+    return (m.aux_loss_coef * stats["aux"] + m.z_loss_coef * stats["z"]) / (rows * cfg.n_layers)
+
+
+def grouped_swiglu(rows: Array, group_sizes: Array, weights, *, dot, dtype) -> Array:
+    """The experts' SwiGLU on rows sorted by expert: rows [M, D] (compute dtype), group_sizes [X] (rows of each
+    expert, in order; the rest are padding), weights (we_gate, we_up [X, D, F], we_down [X, F, D]) → [M, D] float32."""
+    w_gate, w_up, w_down = weights
+    gate, up = dot.ragged(rows, w_gate, group_sizes), dot.ragged(rows, w_up, group_sizes)  # [M, F] float32
+    return dot.ragged((jax.nn.silu(gate) * up).astype(dtype), w_down, group_sizes)
 
 
 def swiglu(p: dict[str, Array], h: Array, cfg: ModelConfig, par: Parallel) -> Array:

@@ -94,8 +94,9 @@ class Family:
     hf: HuggingFace
 
     def mlp_matrices(self, cfg) -> int:
-        """How many D×F weight matrices one layer's MLP holds (3 for SwiGLU, 2 for a plain MLP): FLOP formulas."""
-        return sum(1 for p in self.layer_params(cfg).values() if len(p.axes) == 2 and "mlp" in p.axes)
+        """How many D×F weight matrices one layer's dense MLP holds (3 for SwiGLU, 2 for a plain MLP): FLOP formulas.
+        (An MoE layer's active matrices: `jaxpar.flops`.)"""
+        return 3 if self.mlp == "swiglu" else 2
 
 
 def attention_params(cfg, *, norm_bias: bool) -> dict[str, Param]:
@@ -112,6 +113,29 @@ def attention_params(cfg, *, norm_bias: bool) -> dict[str, Param]:
     if norm_bias:
         params.update(attn_norm_b=Param((D,), ("norm",), "zeros", decay=False),
                       mlp_norm_b=Param((D,), ("norm",), "zeros", decay=False))
+    return params
+
+
+def moe_params(cfg) -> dict[str, Param]:
+    """A mixture-of-experts MLP in place of the dense SwiGLU (cfg.moe, n_experts X, expert width F_e, shared width
+    F_s): the router, the experts stacked on a leading `experts` axis, and the optional shared expert.
+
+        router [D, X]                                  (replicated: every rank scores every expert)
+        we_gate, we_up [X, D, F_e]; we_down [X, F_e, D] ("experts" split over `expert`, "mlp" over `tensor`)
+        ws_gate, ws_up [D, F_s]; ws_down [F_s, D]      shared expert (Qwen2-MoE), when moe.shared_d_ff > 0
+        ws_score [D]                                   its sigmoid gate, when moe.shared_gate
+    """
+    D, X, F = cfg.d_model, cfg.moe.n_experts, cfg.moe.d_ff
+    params = {"router": Param((D, X), ("embed", None), "normal"),
+              "we_gate": Param((X, D, F), ("experts", "embed", "mlp"), "normal"),
+              "we_up": Param((X, D, F), ("experts", "embed", "mlp"), "normal"),
+              "we_down": Param((X, F, D), ("experts", "mlp", "embed"), "out")}
+    if cfg.moe.shared_d_ff:
+        Fs = cfg.moe.shared_d_ff
+        params.update(ws_gate=Param((D, Fs), ("embed", "mlp"), "normal"), ws_up=Param((D, Fs), ("embed", "mlp"), "normal"),
+                      ws_down=Param((Fs, D), ("mlp", "embed"), "out"))
+        if cfg.moe.shared_gate:
+            params["ws_score"] = Param((D,), ("embed",), "normal")
     return params
 
 

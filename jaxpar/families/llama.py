@@ -17,15 +17,20 @@ import math
 from typing import Any
 
 from jaxpar.errors import ConfigError
-from jaxpar.families.base import Family, HuggingFace, Param, Rule, attention_params, qkv_bias_params, same
+from jaxpar.families.base import (Family, HuggingFace, Param, Rule, attention_params, moe_params, qkv_bias_params,
+                                  same)
 
 
 def layer_params(cfg) -> dict[str, Param]:
-    """The llama layer: the shared attention with RMSNorms, a SwiGLU MLP, q/k/v biases only with qkv_bias."""
+    """The llama layer: the shared attention with RMSNorms, a SwiGLU MLP (or a mixture of SwiGLU experts when
+    moe.n_experts > 0: Mixtral, Qwen2-MoE), q/k/v biases only with qkv_bias."""
     D, F = cfg.d_model, cfg.d_ff
     params = attention_params(cfg, norm_bias=False)
-    params.update(w_gate=Param((D, F), ("embed", "mlp"), "normal"), w_up=Param((D, F), ("embed", "mlp"), "normal"),
-                  w_down=Param((F, D), ("mlp", "embed"), "out"))
+    if cfg.moe.enabled:
+        params.update(moe_params(cfg))
+    else:
+        params.update(w_gate=Param((D, F), ("embed", "mlp"), "normal"), w_up=Param((D, F), ("embed", "mlp"), "normal"),
+                      w_down=Param((F, D), ("mlp", "embed"), "out"))
     if cfg.qkv_bias:
         params.update(qkv_bias_params(cfg))
     return params

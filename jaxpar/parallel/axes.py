@@ -57,7 +57,7 @@ MESH_AXES: tuple[MeshAxis, ...] = (
     MeshAxis("pipe", ("batch", "layers"), "pipeline stages own contiguous layers; embedding, head and loss split "
              "rows over the stages"),
     MeshAxis("expert", ("batch", "experts"), "MoE experts split over ranks that are data-parallel outside the MoE "
-             "layers", missing="the model has no expert (MoE) layers"),
+             "layers"),
     MeshAxis("context", ("seq",), "context parallelism: activations split on the sequence dim"),
     MeshAxis("tensor", ("heads", "kv_heads", "mlp", "vocab"), "Megatron TP: heads and MLP columns split, vocab-parallel "
              "embedding and head (innermost: the fastest links)"),

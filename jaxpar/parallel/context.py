@@ -11,14 +11,14 @@ The model (jaxpar.model) speaks logical axes and calls these methods where a par
     attention           attention of local queries over keys that may be sharded (context parallelism:
                         all-gather K/V around the same local kernel, jaxpar.parallel.context_parallel)
     context_shard       this rank's part of a full-sequence array (context parallelism's zigzag chunks)
-
-The mixture-of-experts issue adds `dispatch` / `combine` (tokens to experts and back, an all-to-all over `expert`).
+    experts             an MoE layer's experts on its routed tokens: dispatch (an all-to-all over `expert` when
+                        the experts are split), grouped matmuls, combine (jaxpar.parallel.expert)
 
 `Parallel()` — no strategy — is the plain single-device computation: each method below is the obvious math, so
 the model with the default context *is* the reference every parallel layout is tested against. A strategy is a
-field: `tensor` (jaxpar.parallel.tensor.TensorParallel) and `context` (jaxpar.parallel.context_parallel); `expert`
-will sit beside them, each implemented in its own file under jaxpar/parallel/, so a new strategy widens neither the
-model nor another strategy.
+field: `tensor` (jaxpar.parallel.tensor.TensorParallel), `context` (jaxpar.parallel.context_parallel) and `expert`
+(jaxpar.parallel.expert.ExpertParallel), each implemented in its own file under jaxpar/parallel/, so a new strategy
+widens neither the model nor another strategy.
 Every weight the methods receive is contracted through `dot` (jaxpar.matmul), the seam weight formats replace.
 A `tape` (jaxpar.parallel.weightgrad) sees every matmul group the model runs: the zero-bubble pipeline schedules use
 it to split a chunk's backward into its input gradients (B) and its weight gradients (W).
@@ -35,6 +35,7 @@ import jax.numpy as jnp
 
 from jaxpar.matmul import PLAIN, Einsum
 from jaxpar.parallel.context_parallel import ContextParallel
+from jaxpar.parallel.expert import ExpertParallel, GroupedFFN, Routing
 from jaxpar.parallel.tensor import TensorParallel, vocab_parallel_cross_entropy
 from jaxpar.parallel.weightgrad import Tape
 
@@ -51,6 +52,7 @@ class Parallel:
     dot: Einsum = PLAIN
     context: ContextParallel | None = None
     tape: Tape | None = dataclasses.field(default=None, compare=False, repr=False)
+    expert: ExpertParallel = ExpertParallel()
 
     def with_tape(self, tape: Tape | None) -> "Parallel":
         """This context with `tape` watching its matmul groups (jaxpar.parallel.weightgrad)."""
@@ -115,6 +117,16 @@ class Parallel:
         if self.context is not None:
             return self.context.attention(kernel, q, k, v, mask)
         return kernel(q, k, v, mask)
+
+    def experts(self, h: Array, routing: Routing, weights: Sequence[Array], ffn: GroupedFFN, capacity: int) -> Array:
+        """An MoE layer's routed experts: Σ_j gate_j · FFN_{expert_j}(h) over each token's kept assignments.
+        h [B, T, D] (compute dtype) → float32 [B, T, D], rounded to the compute dtype once like `row`. weights
+        [X_local, …] each, `ffn` the experts' grouped computation (jaxpar.parallel.expert.GroupedFFN). Under tensor
+        parallelism this is a region like an MLP's: f in, each rank its slice of every expert, g out."""
+        if self.tensor is None:
+            return self.expert.run(h, routing, weights, ffn, capacity).astype(h.dtype).astype(jnp.float32)
+        partial = self.expert.run(self.tensor.enter(h), routing, weights, ffn, capacity)
+        return self.tensor.exit(partial.astype(h.dtype)).astype(jnp.float32)
 
     def context_shard(self, x: Array) -> Array:
         """This rank's part of a full-sequence array [B, S, …] under context parallelism (→ [B, S/c, …]); x itself

@@ -163,12 +163,14 @@ def output_order(stages: int, repeats: int, microbatches: int) -> np.ndarray:
 
 
 def circular(stage_fn: Callable[[object, Array], Array], stage_params, inputs: Array, *, stages: int, repeats: int,
-             microbatches: int, axis: str = "pipe") -> Array:
+             microbatches: int, axis: str = "pipe", stats: bool = False):
     """Run the pipeline on this stage's microbatches. Call inside shard_map with `axis` bound.
 
     stage_fn(params_of_one_pass, x [mb, …]) → [mb, …]: this stage's k layers.
     stage_params: pytree whose leaves lead with [v, …] (this stage's layers, one entry per pass).
     inputs: io [q, mb, …]. Returns io [q, mb, …] holding the finished microbatches `output_order(...)[s]`.
+    stats: stage_fn returns (y, a pytree of sums) — the MoE layers' statistics — and the pipeline returns (io, their
+    total over this stage's real work): bubble iterations, which run the layers on placeholder inputs, are left out.
     """
     p, v, m = stages, repeats, microbatches
     q = m // p
@@ -201,18 +203,22 @@ def circular(stage_fn: Callable[[object, Array], Array], stage_params, inputs: A
         x = jnp.where(s == 0, first, shift)
         r = jnp.clip(u // m, 0, v - 1)
         y = stage_fn(jax.tree.map(lambda a: a[r], stage_params), x)
+        done = None
+        if stats:  # this iteration's sums count only if the stage held a real microbatch: 0 ≤ u < v·m
+            y, done = y
+            done = jax.tree.map(lambda a: jnp.where((u >= 0) & (u < v * m), a, jnp.zeros_like(a)), done)
         io, park = stage_zero_receive(io, park, shift, t)
         sent = jax.lax.ppermute(jnp.stack([io[c], y]), axis, to_next)  # [2, mb, …]: one collective for both
         io, shift = io.at[c].set(sent[0]), sent[1]
-        return (io, shift, park), None
+        return (io, shift, park), done
 
     shift = jnp.zeros_like(inputs[0])
     # zeros_like keeps the inputs' varying-axes type (check_vma: a scan carry must keep its type).
     park = jnp.broadcast_to(shift, (m,) + shift.shape) if use_park else jnp.zeros((), inputs.dtype)
     n = iterations(p, v, m)
-    (io, shift, park), _ = jax.lax.scan(iteration, (inputs, shift, park), jnp.arange(n))
+    (io, shift, park), per_iteration = jax.lax.scan(iteration, (inputs, shift, park), jnp.arange(n))
     io, _ = stage_zero_receive(io, park, shift, n)  # epilogue: the last microbatch arrives after the last iteration
-    return io
+    return (io, jax.tree.map(lambda a: a.sum(0), per_iteration)) if stats else io
 
 
 def draw_schedule(stages: int, repeats: int, microbatches: int, path: str) -> None:

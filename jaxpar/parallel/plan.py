@@ -29,9 +29,10 @@ import jax
 
 from jaxpar.config import ConfigError, ModelConfig, ParallelConfig, resolve_attention
 from jaxpar.mesh import make_mesh
-from jaxpar.parallel.axes import (AXES, BATCH_AXES, CONTEXT, DATA, GRAD_AXES, MESH_AXES, PIPE, RULES, SEQ_AXES, TENSOR,
-                                  MeshAxes)
+from jaxpar.parallel.axes import (AXES, BATCH_AXES, CONTEXT, DATA, EXPERT, GRAD_AXES, MESH_AXES, PIPE, RULES, SEQ_AXES,
+                                  TENSOR, MeshAxes)
 from jaxpar.parallel.context_parallel import ContextParallel
+from jaxpar.parallel.expert import ExpertParallel
 from jaxpar.parallel.pipeline import Pipeline
 from jaxpar.parallel.context import Parallel
 from jaxpar.parallel.tensor import TensorParallel
@@ -51,6 +52,7 @@ class Plan:
     model: the model config as it runs on these devices (attention 'auto' resolved to a kernel).
     tensor: Megatron tensor parallelism under shard_map (None without a mesh, and for GSPMD).
     context: context parallelism (the sequence split over `context`) when context > 1, else None.
+    expert: where MoE experts live (split over `expert` when expert > 1).
     pipeline: the circular pipeline's counts when pipe > 1, else None.
     zero: ZeRO stage: 1 shards optimizer moments over `data`, 3 parameters too.
     explicit: the step runs under shard_map with our collectives; False leaves partitioning to GSPMD.
@@ -66,6 +68,7 @@ class Plan:
     explicit: bool = True
     model: ModelConfig | None = None
     context: ContextParallel | None = None
+    expert: ExpertParallel = ExpertParallel()
 
     @property
     def data(self) -> int:
@@ -120,7 +123,7 @@ class Plan:
     @property
     def parallel(self) -> Parallel:
         """The context the model calls at its parallel boundaries (jaxpar.parallel.context)."""
-        return Parallel(self.tensor, context=self.context)
+        return Parallel(self.tensor, context=self.context, expert=self.expert)
 
     @property
     def batch_spec(self) -> P:
@@ -168,10 +171,12 @@ def make_plan(model: ModelConfig, parallel: ParallelConfig | None = None, device
     _validate(parallel, degrees, explicit)
     t = degrees[TENSOR]
     rules, kv_replicas = RULES, 1
+    if degrees[EXPERT] == 1:  # experts held whole: their gradients reduce like any replicated parameter's
+        rules = tuple((name, None if axis == EXPERT else axis) for name, axis in rules)
     if t == 1:  # nothing is split over tensor: the step's values are typed (and run) as not varying over it
-        rules = tuple((name, None if axis == TENSOR else axis) for name, axis in RULES)
+        rules = tuple((name, None if axis == TENSOR else axis) for name, axis in rules)
     elif model.n_kv_heads % t:  # GQA with K < t: kv heads replicated, rank r uses kv head r // (t/K)
-        rules = tuple((name, None if name == "kv_heads" else axis) for name, axis in RULES)
+        rules = tuple((name, None if name == "kv_heads" else axis) for name, axis in rules)
         kv_replicas = t // model.n_kv_heads
     # At tensor = 1 the model runs the single-device context: a psum over a one-device axis is not free on every
     # backend (XLA:CPU keeps it as an all-reduce, with its rendezvous, in every layer, forward and backward).
@@ -189,8 +194,9 @@ def make_plan(model: ModelConfig, parallel: ParallelConfig | None = None, device
     context = None
     if degrees[CONTEXT] > 1:
         context = ContextParallel(CONTEXT, degrees[CONTEXT], parallel.context_impl, model.sliding_window)
+    expert = ExpertParallel(EXPERT if degrees[EXPERT] > 1 else None, degrees[EXPERT])
     return Plan(mesh, degrees, rules, math.ceil(model.vocab_size / t) * t, tensor, pipeline, parallel.zero, explicit,
-                runs, context)
+                runs, context, expert)
 
 
 def _validate(parallel: ParallelConfig, degrees: dict[str, int], explicit: bool) -> None:
@@ -213,6 +219,9 @@ def _validate(parallel: ParallelConfig, degrees: dict[str, int], explicit: bool)
         if degrees[CONTEXT] > 1:
             raise ConfigError("parallel.context", degrees[CONTEXT], "the GSPMD baseline (explicit=False) does not "
                               "implement context parallelism", "compare against GSPMD at parallel.context=1")
+        if degrees[EXPERT] > 1:
+            raise ConfigError("parallel.expert", degrees[EXPERT], "the GSPMD baseline (explicit=False) does not "
+                              "implement expert parallelism", "compare against GSPMD at parallel.expert=1")
     if parallel.zero and degrees[DATA] == 1:
         # ZeRO splits optimizer state (and at stage 3 parameters) over `data`: with one data rank it splits nothing.
         raise ConfigError("parallel.zero", parallel.zero, "ZeRO shards over the data axis, which has size 1 here "

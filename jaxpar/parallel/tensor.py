@@ -159,6 +159,14 @@ class TensorParallel:
         float32 for the residual stream."""
         return self.exit(dot(equation, x, w).astype(x.dtype)).astype(jnp.float32)
 
+    def enter(self, h: Array) -> Array:
+        """Enter a region whose matmuls the caller runs itself (the MoE experts' grouped matmuls): f on the
+        replicated input. (Sequence parallelism's entry is fused with its matmuls: `column`.)"""
+        if self.sequence:
+            raise NotImplementedError("sequence parallelism enters a region through `column` (jaxpar.config "
+                                      "refuses it for MoE layers)")
+        return copy_to_tensor(h, self.axis)
+
     def exit(self, partial: Array) -> Array:
         """Sum partial results over the tensor group: g, or a reduce-scatter onto sequence shards under SP."""
         if self.sequence:

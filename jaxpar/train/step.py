@@ -8,7 +8,10 @@ model sees local shards, and every collective is one we wrote —
     pipe:    the circular pipeline's ppermutes (jaxpar.parallel.pipeline), an all-gather of the targets, and one psum
              of the gradients of parameters every stage holds (embedding, final norm, head);
     data:    one pmean of the loss and of the gradients after accumulation, over the plan's gradient axes (data,
-             and expert, whose ranks are data-parallel outside MoE layers; size 1 until MoE exists).
+             and expert, whose ranks are data-parallel outside MoE layers);
+    expert:  the MoE layers' all-to-alls (jaxpar.parallel.expert). Experts split over `expert` are not averaged
+             over it: each rank's experts already received the gradients of every rank's tokens through the
+             all-to-all's transpose, so their sum is divided by the expert degree instead.
 
 The optimizer update runs outside the shard_map under plain `jit` on the sharded state: it is elementwise except for
 the global gradient norm, whose reduction the compiler inserts. Without a mesh the same code is the single-device
@@ -26,9 +29,9 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh, PartitionSpec as P
 
-from jaxpar.model import attention_mask, default_positions, run_layers
+from jaxpar.model import attention_mask, default_positions, moe_objective, run_layers
 from jaxpar.parallel import pipeline
-from jaxpar.parallel.axes import DATA, PIPE
+from jaxpar.parallel.axes import DATA, EXPERT, PIPE
 from jaxpar.parallel.pipeline import Pipeline
 from jaxpar.parallel.plan import Plan, batch_sharding
 from jaxpar.parallel.context import SINGLE_DEVICE, Parallel
@@ -42,17 +45,24 @@ _merge_state = getattr(nnx, "merge_state", None) or nnx.State.merge
 
 
 def next_token_loss(graphdef: nnx.GraphDef, params: nnx.State, batch: jax.Array, remat: str = "none",
-                    par: Parallel = SINGLE_DEVICE, pipe: Pipeline | None = None) -> jax.Array:
+                    par: Parallel = SINGLE_DEVICE, pipe: Pipeline | None = None, objective: bool = False):
     """Mean cross-entropy (float32, nats/token) of predicting batch[:, 1:] from batch[:, :-1]. batch int [B, T+1].
 
     With `pipe`, these are this stage's rows and the layers run through the circular pipeline. Under context
-    parallelism each rank scores its part of every row's tokens (`sequence_share`)."""
+    parallelism each rank scores its part of every row's tokens (`sequence_share`).
+
+    objective: return (what training minimises — the loss plus the MoE layers' weighted load-balancing and z-losses,
+    jaxpar.model.moe_objective — , (the loss, the MoE statistics summed over these rows)) instead."""
     model = nnx.merge(graphdef, params)
     if pipe is not None:
-        return pipeline_loss(model, batch, pipe, remat, par)
-    tokens, targets, positions = sequence_share(batch, par)
-    logits = model(tokens, positions=positions, remat=remat, par=par)  # [B, T(/c), V_local] float32
-    return par.cross_entropy(logits, targets).mean()
+        loss, stats = pipeline_loss(model, batch, pipe, remat, par)
+    else:
+        tokens, targets, positions = sequence_share(batch, par)
+        logits, stats = model(tokens, positions=positions, remat=remat, par=par, stats=True)  # [B, T(/c), V_local]
+        loss = par.cross_entropy(logits, targets).mean()
+    if not objective:
+        return loss
+    return loss + moe_objective(stats, model.cfg, batch.shape[0]), (loss, stats)
 
 
 def sequence_share(batch: jax.Array, par: Parallel) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -64,9 +74,11 @@ def sequence_share(batch: jax.Array, par: Parallel) -> tuple[jax.Array, jax.Arra
     return par.context_shard(tokens), par.context_shard(targets), par.context_shard(positions)
 
 
-def pipeline_loss(model, batch: jax.Array, pipe: Pipeline, remat: str, par: Parallel) -> jax.Array:
+def pipeline_loss(model, batch: jax.Array, pipe: Pipeline, remat: str, par: Parallel) -> tuple[jax.Array, dict]:
     """Embed this stage's rows, run the layers through the circular pipeline, then head and loss on the microbatches
-    the stage holds at the end (paired with their targets, which are all-gathered over `pipe`)."""
+    the stage holds at the end (paired with their targets, which are all-gathered over `pipe`). → (loss, the MoE
+    statistics of this stage's layers over all m microbatches — m·mb = p·R rows, p times the stage's own R: the
+    caller's objective divides by R, and the pipeline step's 1/p scale makes it p·R)."""
     p, v, m = pipe.stages, pipe.repeats, pipe.microbatches
     q = m // p
     tokens, targets, row_positions = sequence_share(batch, par)  # [R, T(/c)], R = q·mb rows of this stage
@@ -77,12 +89,13 @@ def pipeline_loss(model, batch: jax.Array, pipe: Pipeline, remat: str, par: Para
     io = x.reshape(q, mb, *x.shape[1:])
     per_pass = jax.tree.map(lambda a: a.reshape(v, a.shape[0] // v, *a.shape[1:]), model.blocks.stacked())
     mask = attention_mask(T, None)
-    stage = lambda layers, h: run_layers(layers, h, positions, mask, model.cfg, remat=remat, par=par)  # noqa: E731
-    out = pipeline.circular(stage, per_pass, io, stages=p, repeats=v, microbatches=m)
+    stage = lambda layers, h: run_layers(layers, h, positions, mask, model.cfg, remat=remat, par=par,  # noqa: E731
+                                         stats=True)
+    out, stats = pipeline.circular(stage, per_pass, io, stages=p, repeats=v, microbatches=m, stats=True)
     logits = model.logits(out.reshape(R, *out.shape[2:]), par)  # [R, T, V_local]
     held = jnp.asarray(pipeline.output_order(p, v, m))[jax.lax.axis_index(PIPE)]  # [q] starting slots s·q + c
     all_targets = jax.lax.all_gather(targets.reshape(q, mb, T), PIPE)  # [p, q, mb, T]
-    return par.cross_entropy(logits, all_targets[held // q, held % q].reshape(R, T)).mean()
+    return par.cross_entropy(logits, all_targets[held // q, held % q].reshape(R, T)).mean(), stats
 
 
 def scheduled_loss_and_grads(graphdef: nnx.GraphDef, params: nnx.State, batch: jax.Array, pipe: Pipeline,
@@ -124,7 +137,8 @@ def scheduled_loss_and_grads(graphdef: nnx.GraphDef, params: nnx.State, batch: j
 
 def loss_and_grads(graphdef: nnx.GraphDef, *, grad_accum: int = 1, remat: str = "none",
                    par: Parallel = SINGLE_DEVICE, grad_axes: tuple[str, ...] = (), pipe: Pipeline | None = None,
-                   pipe_replicated=None, zero_dims=None) -> Callable[[nnx.State, jax.Array], tuple[jax.Array, nnx.State]]:
+                   pipe_replicated=None, zero_dims=None, expert_split=None
+                   ) -> Callable[[nnx.State, jax.Array], tuple[jax.Array, nnx.State]]:
     """(params, batch int [B, T+1]) → (mean loss, gradients), on whatever rows it is given.
 
     Gradient accumulation splits the rows into `grad_accum` equal chunks run one after another (a scan), so peak
@@ -147,9 +161,23 @@ def loss_and_grads(graphdef: nnx.GraphDef, *, grad_accum: int = 1, remat: str = 
     all-gathered once before the step's first chunk, and their gradients reduce-scattered over `data` (instead of
     all-reduced) after the last, then averaged over the other gradient axes — the whole model is gathered for the
     step, not layer by layer.
+
+    expert_split: per parameter, whether it is split over `expert` (the experts of MoE layers): its gradient holds
+    every expert rank's tokens' contributions already (the all-to-all's transpose brought them), so it is divided
+    by the expert degree and averaged over the other gradient axes only.
     """
     scale = 1.0 / pipe.stages if pipe is not None else 1.0
-    grad_fn = jax.value_and_grad(lambda p, b: scale * next_token_loss(graphdef, p, b, remat, par, pipe))
+
+    def objective(p, b):  # (what is differentiated: the loss plus the MoE terms, (the loss reported))
+        value, (loss, _) = next_token_loss(graphdef, p, b, remat, par, pipe, objective=True)
+        return scale * value, scale * loss
+
+    differentiate = jax.value_and_grad(objective, has_aux=True)
+
+    def grad_fn(p, b):
+        (_, loss), grads = differentiate(p, b)
+        return loss, grads
+
     if pipe is not None and pipe.schedule != "circular":
         grad_fn = lambda p, b: scheduled_loss_and_grads(graphdef, p, b, pipe, remat, par)  # noqa: E731
 
@@ -186,19 +214,25 @@ def loss_and_grads(graphdef: nnx.GraphDef, *, grad_accum: int = 1, remat: str = 
         if grad_axes:
             loss = jax.lax.pmean(loss, grad_axes)
             dims = zero_dims if zero_dims is not None else jax.tree.map(lambda _: -1, grads)
-            grads = jax.tree.map(lambda g, d: jax.lax.pmean(g, grad_axes) if d < 0 else _zero_mean(g, d, grad_axes),
-                                 grads, dims)
+            split = expert_split if expert_split is not None else jax.tree.map(lambda _: False, grads)
+            grads = jax.tree.map(lambda g, d, e: _mean(g, d, grad_axes, e), grads, dims, split)
         return loss, grads
 
     return run
 
 
-def _zero_mean(g: jax.Array, dim: int, grad_axes: tuple[str, ...]) -> jax.Array:
-    """ZeRO: the mean over `grad_axes` of a gradient stored split over `data` along `dim`: reduce-scatter over
-    data (each rank keeps the 1/data slice it stores), then the mean over the other gradient axes, if any."""
-    g = jax.lax.psum_scatter(g, DATA, scatter_dimension=dim, tiled=True) / jax.lax.axis_size(DATA)
-    rest = tuple(a for a in grad_axes if a != DATA)
-    return jax.lax.pmean(g, rest) if rest else g
+def _mean(g: jax.Array, dim: int, grad_axes: tuple[str, ...], expert_split: bool) -> jax.Array:
+    """The mean over `grad_axes` of one gradient. dim ≥ 0 (ZeRO): it is stored split over `data` along `dim`, so
+    reduce-scatter over data (each rank keeps the 1/data slice it stores), then the mean over the other gradient
+    axes. expert_split: the parameter is split over `expert` and its gradient already sums every expert rank's
+    rows, so divide by the expert degree instead of averaging over `expert`."""
+    if expert_split:
+        g = g / jax.lax.axis_size(EXPERT)
+        grad_axes = tuple(a for a in grad_axes if a != EXPERT)
+    if dim >= 0:
+        g = jax.lax.psum_scatter(g, DATA, scatter_dimension=dim, tiled=True) / jax.lax.axis_size(DATA)
+        grad_axes = tuple(a for a in grad_axes if a != DATA)
+    return jax.lax.pmean(g, grad_axes) if grad_axes else g
 
 
 def gather_zero(params: nnx.State, zero_dims) -> nnx.State:
@@ -223,8 +257,10 @@ def sharded_loss_and_grads(graphdef: nnx.GraphDef, plan: Plan, *, grad_accum: in
             raise ValueError("a pipeline needs the explicit shard_map step (an explicit plan)")
         return loss_and_grads(graphdef, grad_accum=grad_accum, remat=remat)
     replicated = jax.tree.map(lambda spec: PIPE not in _mesh_axes(spec), param_specs)
+    expert_split = jax.tree.map(lambda spec: EXPERT in _mesh_axes(spec), param_specs)
     local = loss_and_grads(graphdef, grad_accum=grad_accum, remat=remat, par=plan.parallel, grad_axes=plan.grad_axes,
-                           pipe=plan.pipeline, pipe_replicated=replicated, zero_dims=_zero_dims(param_specs))
+                           pipe=plan.pipeline, pipe_replicated=replicated, zero_dims=_zero_dims(param_specs),
+                           expert_split=expert_split)
     return jax.shard_map(local, mesh=plan.mesh, in_specs=(param_specs, plan.batch_spec), out_specs=(P(), param_specs),
                          check_vma=True)
 

@@ -1,0 +1,196 @@
+"""Mixture of experts: routing, and tokens to their experts and back — locally, or by all-to-all over `expert`.
+
+Notation: B rows (sequences), T tokens a row, N = B·T tokens, D d_model, X experts, k top_k, A = N·k assignments
+(token, choice), ep the expert degree, Xl = X/ep experts a rank holds, C the per-row capacity of an expert.
+
+Routing (`route`, GShard/Switch with Mixtral's and Qwen2-MoE's top-k):
+
+    p = softmax(h·W_r)  [B, T, X] (float32)      top-k experts e_j and their probabilities p_j, j < k
+    gates g_j = p_j / Σ_j p_j  (norm_topk_prob)   or  p_j
+    out(t) = Σ_j g_j · FFN_{e_j}(h_t)             (a dropped assignment contributes nothing)
+
+A *row* is the routing group. Capacity, the load-balancing loss and the z-loss are per sequence, so they do not
+depend on how rows are split over data, pipe, expert, microbatches or gradient accumulation — every layout computes
+the same numbers as one device. (GShard's groups, with one sequence per group.)
+
+- Capacity (`moe.capacity_factor` cf > 0): expert e takes at most C = ceil(cf·T·k/X) assignments of a row, first
+  choices before second ones and, within a choice, earlier tokens first (GShard's priority). Dropped assignments
+  per row = Σ_e max(0, load_e − C). cf = 0 is dropless: every assignment is computed.
+- Load balancing (Switch): L_aux = X · Σ_e f_e · P_e per row, f_e = load_e / (T·k) the share of the row's
+  assignments expert e receives, P_e the mean router probability of e. Balanced routing gives 1 (Hugging Face's
+  `load_balancing_loss_func` reports k times this: its f counts tokens, not assignments).
+- z-loss (ST-MoE): mean over the row's tokens of logsumexp(router logits)².
+Both enter the objective as coef × their mean over rows and MoE layers (jaxpar.model.moe_objective): each layer
+returns its sums beside the activations, the layer scan and the circular pipeline (bubble ticks masked out) add
+them up, and the step adds the weighted total to the loss it differentiates. The loss it reports is the LM loss.
+
+Dispatch. Assignments are sorted by expert (stable: the priority order within an expert), dropped ones last; the
+rows of a local expert are then contiguous, and the experts run as grouped matmuls over the sorted rows
+(`jax.lax.ragged_dot`: no padding to capacity — rows past the groups' total come out zero).
+
+    ep = 1:   sort → grouped SwiGLU → unsort → Σ_j g_j·y_j
+
+    ep > 1:   sort by expert (so by owning rank d = e // Xl) → send[d] = the rows for rank d, padded to S rows
+              → all_to_all over `expert` → recv[s] = the rows rank s sends me, sorted by my local experts
+              → sort the ep·S received rows by local expert → grouped SwiGLU → unsort
+              → all_to_all back → each assignment's result in its sorted slot → unsort → Σ_j g_j·y_j
+
+Static shapes need a chunk size S for every (source, destination) pair: with capacity, S = B·Xl·C (every row's
+quota for my experts); dropless, the worst case S = N·min(k, Xl) (every token sending all its k choices to one
+rank). Only S·D floats per pair cross the wire, plus the per-(rank, local expert) counts [ep, Xl] (int32) from
+which the receiver knows which rows are whose. XLA:CPU has no `ragged_all_to_all` ("not supported by XLA:CPU
+ThunkEmitter", jax 0.12); GPU and TPU have it, and would move only the rows actually routed — this file uses the
+dense all-to-all on every backend, so the bytes on the wire are the chunk sizes above on all of them:
+
+    per MoE layer, forward: 2 · (ep − 1) · S · D · β  (dispatch + combine; the backward moves the same again)
+
+which with cf = 1 and balanced T·k/X is the DESIGN formula 2·(ep−1)/ep·N·k·D·β.
+
+Tensor parallelism inside each expert: experts split their hidden dim over `tensor` like a dense MLP. The routing
+runs outside the tensor region (every tensor rank routes the same tokens the same way), the gathered rows enter it
+with f, each rank computes its F/t slice of every expert, and the combined partial sums leave through g — one
+all-reduce of [B, T, D] per MoE layer, as for a dense MLP.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+
+Array = jax.Array
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Routing: which experts each token goes to, with what weight, and which assignments fit.
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class Routing:
+    """One MoE layer's routing of rows [B, T].
+
+    experts [B, T, k] int32   the chosen experts, best first
+    gates   [B, T, k] float32 their weights in the output
+    keep    [B, T, k] bool    the assignment is computed (always, dropless)
+    load    [B, X]    int32   assignments each expert received per row, before dropping
+    aux     float32 scalar    Σ over rows of the load-balancing loss X·Σ_e f_e·P_e
+    z       float32 scalar    Σ over rows of the z-loss (mean over tokens of logsumexp²)
+    """
+
+    experts: Array
+    gates: Array
+    keep: Array
+    load: Array
+    aux: Array
+    z: Array
+
+    @property
+    def dropped(self) -> Array:
+        """Dropped assignments, summed over rows: Σ_rows Σ_e max(0, load_e − C)."""
+        return (~self.keep).sum()
+
+
+def capacity(seq_len: int, top_k: int, n_experts: int, capacity_factor: float) -> int:
+    """C = ceil(cf·T·k/X): the most assignments of one row an expert takes (0: dropless, no limit)."""
+    return math.ceil(capacity_factor * seq_len * top_k / n_experts) if capacity_factor > 0 else 0
+
+
+def route(logits: Array, top_k: int, norm_topk_prob: bool, capacity_factor: float) -> Routing:
+    """Routing from router logits [B, T, X] (float32): softmax over all experts, top-k, capacity, loss terms."""
+    B, T, X = logits.shape
+    probs = jax.nn.softmax(logits, axis=-1)  # [B, T, X]
+    top_p, experts = jax.lax.top_k(probs, top_k)  # [B, T, k]
+    gates = top_p / top_p.sum(-1, keepdims=True) if norm_topk_prob else top_p
+    chosen = jax.nn.one_hot(experts, X, dtype=jnp.int32)  # [B, T, k, X]
+    load = chosen.sum((1, 2))  # [B, X]
+    C = capacity(T, top_k, X, capacity_factor)
+    if C:
+        # The place of assignment (t, j) in its expert's queue: the assignments before it in the order (j, t).
+        order = chosen.swapaxes(1, 2).reshape(B, top_k * T, X)  # [B, k·T, X]: first choices, then second, …
+        before = jnp.cumsum(order, axis=1) - order
+        place = (before * order).sum(-1).reshape(B, top_k, T).swapaxes(1, 2)  # [B, T, k]
+        keep = place < C
+    else:
+        keep = jnp.ones(experts.shape, bool)
+    f = load / (T * top_k)  # [B, X]: the share of the row's assignments
+    P = probs.mean(1)  # [B, X]
+    aux = X * (jax.lax.stop_gradient(f) * P).sum()  # f is counts: no gradient (Switch)
+    z = (jax.nn.logsumexp(logits, axis=-1) ** 2).mean(1).sum()
+    return Routing(experts.astype(jnp.int32), gates, keep, load, aux, z)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Dispatch and combine.
+
+# The experts' computation on sorted rows: (rows [M, D], group_sizes [Xl] int32, this rank's expert weights) →
+# [M, D] float32 (rows past Σ group_sizes → 0).
+GroupedFFN = Callable[[Array, Array, Sequence[Array]], Array]
+
+
+def _sort(keys: Array) -> tuple[Array, Array]:
+    """(order, inverse): a stable sort of `keys` [M] and the permutation that undoes it."""
+    order = jnp.argsort(keys, stable=True)
+    return order, jnp.argsort(order)
+
+
+def _group_sizes(keys: Array, groups: int) -> Array:
+    """How many of `keys` [M] fall in each of groups 0 … groups−1 (keys ≥ groups are not counted)."""
+    return jnp.zeros((groups,), jnp.int32).at[keys].add(1, mode="drop")
+
+
+@dataclasses.dataclass(frozen=True)
+class ExpertParallel:
+    """The experts' side of the parallel context.
+
+    axis / degree: the mesh axis the experts are split over and its size (None / 1: every rank holds every expert).
+    """
+
+    axis: str | None = None
+    degree: int = 1
+
+    def run(self, h: Array, routing: Routing, weights: Sequence[Array], ffn: GroupedFFN, capacity: int) -> Array:
+        """Σ_j g_j · FFN_{e_j}(h) for kept assignments. h [B, T, D] (compute dtype) → [B, T, D] float32 (partial
+        sums over `tensor` when the experts' hidden dim is split; the caller closes the region)."""
+        B, T, D = h.shape
+        k = routing.experts.shape[-1]
+        Xl = weights[0].shape[0]  # local experts
+        X = Xl * self.degree
+        # Assignments in (token, choice) order; dropped ones sort last (key X).
+        keys = jnp.where(routing.keep, routing.experts, X).reshape(-1)  # [A]
+        order, inverse = _sort(keys)
+        rows = h.reshape(B * T, D)[order // k]  # [A, D]: token a // k of each sorted assignment
+        if self.degree == 1:
+            y = ffn(rows, _group_sizes(keys, X), weights)
+        else:
+            S = min(B * Xl * capacity, B * T * min(k, Xl)) if capacity else B * T * min(k, Xl)
+            y = self._exchange(rows, keys[order], Xl, S, weights, ffn)
+        y = y[inverse].reshape(B, T, k, D)  # back to (token, choice) order
+        gates = jnp.where(routing.keep, routing.gates, 0.0)
+        return jnp.einsum("btkd,btk->btd", y.astype(jnp.float32), gates)
+
+    def _exchange(self, rows: Array, keys: Array, Xl: int, S: int, weights: Sequence[Array], ffn: GroupedFFN) -> Array:
+        """Rows sorted by expert (`keys` [A], X = dropped) → their experts' outputs, in the same order, the experts
+        being spread over the ranks of `self.axis` (Xl each). Chunks of S rows per (source, destination) pair."""
+        ep, axis = self.degree, self.axis
+        A, D = rows.shape
+        X = Xl * ep
+        counts = _group_sizes(keys, X).reshape(ep, Xl)  # [ep, Xl]: my rows for each rank's each local expert
+        per_rank = counts.sum(1)  # [ep]
+        start = jnp.cumsum(per_rank) - per_rank  # where rank d's rows begin in the sorted order
+        slot = jnp.arange(S)
+        valid = slot[None, :] < per_rank[:, None]  # [ep, S]
+        src = jnp.where(valid, start[:, None] + slot[None, :], A)  # [ep, S]: sorted row of each send slot (A: none)
+        send = jnp.where(valid[..., None], rows[jnp.minimum(src, A - 1)], 0).astype(rows.dtype)  # [ep, S, D]
+        recv = jax.lax.all_to_all(send, axis, 0, 0, tiled=True)  # [ep, S, D]: recv[s] came from rank s
+        got = jax.lax.all_to_all(counts, axis, 0, 0, tiled=True)  # [ep, Xl]: rank s's rows for my experts
+        # Row i of recv[s] belongs to my local expert #{x : cumsum(got[s])[x] ≤ i} (Xl: padding).
+        local = (slot[None, :, None] >= jnp.cumsum(got, 1)[:, None, :]).sum(-1).reshape(-1)  # [ep·S]
+        order, inverse = _sort(local)
+        y = ffn(recv.reshape(ep * S, D)[order], _group_sizes(local, Xl), weights)[inverse]  # [ep·S, D]
+        back = jax.lax.all_to_all(y.reshape(ep, S, D), axis, 0, 0, tiled=True)  # [ep, S, D]: back[d] from rank d
+        # Each sent slot's result to its sorted row; rows that were dropped (or never sent) stay zero.
+        return jnp.zeros((A, D), back.dtype).at[src.reshape(-1)].set(back.reshape(ep * S, D), mode="drop")
