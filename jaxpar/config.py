@@ -118,7 +118,8 @@ class ModelConfig:
     # The `moe` section is part of the model's shape, so it rides inside ModelConfig (everything that builds a model
     # from a ModelConfig — the plan, checkpoints, Hugging Face import — gets it for free); on the command line, in
     # config files and in config.json it is its own section `moe.*` (config_from_dict / Config.to_dict move it).
-    moe: MoEConfig = dataclasses.field(default_factory=MoEConfig, metadata={"section": "moe"})
+    moe: MoEConfig = dataclasses.field(default_factory=MoEConfig, metadata={
+        "section": "moe", "help": "the mixture-of-experts section (`moe.*`, below)"})
 
     def __post_init__(self):
         if isinstance(self.moe, dict):  # config.json written before `moe` moved out, or a dict from a caller
@@ -209,12 +210,6 @@ class ParallelConfig:
             _check_positive("parallel.data", self.data, fix="use a positive degree, or -1 to fill the remaining devices")
         for name in [a for a in axes.AXES if a != axes.DATA] + ["repeats", "microbatches"]:
             _check_positive(f"parallel.{name}", getattr(self, name))
-        # Axes whose strategy does not exist yet are in the mesh at size 1 (free), so layouts, checkpoints and
-        # analyses already speak them; a degree above 1 would only replicate the work. Refuse it.
-        for axis in axes.MESH_AXES:
-            if axis.missing and getattr(self, axis.name) != 1:
-                raise ConfigError(axis.field, getattr(self, axis.name), f"nothing splits over '{axis.name}' yet: "
-                                  f"{axis.missing}", f"set {axis.field}=1")
         if self.sequence_parallel and self.tensor == 1:
             # SP swaps the tensor-parallel boundaries for all-gather/reduce-scatter over `tensor`: with one rank
             # there is nothing to shard, and the flag would silently do nothing.

@@ -54,13 +54,13 @@ def test_degree_resolution_and_its_errors():
         axes.resolve_degrees(ParallelConfig(pipe=3, microbatches=3), 8)
 
 
-@pytest.mark.parametrize("name", ["expert"])
-def test_axes_without_a_strategy_refuse_a_degree_above_one(name):
-    with pytest.raises(ConfigError, match=rf"^parallel.{name} = 2: nothing splits over '{name}' yet.*"
-                                          rf"Fix: set parallel.{name}=1"):
-        ParallelConfig(**{name: 2})
-    with pytest.raises(ConfigError, match=rf"^parallel.{name} = 0"):
-        ParallelConfig(**{name: 0})
+def test_expert_axis_needs_moe_layers():
+    """Every axis now has a strategy; `expert` needs experts to split (jaxpar.config), and a degree must be ≥ 1."""
+    with pytest.raises(ConfigError, match=r"^parallel.expert = 2: nothing splits over 'expert': the model has no "
+                                          r"MoE layers.*Fix: set parallel.expert=1, or moe.n_experts > 0"):
+        load_config(None, ["parallel.expert=2"])
+    with pytest.raises(ConfigError, match=r"^parallel.expert = 0"):
+        ParallelConfig(expert=0)
 
 
 def test_mesh_has_the_five_axes_in_order():

@@ -38,14 +38,11 @@ from jaxpar.errors import ConfigError, divisors
 
 @dataclasses.dataclass(frozen=True)
 class MeshAxis:
-    """One mesh axis: its name (also its config field `parallel.<name>`), the logical axes it splits, and why.
-    `missing`: set while nothing splits over the axis yet (the axis exists at size 1; a degree above 1 is refused
-    with this reason)."""
+    """One mesh axis: its name (also its config field `parallel.<name>`), the logical axes it splits, and why."""
 
     name: str
     splits: tuple[str, ...]
     why: str
-    missing: str = ""
 
     @property
     def field(self) -> str:
