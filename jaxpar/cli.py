@@ -87,7 +87,7 @@ def _train(args, overrides: list[str]) -> int:
         print(f"done: nothing to do, the workdir is already at step {int(result.state.step)} (train.steps = "
               f"{result.config.train.steps}); raise train.steps to train further")
         return 0
-    print(f"done: { {k: round(v, 4) for k, v in result.history[-1].items()} }")
+    print(f"done: { {k: round(v, 4) for k, v in result.history[-1].items() if not isinstance(v, list)} }")
     return 0
 
 

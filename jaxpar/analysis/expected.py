@@ -42,7 +42,7 @@ from flax import nnx
 from jaxpar import flops
 from jaxpar.config import Config
 from jaxpar.model import abstract_model
-from jaxpar.parallel import pipeline
+from jaxpar.parallel import expert, pipeline
 from jaxpar.parallel.axes import GRAD_AXES, MESH_AXES, TENSOR
 
 
@@ -181,6 +181,35 @@ def context_bytes(config: Config) -> float:
     else:
         per_exec = 4 * (c - 1) * block * d["beta"]
     return d["layer_execs"] * per_exec
+
+
+def expert_chunk_rows(config: Config, rows: int) -> int:
+    """S: the rows one expert rank sends another per MoE layer application over `rows` sequences
+    (jaxpar.parallel.expert): with capacity C, rows·(X/ep)·C; dropless, the worst case rows·s·min(k, X/ep)."""
+    moe, ep, s = config.moe, config.parallel.expert, config.train.seq_len
+    Xl, k = moe.n_experts // ep, moe.top_k
+    C = expert.capacity(s, k, moe.n_experts, moe.capacity_factor)
+    dropless = rows * s * min(k, Xl)
+    return min(rows * Xl * C, dropless) if C else dropless
+
+
+def expert_bytes(config: Config) -> dict[str, float]:
+    """Expert-axis traffic per device per step. Each MoE layer application (over rows_exec sequences) sends, per
+    direction of the all-to-all, (ep−1) chunks of S rows (`expert_chunk_rows`) of h floats: dispatch and combine
+    forward, their transposes backward — 4·(ep−1)·S·h·β — plus the per-(rank, local expert) counts forward,
+    (ep−1)·(X/ep)·4 bytes (int32, no backward). With cf = 1 and T·k/X whole this is 2·(ep−1)/ep·N·k·h·β each
+    way, N = rows_exec·s tokens (DESIGN.md's formula). `balanced`: that formula's value."""
+    d = _dims(config, config.model.vocab_size)
+    moe, ep = config.moe, config.parallel.expert
+    if ep == 1 or not moe.enabled:
+        return {"rows": 0.0, "counts": 0.0, "total": 0.0, "balanced": 0.0}
+    rows_exec = d["tokens_per_exec"] // d["s"]
+    S = expert_chunk_rows(config, rows_exec)
+    execs = d["layer_execs"]
+    rows_bytes = execs * 4 * (ep - 1) * S * d["h"] * d["beta"]
+    counts = execs * (ep - 1) * (moe.n_experts // ep) * 4
+    balanced = execs * 4 * (ep - 1) / ep * d["tokens_per_exec"] * moe.top_k * d["h"] * d["beta"]
+    return {"rows": rows_bytes, "counts": counts, "total": rows_bytes + counts, "balanced": balanced}
 
 
 def activation_bytes_per_layer(config: Config) -> dict[str, float]:

@@ -27,8 +27,8 @@ from jaxpar.analysis import expected
 from jaxpar.analysis.hlo import (branch_flops, collective_summary, collectives, cost, dot_flops,
                                  loop_carried_permutes, memory)
 from jaxpar.config import Config
-from jaxpar.parallel import context_parallel as cp, pipeline, schedule
-from jaxpar.parallel.axes import CONTEXT, PIPE, TENSOR
+from jaxpar.parallel import context_parallel as cp, expert, pipeline, schedule
+from jaxpar.parallel.axes import CONTEXT, EXPERT, PIPE, TENSOR
 from jaxpar.parallel.plan import batch_sharding
 from jaxpar.train.loop import build_trainer
 
@@ -108,6 +108,10 @@ def analyze(config: Config, devices: list | None = None, *, activations: bool = 
         report["context"] = context_section(config, cols)
         report["ratio"]["context_sent_bytes"] = expected.ratio(report["context"]["sent_bytes"],
                                                                report["context"]["expected_sent_bytes"])
+    if config.moe.enabled:
+        report["expert"] = expert_section(config, cols)
+        report["ratio"]["expert_sent_bytes"] = expected.ratio(report["expert"]["sent_bytes"],
+                                                              report["expert"]["expected_sent_bytes"])
     if config.parallel.pipe > 1 and config.parallel.schedule != "circular":
         report["schedule"] = schedule_section(config, trainer.plan.pipeline.program, compiled, cols)
     elif config.parallel.pipe > 1:
@@ -156,6 +160,23 @@ def context_section(config: Config, cols) -> dict:
             "by_kind": collective_summary(on_context),
             "pairs_per_rank": [int(x) for x in zig], "pairs_max_over_min": float(zig.max() / zig.min()),
             "contiguous_pairs_max_over_min": float(flat.max() / flat.min())}
+
+
+def expert_section(config: Config, cols) -> dict:
+    """Mixture of experts: the all-to-alls on `expert` (sent bytes against `expected.expert_bytes`: dispatch and
+    combine, forward and backward, and the counts), the chunk each rank sends each other per layer, and the tokens
+    a layer routes per expert when balanced."""
+    p, moe = config.parallel, config.moe
+    on_expert = [c for c in cols if c.axes == (EXPERT,) and c.kind == "all-to-all"]
+    want = expected.expert_bytes(config)
+    rows = expected.rows_per_data_shard(config) // (p.microbatches if p.pipe > 1 else 1) // config.train.grad_accum
+    return {"degree": p.expert, "experts": moe.n_experts, "top_k": moe.top_k,
+            "capacity": expert.capacity(config.train.seq_len, moe.top_k, moe.n_experts, moe.capacity_factor),
+            "chunk_rows": expected.expert_chunk_rows(config, rows) if p.expert > 1 else 0,
+            "balanced_tokens_per_expert": rows * config.train.seq_len * moe.top_k / moe.n_experts,
+            "sent_bytes": sum(c.sent_bytes * c.count for c in on_expert),
+            "expected_sent_bytes": want["total"], "balanced_formula_bytes": want["balanced"],
+            "by_kind": collective_summary([c for c in cols if c.axes == (EXPERT,)])}
 
 
 def lockstep_bubble(work) -> float:
@@ -274,6 +295,12 @@ def format_table(report: dict) -> str:
                     f"on every tick: {sc['flops']['all_branches_every_tick'] / 1e9:.3f}); permute MB "
                     f"{sc['permute_bytes'] / 1e6:.3f} (expected {sc['expected_permute_bytes'] / 1e6:.3f}); bubble by "
                     f"executed FLOPs {sc['bubble_layers']:.3f} (layers), {sc['bubble_executed']:.3f} (with the head)")
+    if "expert" in report:
+        ex = report["expert"]
+        rows.append(f"expert ep={ex['degree']} X={ex['experts']} k={ex['top_k']} C={ex['capacity'] or 'dropless'}: "
+                    f"all-to-all MB sent/dev {ex['sent_bytes'] / 1e6:.3f} (expected {ex['expected_sent_bytes'] / 1e6:.3f}"
+                    f", balanced formula {ex['balanced_formula_bytes'] / 1e6:.3f}); chunk {ex['chunk_rows']} rows, "
+                    f"{ex['balanced_tokens_per_expert']:.1f} tokens/expert/layer when balanced")
     if "context" in report:
         cx = report["context"]
         rows.append(f"context {cx['impl']} c={cx['degree']}: K/V MB sent/dev {cx['sent_bytes'] / 1e6:.3f} (expected "

@@ -73,9 +73,11 @@ def build_trainer(config: Config, devices: list | Mesh | None, *, explicit: bool
     tx = make_optimizer(config.train)
     graphdef, state, shardings = create_state(plan.model, tx, config.train.seed, plan, abstract=abstract)
     specs = param_specs(state.params, plan.rules, plan.param_zero_data) if plan.mesh is not None else None
-    grads_of = sharded_loss_and_grads(graphdef, plan, grad_accum=config.train.grad_accum, remat=parallel.remat,
-                                      param_specs=specs)
-    train_step, eval_step = compile_steps(make_train_step(grads_of, tx, lr_schedule(config.train)),
+    grads_of, step_grads = (sharded_loss_and_grads(graphdef, plan, grad_accum=config.train.grad_accum,
+                                                   remat=parallel.remat, param_specs=specs, stats=stats)
+                            for stats in (False, model.moe.enabled))  # the step also reports MoE statistics
+    moe_layers = model.n_layers if model.moe.enabled else 0
+    train_step, eval_step = compile_steps(make_train_step(step_grads, tx, lr_schedule(config.train), moe_layers),
                                           make_eval_step(graphdef, plan, param_specs=specs), plan.mesh, shardings)
     return Trainer(graphdef, state, shardings, train_step, eval_step, plan, grads_of)
 
@@ -236,7 +238,7 @@ def _run(config: Config, workdir: pathlib.Path, devices: list, progress: bool, t
             last_time = time.perf_counter()  # keep evaluation out of the next interval's step time
         if record is not None:
             writer.write(step, record)
-            history.append({"step": step, **{k: float(v) for k, v in record.items()}})
+            history.append({"step": step, **{k: np.asarray(v).tolist() for k, v in record.items()}})
 
     # The loop is asynchronous: step t + 1 is dispatched before step t is accounted for, so the host's reads of
     # step t's results overlap step t + 1's device work and the devices never wait for Python. The loader has

@@ -9,6 +9,7 @@ import os
 import pathlib
 
 import jax
+import numpy as np
 
 from jaxpar.errors import OutputError
 from tqdm import tqdm  # plain text bar: works in terminals, logs and notebooks (no ipywidgets)
@@ -35,6 +36,12 @@ def _supersede(path: pathlib.Path, initial_step: int) -> None:
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text("".join(keep))
     os.replace(tmp, path)
+
+
+def _value(v) -> float | list[float]:
+    """A metric as JSON: a float, or a list of floats for an array of several values."""
+    a = np.asarray(v)
+    return [float(x) for x in a.ravel()] if a.size > 1 else float(a)
 
 
 class MetricsWriter:
@@ -68,14 +75,17 @@ class MetricsWriter:
         """Log one step's scalar metrics everywhere."""
         if not self.active:
             return
-        record = {"step": step, **{k: float(v) for k, v in metrics.items()}}
+        # Scalars, and per-expert lists (moe_load: one count per expert) written as JSON lists.
+        record = {"step": step, **{k: _value(v) for k, v in metrics.items()}}
         self._jsonl.write(json.dumps(record) + "\n")
         self._jsonl.flush()
-        for k, v in metrics.items():
-            self._tb.add_scalar(k, float(v), step)
+        for k, v in record.items():
+            if k != "step" and not isinstance(v, list):
+                self._tb.add_scalar(k, v, step)
         if self._bar is not None:
             shown = {k: f"{record[k]:.4g}" for k in ("loss", "eval_loss", "tokens_per_sec", "step_time_s",
-                                                      "tflops_per_device", "mfu") if k in record}
+                                                      "tflops_per_device", "mfu", "moe_imbalance", "moe_dropped")
+                     if k in record}
             self._bar.set_postfix(shown, refresh=False)
 
     def advance(self, n: int = 1) -> None:

@@ -137,9 +137,10 @@ def scheduled_loss_and_grads(graphdef: nnx.GraphDef, params: nnx.State, batch: j
 
 def loss_and_grads(graphdef: nnx.GraphDef, *, grad_accum: int = 1, remat: str = "none",
                    par: Parallel = SINGLE_DEVICE, grad_axes: tuple[str, ...] = (), pipe: Pipeline | None = None,
-                   pipe_replicated=None, zero_dims=None, expert_split=None
+                   pipe_replicated=None, zero_dims=None, expert_split=None, stats: bool = False
                    ) -> Callable[[nnx.State, jax.Array], tuple[jax.Array, nnx.State]]:
-    """(params, batch int [B, T+1]) → (mean loss, gradients), on whatever rows it is given.
+    """(params, batch int [B, T+1]) → (mean loss, gradients), on whatever rows it is given; with `stats`, also the
+    MoE layers' statistics summed over every row and layer (jaxpar.model.moe; {} for a dense model).
 
     Gradient accumulation splits the rows into `grad_accum` equal chunks run one after another (a scan), so peak
     activation memory is that of B/grad_accum sequences. Chunk a takes rows a, a+A, a+2A, … (a strided split) so each
@@ -168,18 +169,18 @@ def loss_and_grads(graphdef: nnx.GraphDef, *, grad_accum: int = 1, remat: str = 
     """
     scale = 1.0 / pipe.stages if pipe is not None else 1.0
 
-    def objective(p, b):  # (what is differentiated: the loss plus the MoE terms, (the loss reported))
-        value, (loss, _) = next_token_loss(graphdef, p, b, remat, par, pipe, objective=True)
-        return scale * value, scale * loss
+    def objective(p, b):  # (what is differentiated: the loss plus the MoE terms, (the loss reported, MoE sums))
+        value, (loss, sums) = next_token_loss(graphdef, p, b, remat, par, pipe, objective=True)
+        return scale * value, (scale * loss, sums)
 
     differentiate = jax.value_and_grad(objective, has_aux=True)
 
     def grad_fn(p, b):
-        (_, loss), grads = differentiate(p, b)
-        return loss, grads
+        (_, (loss, sums)), grads = differentiate(p, b)
+        return loss, grads, sums
 
-    if pipe is not None and pipe.schedule != "circular":
-        grad_fn = lambda p, b: scheduled_loss_and_grads(graphdef, p, b, pipe, remat, par)  # noqa: E731
+    if pipe is not None and pipe.schedule != "circular":  # (MoE models are refused there: no statistics)
+        grad_fn = lambda p, b: (*scheduled_loss_and_grads(graphdef, p, b, pipe, remat, par), {})  # noqa: E731
 
     batch_axes = tuple(grad_axes) + ((PIPE,) if pipe is not None else ())
 
@@ -192,7 +193,7 @@ def loss_and_grads(graphdef: nnx.GraphDef, *, grad_accum: int = 1, remat: str = 
             # over pipe.
             params = jax.tree.map(lambda x: vary(x, batch_axes), params)
         if grad_accum == 1:
-            loss, grads = grad_fn(params, batch)
+            loss, grads, sums = grad_fn(params, batch)
         else:
             B, T1 = batch.shape
             chunks = batch.reshape(B // grad_accum, grad_accum, T1).swapaxes(0, 1)  # [A, B/A, T+1]
@@ -200,23 +201,26 @@ def loss_and_grads(graphdef: nnx.GraphDef, *, grad_accum: int = 1, remat: str = 
 
             def accumulate(carry, chunk):
                 loss_sum, grad_sum = carry
-                loss, grads = grad_fn(params, chunk)
-                return (loss_sum + loss, jax.tree.map(jnp.add, grad_sum, grads)), None
+                loss, grads, sums = grad_fn(params, chunk)
+                return (loss_sum + loss, jax.tree.map(jnp.add, grad_sum, grads)), sums
 
             zeros = jax.tree.map(jnp.zeros_like, params)
             # the loss carry starts typed like the per-chunk losses it sums (varying over the batch axes: check_vma)
             loss_zero = vary(jnp.zeros((), jnp.float32), batch_axes)
-            (loss_sum, grad_sum), _ = jax.lax.scan(accumulate, (loss_zero, zeros), chunks)
+            (loss_sum, grad_sum), sums = jax.lax.scan(accumulate, (loss_zero, zeros), chunks)
             loss, grads = loss_sum / grad_accum, jax.tree.map(lambda g: g / grad_accum, grad_sum)
+            sums = jax.tree.map(lambda a: a.sum(0), sums)
         if pipe is not None:
             loss = jax.lax.psum(loss, PIPE)
             grads = jax.tree.map(lambda g, rep: jax.lax.psum(g, PIPE) if rep else g, grads, pipe_replicated)
+            sums = jax.tree.map(lambda a: jax.lax.psum(a, PIPE), sums)  # each stage counted its own layers
         if grad_axes:
             loss = jax.lax.pmean(loss, grad_axes)
             dims = zero_dims if zero_dims is not None else jax.tree.map(lambda _: -1, grads)
             split = expert_split if expert_split is not None else jax.tree.map(lambda _: False, grads)
             grads = jax.tree.map(lambda g, d, e: _mean(g, d, grad_axes, e), grads, dims, split)
-        return loss, grads
+            sums = jax.tree.map(lambda a: jax.lax.psum(a, grad_axes), sums)
+        return (loss, grads, sums) if stats else (loss, grads)
 
     return run
 
@@ -248,20 +252,21 @@ def _zero_dims(param_specs: nnx.State):
 
 
 def sharded_loss_and_grads(graphdef: nnx.GraphDef, plan: Plan, *, grad_accum: int = 1, remat: str = "none",
-                           param_specs: nnx.State | None = None):
+                           param_specs: nnx.State | None = None, stats: bool = False):
     """`loss_and_grads` over the global batch: under shard_map on the plan's mesh when the plan is sharded (params
     laid out by `param_specs`, rows over the batch axes), else as one global computation (single device, or GSPMD
     on a mesh)."""
     if not plan.sharded:
         if plan.pipeline is not None:  # make_plan refuses this combination; never drop a pipeline silently
             raise ValueError("a pipeline needs the explicit shard_map step (an explicit plan)")
-        return loss_and_grads(graphdef, grad_accum=grad_accum, remat=remat)
+        return loss_and_grads(graphdef, grad_accum=grad_accum, remat=remat, stats=stats)
     replicated = jax.tree.map(lambda spec: PIPE not in _mesh_axes(spec), param_specs)
     expert_split = jax.tree.map(lambda spec: EXPERT in _mesh_axes(spec), param_specs)
     local = loss_and_grads(graphdef, grad_accum=grad_accum, remat=remat, par=plan.parallel, grad_axes=plan.grad_axes,
                            pipe=plan.pipeline, pipe_replicated=replicated, zero_dims=_zero_dims(param_specs),
-                           expert_split=expert_split)
-    return jax.shard_map(local, mesh=plan.mesh, in_specs=(param_specs, plan.batch_spec), out_specs=(P(), param_specs),
+                           expert_split=expert_split, stats=stats)
+    out_specs = (P(), param_specs, P()) if stats else (P(), param_specs)
+    return jax.shard_map(local, mesh=plan.mesh, in_specs=(param_specs, plan.batch_spec), out_specs=out_specs,
                          check_vma=True)
 
 
@@ -275,13 +280,14 @@ def global_norm(tree) -> jax.Array:
 
 
 def make_train_step(grads_of: Callable[[nnx.State, jax.Array], tuple[jax.Array, nnx.State]],
-                    tx: optax.GradientTransformation, schedule: optax.Schedule | None = None
+                    tx: optax.GradientTransformation, schedule: optax.Schedule | None = None, moe_layers: int = 0
                     ) -> Callable[[TrainState, jax.Array], tuple[TrainState, Metrics]]:
     """(state, batch int [B, T+1]) → (state, metrics {loss, grad_norm, skipped, lr}): gradients from `grads_of`
-    (`sharded_loss_and_grads`), then clipping and AdamW on the sharded state."""
+    (`sharded_loss_and_grads`), then clipping and AdamW on the sharded state. When `grads_of` also returns MoE
+    statistics (stats=True), the metrics gain `moe_metrics` over the model's `moe_layers` MoE layers."""
 
     def step(state: TrainState, batch: jax.Array) -> tuple[TrainState, Metrics]:
-        loss, grads = grads_of(state.params, batch)
+        loss, grads, *sums = grads_of(state.params, batch)
         updates, opt_state = tx.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
         grad_norm = global_norm(grads)
@@ -291,11 +297,22 @@ def make_train_step(grads_of: Callable[[nnx.State, jax.Array], tuple[jax.Array, 
         params, opt_state = jax.tree.map(lambda new, old: jnp.where(ok, new, old), (params, opt_state),
                                          (state.params, state.opt_state))
         metrics = {"loss": loss, "grad_norm": grad_norm, "skipped": 1 - ok.astype(jnp.int32)}
+        if sums and sums[0]:
+            metrics.update(moe_metrics(sums[0], batch.shape[0], moe_layers))
         if schedule is not None:
             metrics["lr"] = schedule(state.step)
         return TrainState(step=state.step + 1, params=params, opt_state=opt_state), metrics
 
     return step
+
+
+def moe_metrics(sums: dict[str, jax.Array], rows: int, layers: int) -> Metrics:
+    """The step's MoE statistics (summed over its `rows` rows and its `layers` MoE layers) as metrics: per-expert
+    load (assignments, all layers), its imbalance max/mean (1 is balanced), the share of assignments dropped, and the
+    load-balancing and z-losses as means over rows and layers (the aux loss is 1 when balanced)."""
+    load = sums["load"].astype(jnp.float32)
+    return {"moe_load": load, "moe_imbalance": load.max() / load.mean(), "moe_dropped": sums["dropped"] / load.sum(),
+            "moe_aux_loss": sums["aux"] / (rows * layers), "moe_z_loss": sums["z"] / (rows * layers)}
 
 
 def make_eval_step(graphdef: nnx.GraphDef, plan: Plan, *, param_specs: nnx.State | None = None
