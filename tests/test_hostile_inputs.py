@@ -184,6 +184,7 @@ def _hf_import(kind):
 
 
 TRAIN = "train --no-progress --config configs/tiny.py --workdir {tmp}/w "
+MOE = "train --no-progress --config configs/moe_tiny.py --workdir {tmp}/w "
 SMALL = " ".join(f"--config.{o}" for o in ONE + ["parallel.data=-1"])  # the same run on all 8 devices
 CASES = [
     # train: the config
@@ -200,8 +201,27 @@ CASES = [
     Case("train-layers-vs-stages", TRAIN + "--config.parallel.repeats=3", "model.n_layers"),
     Case("train-mesh-product", TRAIN + "--config.parallel.data=3", "parallel.data",
          lambda c, t: load_config("configs/tiny.py", ["parallel.data=3"]).resolve_for_devices(8)),
-    Case("train-expert-unimplemented", TRAIN + "--config.parallel.expert=2", "parallel.expert",
+    Case("train-expert-without-moe", TRAIN + "--config.parallel.expert=2", "parallel.expert",
          lambda c, t: load_config("configs/tiny.py", ["parallel.expert=2"])),
+    Case("train-experts-vs-expert", MOE + "--config.moe.n_experts=6 --config.parallel.expert=4", "moe.n_experts",
+         lambda c, t: load_config("configs/moe_tiny.py", ["moe.n_experts=6", "parallel.expert=4"])),
+    Case("train-top-k-over-experts", MOE + "--config.moe.top_k=9", "moe.top_k",
+         lambda c, t: load_config("configs/moe_tiny.py", ["moe.top_k=9"])),
+    Case("train-moe-capacity-negative", MOE + "--config.moe.capacity_factor=-1", "moe.capacity_factor",
+         lambda c, t: load_config("configs/moe_tiny.py", ["moe.capacity_factor=-1"])),
+    Case("train-moe-unknown-key", MOE + "--config.moe.num_experts=8", "moe.num_experts",
+         lambda c, t: load_config("configs/moe_tiny.py", ["moe.num_experts=8"])),
+    Case("train-moe-shared-gate-without-shared", MOE + "--config.moe.shared_gate=true", "moe.shared_gate",
+         lambda c, t: load_config("configs/moe_tiny.py", ["moe.shared_gate=true"])),
+    Case("train-moe-gpt2", MOE + "--config.model.family=gpt2", "moe.n_experts",
+         lambda c, t: load_config("configs/moe_tiny.py", ["model.family=gpt2"])),
+    Case("train-moe-expert-width-vs-tensor", MOE + "--config.moe.d_ff=175", "moe.d_ff",
+         lambda c, t: load_config("configs/moe_tiny.py", ["moe.d_ff=175"])),
+    Case("train-moe-schedule-table", MOE + "--config.parallel.schedule=1f1b --config.parallel.repeats=1",
+         "parallel.schedule",
+         lambda c, t: load_config("configs/moe_tiny.py", ["parallel.schedule=1f1b", "parallel.repeats=1"])),
+    Case("train-moe-context", MOE + "--config.parallel.context=2 --config.parallel.expert=1", "parallel.context",
+         lambda c, t: load_config("configs/moe_tiny.py", ["parallel.context=2", "parallel.expert=1"])),
     Case("train-context-vs-seq-len", TRAIN + "--config.parallel.context=3", "train.seq_len",
          lambda c, t: load_config("configs/tiny.py", ["parallel.context=3"])),
     Case("train-context-impl", TRAIN + "--config.parallel.context_impl=striped", "parallel.context_impl",

@@ -1,4 +1,5 @@
-"""The Llama family — Llama 2 and 3, Mistral (sliding window), Qwen2 (q/k/v biases).
+"""The Llama family — Llama 2 and 3, Mistral (sliding window), Qwen2 (q/k/v biases), and their mixture-of-experts
+relatives Mixtral and Qwen2-MoE (moe.n_experts > 0).
 
 A layer: x + attention(RMSNorm(x)), then + SwiGLU(RMSNorm(x)). Attention is grouped-query with rotary positions
 (Hugging Face's rotate-half convention, optional linear / Llama 3.1 frequency scaling) and an optional sliding
@@ -7,8 +8,10 @@ window. No biases except Qwen2's on q, k, v.
     per layer   attn_norm [D]; wq [D, H, E]; wk, wv [D, K, E]; wo [H, E, D]; mlp_norm [D];
                 w_gate, w_up [D, F]; w_down [F, D]; with qkv_bias: bq [H, E]; bk, bv [K, E]
 
-Hugging Face: `model.layers.{l}.*` of LlamaForCausalLM / MistralForCausalLM / Qwen2ForCausalLM. torch Linear weights
-are [out, in], so each is transposed (and the head dims split) on the way in.
+Hugging Face: `model.layers.{l}.*` of LlamaForCausalLM / MistralForCausalLM / Qwen2ForCausalLM, and of
+MixtralForCausalLM / Qwen2MoeForCausalLM, whose MoE keys and tensors (one per layer and expert) are mapped in
+jaxpar/families/moe_hf.py. torch Linear weights are [out, in], so each is transposed (and the head dims split) on the
+way in.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ import math
 from typing import Any
 
 from jaxpar.errors import ConfigError
+from jaxpar.families import moe_hf
 from jaxpar.families.base import (Family, HuggingFace, Param, Rule, attention_params, moe_params, qkv_bias_params,
                                   same)
 
@@ -51,7 +55,8 @@ def check(cfg) -> None:
 # -----------------------------------------------------------------------------------------------------------------
 # Hugging Face
 
-ARCHITECTURES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2"}
+DENSE = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2"}
+ARCHITECTURES = {**DENSE, **moe_hf.ARCHITECTURES}
 
 # jaxpar ModelConfig field → the config.json key it comes from (for ModelConfig's errors)
 KEYS = dict(vocab_size="vocab_size", d_model="hidden_size", n_layers="num_hidden_layers",
@@ -61,7 +66,7 @@ KEYS = dict(vocab_size="vocab_size", d_model="hidden_size", n_layers="num_hidden
 
 
 def read(keys, model_type: str) -> tuple[dict, dict]:
-    """ModelConfig fields from a Llama / Mistral / Qwen2 config.json, and their key names."""
+    """ModelConfig fields from a Llama / Mistral / Qwen2 / Mixtral / Qwen2-MoE config.json, and their key names."""
     act = keys.text("hidden_act", "silu")
     if act != "silu":
         raise keys.error(f"hidden_act = {act!r} is not supported; jaxpar's llama family uses SwiGLU (silu)")
@@ -71,27 +76,35 @@ def read(keys, model_type: str) -> tuple[dict, dict]:
     n_heads, d_model = keys.integer("num_attention_heads"), keys.integer("hidden_size")
     n_layers = keys.integer("num_hidden_layers")
     rope, names = _rope_fields(keys)
+    # Qwen2 always has q/k/v biases; Qwen2-MoE has them unless its qkv_bias key (transformers >= 5) says otherwise.
+    qkv_bias = model_type == "qwen2" or (model_type == "qwen2_moe" and keys.flag("qkv_bias", True))
     fields = dict(family="llama", vocab_size=keys.integer("vocab_size"), d_model=d_model, n_layers=n_layers,
                   n_heads=n_heads, n_kv_heads=keys.integer("num_key_value_heads", n_heads),
                   # transformers' own default, floor division included
                   head_dim=keys.integer("head_dim", d_model // n_heads),
                   d_ff=keys.integer("intermediate_size"), max_seq_len=keys.integer("max_position_embeddings"),
                   norm_eps=keys.number("rms_norm_eps", 1e-6),
-                  tie_embeddings=keys.flag("tie_word_embeddings", False), qkv_bias=model_type == "qwen2",
+                  tie_embeddings=keys.flag("tie_word_embeddings", False), qkv_bias=qkv_bias,
                   sliding_window=_sliding_window(keys, model_type, n_layers), **rope)
+    if model_type in moe_hf.ARCHITECTURES.values():
+        fields["moe"], moe_names = moe_hf.read(keys, model_type)
+        names.update(moe_names)
     return fields, names
 
 
 def _sliding_window(keys, model_type: str, n_layers: int) -> int:
-    """The sliding window (0: none). Mistral windows every layer when `sliding_window` is set. Qwen2 windows layer i
-    when use_sliding_window and i >= max_window_layers — or, when config.json lists `layer_types` (transformers
-    ≥ 4.53), the layers marked 'sliding_attention'; jaxpar supports all layers windowed or none."""
+    """The sliding window (0: none). Mistral and Mixtral window every layer when `sliding_window` is set. Qwen2
+    windows layer i when use_sliding_window and i >= max_window_layers, Qwen2-MoE (transformers 5's default) when
+    use_sliding_window, i is even and i < max_window_layers — or, for both, when config.json lists `layer_types`
+    (transformers ≥ 4.53), the layers marked 'sliding_attention'; jaxpar supports all layers windowed or none."""
     def window() -> int:  # an absent key is transformers' default (MistralConfig, Qwen2Config: 4096); null is none
         return keys.integer("sliding_window", 0) if "sliding_window" in keys.d else 4096
 
     if model_type == "mistral":
         return window()
-    if model_type != "qwen2":
+    if model_type == "mixtral":  # MixtralConfig's default is None
+        return keys.integer("sliding_window", 0)
+    if model_type not in ("qwen2", "qwen2_moe"):
         return 0
     if not keys.flag("use_sliding_window", False):  # transformers then sets sliding_window to None
         return 0
@@ -102,9 +115,12 @@ def _sliding_window(keys, model_type: str, n_layers: int) -> int:
             raise keys.bad("layer_types", layer_types, f"must list 'full_attention' or 'sliding_attention' for each "
                            f"of the num_hidden_layers = {n_layers} layers")
         windowed = [t == "sliding_attention" for t in layer_types]
-    else:
+    elif model_type == "qwen2":
         first = keys.integer("max_window_layers", 0, minimum=0)
         windowed = [i >= first for i in range(n_layers)]
+    else:
+        last = keys.integer("max_window_layers", 28, minimum=0)  # Qwen2MoeConfig's default
+        windowed = [i % 2 == 0 and i < last for i in range(n_layers)]
     if any(windowed) and not all(windowed):
         raise keys.error(f"a sliding window on layers {[i for i, w in enumerate(windowed) if w]} only "
                          "(layer_types / max_window_layers) is not supported; jaxpar windows all layers or none")
@@ -140,26 +156,32 @@ def _rope_fields(keys) -> tuple[dict, dict]:
 
 
 def write(cfg, out: dict, base: dict | None) -> None:
-    """config.json for cfg: Qwen2 for q/k/v biases, Mistral for a sliding window, else Llama (or the imported
-    config's own architecture)."""
-    arch, model_type = ("Qwen2ForCausalLM", "qwen2") if cfg.qkv_bias else (
-        ("MistralForCausalLM", "mistral") if cfg.sliding_window else ("LlamaForCausalLM", "llama"))
-    if base and base.get("architectures"):
-        arch = base["architectures"][0]
-        model_type = ARCHITECTURES.get(arch, base.get("model_type"))
+    """config.json for cfg. Dense: Qwen2 for q/k/v biases, Mistral for a sliding window, else Llama (or the imported
+    config's own dense architecture). MoE: Qwen2-MoE for a shared expert, else Mixtral (`moe_hf.architecture`)."""
+    if cfg.moe.enabled:
+        arch, model_type = moe_hf.architecture(cfg)
+    else:
+        arch, model_type = ("Qwen2ForCausalLM", "qwen2") if cfg.qkv_bias else (
+            ("MistralForCausalLM", "mistral") if cfg.sliding_window else ("LlamaForCausalLM", "llama"))
+        if base and base.get("architectures") and base["architectures"][0] not in moe_hf.ARCHITECTURES:
+            arch = base["architectures"][0]
+            model_type = DENSE.get(arch, base.get("model_type"))
     out.update(architectures=[arch], model_type=model_type, vocab_size=cfg.vocab_size, hidden_size=cfg.d_model,
                num_hidden_layers=cfg.n_layers, num_attention_heads=cfg.n_heads,
                num_key_value_heads=cfg.n_kv_heads, head_dim=cfg.head_dim, intermediate_size=cfg.d_ff,
                max_position_embeddings=cfg.max_seq_len, rms_norm_eps=cfg.norm_eps,
                tie_word_embeddings=cfg.tie_embeddings, hidden_act="silu")
-    if model_type == "mistral":
+    if model_type in ("mistral", "mixtral"):
         out["sliding_window"] = cfg.sliding_window or None
-    elif model_type == "qwen2":
+    elif model_type in ("qwen2", "qwen2_moe"):
         out.update(use_sliding_window=bool(cfg.sliding_window), sliding_window=cfg.sliding_window or None)
-        if cfg.sliding_window:  # Qwen2 windows layers i >= max_window_layers: 0 windows all of them
-            out["max_window_layers"] = 0
-        if "layer_types" in out:  # transformers >= 4.53 reads these first
+        if cfg.sliding_window:  # Qwen2 windows layers i >= max_window_layers: 0 windows all of them (Qwen2-MoE
+            # windows even layers below it by default, so its layer_types below say which)
+            out["max_window_layers"] = 0 if model_type == "qwen2" else cfg.n_layers
+        if "layer_types" in out or model_type == "qwen2_moe":  # transformers >= 4.53 reads these first
             out["layer_types"] = [("sliding" if cfg.sliding_window else "full") + "_attention"] * cfg.n_layers
+    if cfg.moe.enabled:
+        moe_hf.write(cfg, out, model_type)
     rope: dict[str, Any] = {"rope_type": "default"}
     if cfg.rope_scaling == "linear":
         rope = {"rope_type": "linear", "factor": cfg.rope_factor}
@@ -175,11 +197,15 @@ def write(cfg, out: dict, base: dict | None) -> None:
 
 
 def exportable(cfg) -> None:
-    """Llama, Mistral (window) and Qwen2 (q/k/v biases, window) between them hold every llama option."""
+    """Llama, Mistral (window) and Qwen2 (q/k/v biases, window) between them hold every dense llama option; Mixtral
+    and Qwen2-MoE not every MoE one (`moe_hf.exportable`)."""
+    if cfg.moe.enabled:
+        moe_hf.exportable(cfg)
 
 
 def tensors(cfg, names: set[str] | None = None) -> list[Rule]:
-    """The `model.layers.{l}.*` tensor table (torch Linear weights transposed, head dims split)."""
+    """The `model.layers.{l}.*` tensor table (torch Linear weights transposed, head dims split); an MoE layer's
+    router and experts from `moe_hf.tensors` (`names`, the tensors present, tells its fused layout)."""
     D, H, K, E = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
     lay = "model.layers.{l}."
     linear_in = lambda n: (lambda x: x.T.reshape(D, n, E), lambda x: x.reshape(D, -1).T)  # noqa: E731
@@ -190,10 +216,12 @@ def tensors(cfg, names: set[str] | None = None) -> list[Rule]:
              Rule("blocks.wk", lay + "self_attn.k_proj.weight", *linear_in(K)),
              Rule("blocks.wv", lay + "self_attn.v_proj.weight", *linear_in(K)),
              Rule("blocks.wo", lay + "self_attn.o_proj.weight", lambda x: x.T.reshape(H, E, D),
-                  lambda x: x.reshape(-1, D).T),
-             Rule("blocks.w_gate", lay + "mlp.gate_proj.weight", lambda x: x.T, lambda x: x.T),
-             Rule("blocks.w_up", lay + "mlp.up_proj.weight", lambda x: x.T, lambda x: x.T),
-             Rule("blocks.w_down", lay + "mlp.down_proj.weight", lambda x: x.T, lambda x: x.T)]
+                  lambda x: x.reshape(-1, D).T)]
+    if cfg.moe.enabled:
+        rules += moe_hf.tensors(cfg, names)
+    else:
+        rules += [Rule(f"blocks.w_{p}", lay + f"mlp.{p}_proj.weight", lambda x: x.T, lambda x: x.T)
+                  for p in ("gate", "up", "down")]
     if cfg.qkv_bias:
         rules += [Rule(f"blocks.{b}", lay + f"self_attn.{p}_proj.bias", lambda x, n=n: x.reshape(n, E),
                        lambda x: x.reshape(-1)) for b, p, n in (("bq", "q", H), ("bk", "k", K), ("bv", "v", K))]

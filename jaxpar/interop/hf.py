@@ -1,4 +1,5 @@
-"""Hugging Face checkpoints ⇄ jaxpar: Llama, Mistral, Qwen2 and GPT-2 directories in, the same format out.
+"""Hugging Face checkpoints ⇄ jaxpar: Llama, Mistral, Qwen2, GPT-2, Mixtral and Qwen2-MoE directories in, the same
+format out.
 
 A Hugging Face model directory holds `config.json`, the weights as `model.safetensors` or as shards listed by
 `model.safetensors.index.json`, and usually `tokenizer.json`. Only those JSON and safetensors files are read —
@@ -17,6 +18,17 @@ peaks at about one parameter's local shard, never the model. Layer order (pipeli
 parallelism) are applied on the way in, exactly as checkpoints are (`jaxpar.store.checkpoint`). Export is the
 inverse and writes safetensors shards of at most `max_shard_bytes` plus the index, so `transformers` (or jaxpar)
 loads the result with `from_pretrained`.
+
+Mixture of experts (Mixtral, Qwen2-MoE; the names in jaxpar/families/moe_hf.py). Hugging Face stores one tensor
+per layer and expert, jaxpar one array [L, X, …] per parameter, so an expert parameter's rule is an `ExpertRule`
+whose name holds both placeholders and whose to_jax / to_hf convert one expert:
+
+    jaxpar blocks.we_gate [L, X, D, F]  ←  model.layers.{l}.block_sparse_moe.experts.{e}.w1.weight [F, D]
+
+A device's shard of an expert parameter (experts split over the mesh axis `expert`, F over `tensor`) is assembled
+from the (layer, expert) tensors it covers only — a rank of expert 4 reads a quarter of the expert tensors. The
+fused layout transformers 5 can also save (`experts.gate_up_proj` [X, 2F, D]) is read through safetensors slices, one
+expert at a time, so the same holds for it; export writes the per-expert hub layout.
 
 Weight dtypes. Each tensor's dtype is read from its safetensors header before its data, and import accepts the
 floating-point kinds that hold ordinary weights: F32, F16, BF16 and F64, each converted (rounded to nearest) to the
@@ -62,6 +74,7 @@ from safetensors.numpy import save_file
 from jaxpar.config import Config, ConfigError, DataConfig, ModelConfig
 from jaxpar.errors import JaxparError
 from jaxpar.families import FAMILIES, Rule, family
+from jaxpar.families.moe_hf import ExpertRule
 from jaxpar.model import abstract_model
 from jaxpar.parallel.plan import Plan
 from jaxpar.sharding import vocab_dims
@@ -182,16 +195,16 @@ def model_config(hf: dict, path: pathlib.Path, **overrides: Any) -> ModelConfig:
         field = e.field.removeprefix("model.")
         if field in overrides or field not in names:
             raise
-        # ModelConfig speaks jaxpar's field names; the user edits config.json, so say its keys.
-        rule, fix = (re.sub(r"model\.(\w+)", lambda m: names.get(m.group(1), m.group(0)), text)
-                     for text in (e.rule, e.fix))
+        # ModelConfig speaks jaxpar's field names (model.d_ff, moe.top_k); the user edits config.json, so say its keys.
+        rule, fix = (re.sub(r"\b(model\.|moe\.)(\w+)", lambda m: names.get(
+            m.group(2) if m.group(1) == "model." else m.group(0), m.group(0)), text) for text in (e.rule, e.fix))
         raise HFError(f"{path}: {names[field]} = {e.value!r}: {rule}; {fix}") from None
 
 
 def hf_config(cfg: ModelConfig, base: dict | None = None, dtype: str | None = None) -> dict:
     """The Hugging Face config.json for `cfg`: `base` (the imported config, when there is one) updated with every
     field jaxpar knows, or a fresh one (architecture chosen by the features: GPT-2, Qwen2 for q/k/v biases,
-    Mistral for a sliding window, else Llama)."""
+    Mistral for a sliding window, else Llama; with experts Qwen2-MoE for a shared expert, else Mixtral)."""
     _check_exportable(cfg)
     out = dict(base or {})
     dtype = dtype or cfg.param_dtype
@@ -330,20 +343,23 @@ class SafetensorsDir:
         """Every tensor name in the checkpoint."""
         return set(self.where)
 
-    def get(self, name: str, shape: tuple[int, ...] | None = None) -> np.ndarray:
+    def get(self, name: str, shape: tuple[int, ...] | None = None, index: tuple | None = None) -> np.ndarray:
         """Tensor `name` as a NumPy array in its stored dtype, checked against `shape` when given and, from the
-        header before any data is read, against FLOAT_DTYPES."""
+        header before any data is read, against FLOAT_DTYPES. `index` (basic indices: ints and slices) reads only
+        that part of the tensor (`shape` is then the whole tensor's, checked from the header)."""
         if name not in self.where:
             raise HFError(f"{self.path}: tensor {name!r} is missing from the checkpoint")
         file = self.where[name]
         try:
             header = self._open(file).get_slice(name)
             _check_dtype(self.path / file, name, header.get_dtype())
-            x = self._open(file).get_tensor(name)
+            stored = tuple(header.get_shape())
+            if shape is None or stored == tuple(shape):
+                x = self._open(file).get_tensor(name) if index is None else header[index]
         except (SafetensorError, OSError, TypeError) as e:  # TypeError: a dtype NumPy cannot hold
             raise HFError(f"{self.path / file}: tensor {name!r} could not be read ({e})") from None
-        if shape is not None and tuple(x.shape) != tuple(shape):
-            raise HFError(f"{self.path / file}: tensor {name!r} has shape {tuple(x.shape)}, but config.json implies "
+        if shape is not None and stored != tuple(shape):
+            raise HFError(f"{self.path / file}: tensor {name!r} has shape {stored}, but config.json implies "
                           f"{tuple(shape)}")
         return x
 
@@ -413,6 +429,9 @@ def load_params(path: str | pathlib.Path, cfg: ModelConfig, abstract: nnx.State,
         if param not in rules:
             raise HFError(f"{path}: jaxpar parameter {param!r} has no Hugging Face tensor (family {cfg.family})")
         rule = rules[param]
+        if isinstance(rule, ExpertRule):
+            return jax.make_array_from_callback(tuple(var.shape), sharding_of(key_path),
+                                                _expert_shards(rule, var, files, order, used, path))
         shape, dtype = var.shape, var.dtype
         vocab_axis = vocab_axes.get(param)
         layer_shape = shape[1:] if rule.stacked else shape
@@ -452,13 +471,15 @@ def load_params(path: str | pathlib.Path, cfg: ModelConfig, abstract: nnx.State,
             layers = [order[i] if order is not None else i for i in stack]
             return np.stack([layer_array(int(layer))[index[1:]] for layer in layers])
 
+        return jax.make_array_from_callback(tuple(shape), sharding_of(key_path), shard)
+
+    def sharding_of(key_path) -> jax.sharding.Sharding:
         if placed is None:
-            sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-        else:
-            sharding = placed
-            for k in key_path:
-                sharding = sharding[k.key]
-        return jax.make_array_from_callback(tuple(shape), sharding, shard)
+            return jax.sharding.SingleDeviceSharding(jax.devices()[0])
+        sharding = placed
+        for k in key_path:
+            sharding = sharding[k.key]
+        return sharding
 
     arrays = jax.tree_util.tree_map_with_path(load, like)
     # GPT-2 checkpoints may hold non-parameter buffers (attention masks); anything else left over is reported.
@@ -472,6 +493,40 @@ def load_params(path: str | pathlib.Path, cfg: ModelConfig, abstract: nnx.State,
     params = jax.tree.map(lambda x: x, abstract)
     nnx.replace_by_pure_dict(params, arrays)
     return params
+
+
+def _expert_shards(rule: ExpertRule, var, files: SafetensorsDir, order, used: set[str], path: pathlib.Path):
+    """The shard callback of a stacked expert parameter [L, X, …]: a device's shard is stacked from the (layer,
+    expert) tensors its index covers — one HF tensor each in the hub layout, one slice of the layer's fused tensor
+    otherwise — each converted by `rule.to_jax` and cast; the last one read is cached."""
+    L, X, *one = var.shape  # `one`: one expert's jaxpar shape
+    expected = _hf_shape(rule, tuple(one))  # one expert's HF tensor (or its part of the fused rows)
+    rows = expected[0]
+    fused = (X, rows * rule.parts, *expected[1:])  # the fused layout's whole tensor of a layer
+    cache: dict[tuple[int, int], np.ndarray] = {}
+
+    def expert(layer: int, e: int) -> np.ndarray:
+        if (layer, e) not in cache:
+            cache.clear()
+            if rule.per_expert:
+                name = rule.name.format(l=layer, e=e)
+                x = files.get(name, expected)
+            else:
+                name = rule.name.format(l=layer)
+                x = files.get(name, fused, index=(e, slice(rule.part * rows, (rule.part + 1) * rows)))
+            used.add(name)
+            x = rule.to_jax(x)
+            if tuple(x.shape) != tuple(one):  # the table and config.json disagree: a bug, not bad input
+                raise HFError(f"{path}: tensor {name!r} maps to shape {x.shape}, expected {tuple(one)}")
+            cache[(layer, e)] = x.astype(var.dtype)
+        return cache[(layer, e)]
+
+    def shard(index: tuple[slice, ...]) -> np.ndarray:
+        layers = [order[i] if order is not None else i for i in range(*index[0].indices(L))]
+        experts = range(*index[1].indices(X))
+        return np.stack([np.stack([expert(int(layer), e)[index[2:]] for e in experts]) for layer in layers])
+
+    return shard
 
 
 # -----------------------------------------------------------------------------------------------------------------
@@ -525,16 +580,23 @@ def _write_files(params: nnx.State, cfg: ModelConfig, path: pathlib.Path, *, bas
     jax.tree_util.tree_map_with_path(lambda kp, x: flat.__setitem__(".".join(str(k.key) for k in kp), x),
                                      nnx.to_pure_dict(params))
     vocab_axes = vocab_dims(params)
-    by_name: dict[str, list[tuple[Rule, int | None]]] = {}  # HF tensor → the (rule, layer) pieces that make it
-    for rule in _rules(cfg, names):
+    rules = _rules(cfg, names)
+    if any(isinstance(r, ExpertRule) and not r.per_expert for r in rules):
+        rules = _rules(cfg, None)  # an import of the fused expert layout exports the hub's per-expert one
+    # HF tensor → the (rule, layer, expert) pieces that make it
+    by_name: dict[str, list[tuple[Rule, int | None, int | None]]] = {}
+    for rule in rules:
         for layer in (range(cfg.n_layers) if rule.stacked else (None,)):
-            by_name.setdefault(rule.name.format(l=layer), []).append((rule, layer))
+            per_expert = isinstance(rule, ExpertRule)
+            for e in range(flat[rule.param].shape[1]) if per_expert else (None,):
+                name = rule.name.format(l=layer, e=e) if per_expert else rule.name.format(l=layer)
+                by_name.setdefault(name, []).append((rule, layer, e))
 
     def tensor(name: str) -> np.ndarray:
         parts = []
-        for rule, layer in sorted(by_name[name], key=lambda piece: piece[0].part):
+        for rule, layer, e in sorted(by_name[name], key=lambda piece: piece[0].part):
             x = flat[rule.param] if layer is None else flat[rule.param][layer]
-            x = np.asarray(jax.device_get(x))
+            x = np.asarray(jax.device_get(x if e is None else x[e]))
             if rule.param in vocab_axes:  # drop the tensor-parallel vocab padding
                 x = x[(slice(None),) * vocab_axes[rule.param] + (slice(0, cfg.vocab_size),)]
             parts.append(rule.to_hf(x))

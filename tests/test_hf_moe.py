@@ -1,0 +1,305 @@
+"""Hugging Face interop of the mixture-of-experts models, Mixtral and Qwen2-MoE, against fixtures written by
+`transformers` itself (tests/fixtures/hf/make_hf_fixtures.py).
+
+tests/fixtures/hf/mixtral: 4 experts top-2 (always renormalised), sliding window 16, untied, one file.
+tests/fixtures/hf/qwen2_moe: 4 experts top-2 with norm_topk_prob false, a shared expert with its sigmoid gate, q/k/v
+biases, tied, sharded over 3 files (a layer's experts spread across them). Every routing decision of the reference
+inputs is clear (the k-th and (k+1)-th router probabilities differ by > 1e-3), so a float32 port routes alike.
+
+Checked: config.json → ModelConfig (the moe section), import → export bit for bit (and a fresh config.json for each
+architecture), the fused layout transformers 5 can also save, an expert × tensor sharded import that reads only each
+shard's experts, logits within fp32 max-abs 1e-4 of transformers', 32 greedy tokens through the KV cache equal to
+transformers' greedy, and the unsupported or inexpressible options as one-line typed errors naming the key.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import functools
+import json
+import pathlib
+import re
+import shutil
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from safetensors.numpy import load_file, save_file
+
+from jaxpar.config import ConfigError, MoEConfig, ParallelConfig
+from jaxpar.infer.text import load
+from jaxpar.interop import hf
+from jaxpar.model import abstract_model
+from jaxpar.parallel.plan import make_plan
+from jaxpar.sharding import param_shardings, param_specs
+from jaxpar.train.step import sharded_loss_and_grads
+
+FIXTURES = pathlib.Path(__file__).parent / "fixtures" / "hf"
+MOE = ("mixtral", "qwen2_moe")
+EXPERT_TENSORS = {"mixtral": ("block_sparse_moe", ("w1", "w3", "w2")),  # (block, (gate, up, down)) of the hub layout
+                  "qwen2_moe": ("mlp", ("gate_proj", "up_proj", "down_proj"))}
+
+
+def reference(name: str) -> dict:
+    return json.loads((FIXTURES / name / "reference.json").read_text())
+
+
+def tensors(directory: pathlib.Path) -> dict[str, np.ndarray]:
+    out = {}
+    for file in sorted(directory.glob("model*.safetensors")):
+        out.update(load_file(str(file)))
+    return out
+
+
+def model_config(directory: pathlib.Path):
+    return hf.model_config(hf.read_config(directory), directory)
+
+
+@functools.cache
+def loaded(name: str, data: int = 1, tensor: int = 1):
+    """The fixture on a (data, tensor) inference mesh, loaded once for the module's forward and generation tests."""
+    return load(FIXTURES / name, data=data, tensor=tensor)
+
+
+def params_of(directory: pathlib.Path, cfg, plan=None) -> dict:
+    """The imported params (nested dict), on one device or on `plan`'s mesh and layout."""
+    _, abstract = abstract_model(cfg if plan is None else plan.model, None if plan is None else plan.padded_vocab)
+    if plan is None:
+        params = hf.load_params(directory, cfg, abstract)
+    else:
+        params = hf.load_params(directory, cfg, abstract, plan, param_shardings(abstract, plan.mesh, plan.rules))
+    return nnx.to_pure_dict(params)
+
+
+# -----------------------------------------------------------------------------------------------------------------
+# config.json and tensors
+
+
+def test_config_maps_the_moe_features():
+    mixtral, qwen = model_config(FIXTURES / "mixtral"), model_config(FIXTURES / "qwen2_moe")
+    assert mixtral.moe == MoEConfig(n_experts=4, top_k=2, d_ff=32, norm_topk_prob=True, aux_loss_coef=0.02)
+    assert (mixtral.d_ff, mixtral.qkv_bias, mixtral.sliding_window, mixtral.tie_embeddings) == (32, False, 16, False)
+    assert qwen.moe == MoEConfig(n_experts=4, top_k=2, d_ff=32, norm_topk_prob=False, aux_loss_coef=0.001,
+                                 shared_d_ff=48, shared_gate=True)
+    assert (qwen.d_ff, qwen.qkv_bias, qwen.sliding_window, qwen.tie_embeddings) == (96, True, 0, True)
+    assert (qwen.n_kv_heads, qwen.head_dim, qwen.rope_theta, qwen.norm_eps) == (2, 16, 1e6, 1e-6)
+
+
+@pytest.mark.parametrize("name", MOE)
+def test_import_export_reproduces_every_tensor_bit_for_bit(name, tmp_path):
+    hf.import_to_workdir(FIXTURES / name, tmp_path / "workdir")
+    hf.export_workdir(tmp_path / "workdir", tmp_path / "out", max_shard_bytes=200_000)
+    want, got = tensors(FIXTURES / name), tensors(tmp_path / "out")
+    assert sorted(got) == sorted(want)
+    for key in want:
+        assert got[key].dtype == want[key].dtype and got[key].tobytes() == want[key].tobytes(), key
+    exported = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert hf.model_config(exported, tmp_path) == model_config(FIXTURES / name)
+    index = json.loads((tmp_path / "out" / hf.INDEX).read_text())["weight_map"]  # 200 kB shards: an index
+    assert sorted(index) == sorted(want)
+
+
+def test_a_fresh_config_json_picks_the_architecture_by_the_features():
+    """Without the imported config.json to start from, a shared expert exports as Qwen2-MoE and none as Mixtral,
+    with every key transformers needs (here: reads back to the same ModelConfig)."""
+    for name, arch in (("mixtral", "MixtralForCausalLM"), ("qwen2_moe", "Qwen2MoeForCausalLM")):
+        cfg = model_config(FIXTURES / name)
+        fresh = hf.hf_config(cfg)
+        assert fresh["architectures"] == [arch]
+        assert hf.model_config(fresh, FIXTURES / name) == cfg
+    qwen = model_config(FIXTURES / "qwen2_moe")
+    no_bias = dataclasses.replace(qwen, qkv_bias=False)  # Qwen2-MoE's qkv_bias key holds that
+    assert hf.model_config(hf.hf_config(no_bias), FIXTURES) == no_bias
+    windowed = dataclasses.replace(qwen, sliding_window=16)  # every layer windowed: layer_types says so
+    assert hf.model_config(hf.hf_config(windowed), FIXTURES) == windowed
+
+
+def fused_copy(tmp_path: pathlib.Path, name: str) -> pathlib.Path:
+    """The fixture in the layout `save_pretrained(save_original_format=False)` writes (the fixture script asserts it
+    is exactly this): per layer mlp.gate.weight [X, D], mlp.experts.gate_up_proj [X, 2F, D] (gate rows, then up
+    rows) and mlp.experts.down_proj [X, D, F]; one file."""
+    out = tmp_path / f"{name}_fused"
+    out.mkdir()
+    shutil.copy(FIXTURES / name / "config.json", out)
+    block, (gate, up, down) = EXPERT_TENSORS[name]
+    hub, X = tensors(FIXTURES / name), model_config(FIXTURES / name).moe.n_experts
+    fused = {k.replace(f".{block}.gate.", ".mlp.gate."): v for k, v in hub.items() if ".experts." not in k}
+    for layer in range(2):
+        get = lambda e, w: hub[f"model.layers.{layer}.{block}.experts.{e}.{w}.weight"]  # noqa: E731
+        fused[f"model.layers.{layer}.mlp.experts.gate_up_proj"] = np.stack(
+            [np.concatenate([get(e, gate), get(e, up)]) for e in range(X)])
+        fused[f"model.layers.{layer}.mlp.experts.down_proj"] = np.stack([get(e, down) for e in range(X)])
+    save_file(fused, str(out / hf.SINGLE), metadata={"format": "pt"})
+    return out
+
+
+@pytest.mark.parametrize("name", MOE)
+def test_the_fused_expert_layout_imports_and_exports_the_hub_layout(name, tmp_path):
+    fused, cfg = fused_copy(tmp_path, name), model_config(FIXTURES / name)
+    got, want = params_of(fused, cfg), params_of(FIXTURES / name, cfg)
+    assert jax.tree.all(jax.tree.map(np.array_equal, got, want))
+    hf.import_to_workdir(fused, tmp_path / "workdir")  # keeps the fused names in hf_source.json
+    hf.export_workdir(tmp_path / "workdir", tmp_path / "out")
+    hub, out = tensors(FIXTURES / name), tensors(tmp_path / "out")
+    assert sorted(out) == sorted(hub) and all(out[k].tobytes() == hub[k].tobytes() for k in hub)
+
+
+@pytest.mark.parametrize("name,fused", [("mixtral", False), ("qwen2_moe", False), ("qwen2_moe", True)])
+def test_an_expert_sharded_import_reads_only_its_experts(name, fused, tmp_path, monkeypatch):
+    """At expert 2 × tensor 2 every parameter lands where the single-device import puts it, and each expert's
+    tensor is read by the two tensor ranks of the expert rank that holds it — never by the other expert rank."""
+    directory = fused_copy(tmp_path, name) if fused else FIXTURES / name
+    cfg = model_config(FIXTURES / name)
+    plan = make_plan(cfg, ParallelConfig(expert=2, tensor=2, data=-1), jax.devices()[:4])
+    reads, get = collections.Counter(), hf.SafetensorsDir.get
+
+    def counted(self, name, shape=None, index=None):
+        reads[name if index is None else (name, index[0])] += 1
+        return get(self, name, shape, index)
+
+    monkeypatch.setattr(hf.SafetensorsDir, "get", counted)
+    sharded = params_of(directory, cfg, plan)
+    monkeypatch.undo()
+    single = params_of(directory, cfg)
+    for key in ("we_gate", "we_up", "we_down", "router"):
+        assert np.array_equal(np.asarray(sharded["blocks"][key]), single["blocks"][key]), key
+    assert sharded["blocks"]["we_gate"].addressable_shards[0].data.shape == (2, 2, 64, 16)  # [L, X/2, D, F/2]
+    expert_reads = {k: n for k, n in reads.items() if "experts" in str(k)}
+    if fused:  # (gate_up_proj, e) read for we_gate and we_up, (down_proj, e) for we_down, on 2 devices each
+        assert sorted(expert_reads.values()) == [2] * 8 + [4] * 8  # 2 layers × 4 experts, once a tensor rank
+    else:  # 2 layers × 4 experts × (gate, up, down), each read once by each of its expert rank's tensor ranks
+        assert sorted(expert_reads.values()) == [2] * 24
+
+
+# -----------------------------------------------------------------------------------------------------------------
+# Parity with transformers
+
+
+@pytest.mark.parametrize("name,tensor", [("mixtral", 1), ("qwen2_moe", 1), ("mixtral", 4)])
+def test_logits_match_transformers(name, tensor):
+    """One forward over four rows right-padded to one length (a causal model: padding after a row changes nothing
+    before it): the reference batch [2, 13] and the two greedy texts, prompt + 31 new tokens (Mixtral's 41 tokens
+    run past its window of 16). fp32 max-abs 1e-4 against transformers' logits, on one device and with heads,
+    vocab and each expert's width split over tensor 4 (2 kv heads: replicated)."""
+    ref, stored = reference(name), load_file(str(FIXTURES / name / "reference_logits.safetensors"))
+    rows = ref["input_ids"] + [c["prompt"] + c["new_tokens"][:-1] for c in ref["greedy"]]
+    T = max(len(r) for r in rows)
+    ids = np.zeros((len(rows), T), np.int32)
+    for i, r in enumerate(rows):
+        ids[i, :len(r)] = r
+    on = loaded(name, 1, tensor)
+    with jax.set_mesh(on.mesh):
+        logits = np.asarray(jax.jit(lambda m, x: m(x))(on.model, jnp.asarray(ids)))
+    want = [*stored["logits"], stored["greedy_0_logits"], stored["greedy_1_logits"]]
+    for i, w in enumerate(want):
+        assert np.abs(logits[i, :len(w), :w.shape[-1]] - w).max() < 1e-4, i
+
+
+@pytest.mark.parametrize("name,data,tensor", [("mixtral", 1, 1), ("qwen2_moe", 1, 1), ("qwen2_moe", 2, 2)])
+def test_greedy_generation_matches_transformers(name, data, tensor):
+    """32 greedy tokens with the KV cache, two prompts (5 and 9 tokens) in one left-padded batch, on one device and
+    with the prompts over data 2 and each layer over tensor 2."""
+    cases = reference(name)["greedy"]
+    new = loaded(name, data, tensor).generate([c["prompt"] for c in cases], max_new_tokens=32, eos_token_id=None,
+                                return_prompt=False)
+    assert new.tolist() == [c["new_tokens"] for c in cases]
+
+
+def cross_entropy(logits: np.ndarray, ids: np.ndarray) -> float:
+    """Mean next-token cross-entropy of `ids` [B, T+1] under `logits` [B, T+1, V] (float64)."""
+    z = logits[:, :-1].astype(np.float64)
+    z = z - z.max(-1, keepdims=True)
+    logp = z - np.log(np.exp(z).sum(-1, keepdims=True))
+    return float(-np.take_along_axis(logp, ids[:, 1:, None], -1).mean())
+
+
+@pytest.mark.parametrize("name,expert,tensor", [("mixtral", 4, 2), ("qwen2_moe", 2, 2)])
+def test_loss_on_an_expert_layout_matches_transformers(name, expert, tensor):
+    """Imported straight onto (data, expert, tensor) of the 8 devices and run through the training step's
+    shard_map (tokens reach their experts by all-to-all), the loss of the reference batch (its 2 rows, repeated to
+    fill data × expert) is the cross-entropy of transformers' logits. The load-balancing loss is switched off: it
+    has no counterpart in those logits."""
+    cfg = model_config(FIXTURES / name)
+    cfg = dataclasses.replace(cfg, moe=dataclasses.replace(cfg.moe, aux_loss_coef=0.0))
+    plan = make_plan(cfg, ParallelConfig(expert=expert, tensor=tensor, data=-1), jax.devices())
+    graphdef, abstract = abstract_model(cfg, plan.padded_vocab)
+    params = hf.load_params(FIXTURES / name, cfg, abstract, plan,
+                            param_shardings(abstract, plan.mesh, plan.rules, plan.param_zero_data))
+    step = sharded_loss_and_grads(graphdef, plan, param_specs=param_specs(params, plan.rules, plan.param_zero_data))
+    ids = np.asarray(reference(name)["input_ids"] * 4, np.int32)  # [8, 13]
+    loss, _ = jax.jit(step)(params, jax.device_put(jnp.asarray(ids), plan.batch_sharding))
+    want = cross_entropy(np.tile(load_file(str(FIXTURES / name / "reference_logits.safetensors"))["logits"],
+                                 (4, 1, 1)), ids)
+    assert abs(float(loss) - want) < 2e-5
+
+
+def test_export_loads_in_transformers(tmp_path):
+    """Live round trip where transformers (and torch) are installed: jaxpar's export gives transformers' logits."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    for name in MOE:
+        hf.import_to_workdir(FIXTURES / name, tmp_path / name)
+        hf.export_workdir(tmp_path / name, tmp_path / f"{name}_hf")
+        model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / f"{name}_hf", attn_implementation="eager")
+        with torch.no_grad():
+            logits = model(torch.tensor(reference(name)["input_ids"])).logits.numpy()
+        want = load_file(str(FIXTURES / name / "reference_logits.safetensors"))["logits"]
+        assert np.abs(logits - want).max() < 1e-4, name
+
+
+# -----------------------------------------------------------------------------------------------------------------
+# What jaxpar does not support, or Hugging Face cannot hold: one-line typed errors naming the key or field
+
+
+def _set(**kv):
+    return lambda c: c.update(kv)
+
+
+BAD_CONFIGS = [  # (fixture, edit of config.json's dict, the message)
+    ("mixtral", _set(router_jitter_noise=0.1), r"config\.json: router_jitter_noise = 0\.1: jaxpar's router has no "
+                                               r"jitter"),
+    ("qwen2_moe", _set(decoder_sparse_step=2), r"config\.json: decoder_sparse_step = 2: jaxpar does not support "
+                                               r"mixed dense/MoE stacks yet"),
+    ("qwen2_moe", _set(mlp_only_layers=[1]), r"config\.json: mlp_only_layers = \[1\]: jaxpar does not support mixed "
+                                             r"dense/MoE stacks yet"),
+    ("qwen2_moe", _set(mlp_only_layers="1"), r"config\.json: mlp_only_layers = '1': must be a list of layer indices"),
+    ("qwen2_moe", _set(decoder_sparse_step=0), r"config\.json: decoder_sparse_step = 0: must be > 0$"),
+    ("mixtral", _set(num_experts_per_tok=5), r"config\.json: num_experts_per_tok = 5: must be <= num_local_experts = "
+                                             r"4"),
+    ("qwen2_moe", _set(num_experts_per_tok=5), r"config\.json: num_experts_per_tok = 5: must be <= num_experts = 4"),
+    ("mixtral", _set(num_local_experts=0), r"config\.json: num_local_experts = 0: must be > 0$"),
+    ("qwen2_moe", _set(shared_expert_intermediate_size=0), r"config\.json: shared_expert_intermediate_size = 0: must "
+                                                           r"be > 0$"),
+    ("qwen2_moe", _set(norm_topk_prob="no"), r"config\.json: norm_topk_prob = 'no': must be true or false$"),
+    ("qwen2_moe", _set(moe_intermediate_size=None), r"config\.json: no 'moe_intermediate_size', which a qwen2_moe "
+                                                    r"model needs"),
+    ("mixtral", _set(router_aux_loss_coef=-1), r"config\.json: router_aux_loss_coef = -1\.0: must be"),
+]
+
+
+def _case_id(name: str, message: str) -> str:  # "mixtral: router_jitter_noise = 0.1"
+    return f"{name}: " + re.sub(r"\\(.)", r"\1", message).split("config.json: ")[1].split(":")[0].rstrip("$")
+
+
+@pytest.mark.parametrize("name,edit,message", BAD_CONFIGS, ids=[_case_id(n, m) for n, _, m in BAD_CONFIGS])
+def test_bad_moe_config_json_is_a_one_line_error_naming_the_key(tmp_path, name, edit, message):
+    config = json.loads((FIXTURES / name / "config.json").read_text())
+    edit(config)
+    with pytest.raises(hf.HFError) as info:
+        hf.model_config(config, tmp_path)
+    assert "\n" not in str(info.value) and re.search(message, str(info.value)), str(info.value)
+
+
+def test_export_refuses_what_neither_architecture_holds():
+    mixtral, qwen = model_config(FIXTURES / "mixtral"), model_config(FIXTURES / "qwen2_moe")
+    cases = [(dataclasses.replace(qwen, moe=dataclasses.replace(qwen.moe, shared_gate=False)), "moe.shared_gate"),
+             (dataclasses.replace(mixtral, qkv_bias=True), "model.qkv_bias"),
+             (dataclasses.replace(mixtral, moe=dataclasses.replace(mixtral.moe, norm_topk_prob=False)),
+              "moe.norm_topk_prob")]
+    for cfg, field in cases:
+        with pytest.raises(ConfigError) as info:
+            hf.hf_config(cfg)
+        assert info.value.field == field
