@@ -8,6 +8,8 @@ analysis compares compiled programs against too):
     q, k, v projections   2·h·E·(a + 2K)          (GQA: k and v are K heads wide, not a)
     output projection     2·a·E·h
     MLP                   2·h·F·n, n = the family's D×F matrices (llama's SwiGLU: gate, up, down = 3; gpt2: 2)
+    MoE MLP (active)      2·h·X (router) + 3·2·h·(k·F_e + F_s) (k experts and the shared one, SwiGLU) + 2·h (the
+                          shared expert's score): the active parameters, as 6·N_active counts them
     attention             2·a·E·c (scores q·kᵀ) + 2·a·E·c (probabilities · v) = 4·a·E·c
 
 where c is the number of keys a query attends to, averaged over the sequence. And once per token, the LM head
@@ -134,8 +136,14 @@ def layer_forward_flops(cfg: ModelConfig, keys: float, tensor: int = 1) -> Layer
     one it attends with). `keys`: how many keys each query's attention costs. tensor = 1 is the whole layer."""
     h, E, F, t = cfg.d_model, cfg.head_dim, cfg.d_ff, tensor
     a, K = cfg.n_heads / t, max(cfg.n_kv_heads / t, 1)
-    down = 2 * F / t * h
-    dense = 2 * h * E * (a + 2 * K) + 2 * a * E * h + family(cfg).mlp_matrices(cfg) * 2 * h * F / t
+    if cfg.moe.enabled:  # the *active* MLP: the router, k experts, the shared expert and its score
+        m = cfg.moe
+        down = 2 * (m.top_k * m.d_ff + m.shared_d_ff) / t * h
+        mlp = 2 * h * m.n_experts + 3 * down + (2 * h if m.shared_gate else 0)
+    else:
+        down = 2 * F / t * h
+        mlp = family(cfg).mlp_matrices(cfg) * 2 * h * F / t
+    dense = 2 * h * E * (a + 2 * K) + 2 * a * E * h + mlp
     return LayerFlops(dense=dense, attention=4 * a * E * keys, down_projection=down)
 
 

@@ -177,3 +177,44 @@ def test_expert_bytes_follow_the_formula(layout):
         want = expected.expert_bytes(config.resolve_for_devices(8))
         assert want["rows"] == want["balanced"] and want["total"] == want["rows"] + want["counts"]
     assert "expert ep=" in format_table(report)
+
+
+def test_flops_count_active_parameters():
+    """FLOPs per token count the active parameters: 6·N_active + attention, where N_active holds the router, k of
+    the X experts and the shared expert (the MoE holds X/k times the routed experts' weights)."""
+    from jaxpar import flops
+    from jaxpar.model import count_params
+
+    cfg = ModelConfig(**MODEL, moe=MoEConfig(**MOE))
+    m, L, h = cfg.moe, cfg.n_layers, cfg.d_model
+    experts = L * m.n_experts * 3 * h * m.d_ff
+    active = count_params(cfg) - experts * (m.n_experts - m.top_k) / m.n_experts
+    norms = L * 2 * h + h  # no matmul FLOPs
+    fwd = flops.forward_flops_per_token(cfg, 12, keys=0.0)
+    assert fwd.total == pytest.approx(2 * (active - norms - cfg.vocab_size * h))  # the embedding is a lookup
+    dense = ModelConfig(**MODEL)
+    assert flops.forward_flops_per_token(dense, 12).attention == flops.forward_flops_per_token(cfg, 12).attention
+
+
+def test_fit_logs_expert_load(tmp_path):
+    """`fit` on (pipe, expert, tensor) = (2, 2, 2) logs the MoE statistics: per-expert load over every row and
+    layer (summing to batch·seq_len·k·L assignments), its imbalance max/mean, the dropped share (0 dropless) and
+    the aux and z-losses, in metrics.jsonl."""
+    import json
+
+    from jaxpar.config import load_config
+    from jaxpar.train import fit
+
+    overrides = ["moe.n_experts=4", "moe.top_k=2", "moe.d_ff=16", "model.d_model=24", "model.n_heads=2",
+                 "model.n_kv_heads=2", "model.n_layers=4", "parallel.expert=2", "train.batch_size=8",
+                 "train.seq_len=16", "train.steps=2", "train.log_every=1", "train.eval_every=0",
+                 "train.eval_batches=1", "data.source=synthetic"]
+    config = load_config("configs/moe_tiny.py", overrides)
+    fit(config, tmp_path, progress=False)
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2]
+    for r in rows:
+        load = np.array(r["moe_load"])
+        assert load.shape == (4,) and load.sum() == 8 * 16 * 2 * 4
+        assert r["moe_imbalance"] == pytest.approx(load.max() / load.mean()) and r["moe_imbalance"] >= 1
+        assert r["moe_dropped"] == 0.0 and r["moe_aux_loss"] > 0 and r["moe_z_loss"] > 0
