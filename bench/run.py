@@ -26,6 +26,9 @@ Sections (each device count runs in its own subprocess: the simulated device cou
 6. context parallelism (bench/context.py) at equal devices: all-gather K/V and ring attention at context 2 and 8
    against context 1 — the step's compiled temporaries for one 2048-token sequence per data shard (about 1/c), and
    the step time for 8 such sequences, interleaved rounds, medians (`--quick`: 1024 tokens).
+7. mixture of experts (bench/moe.py): the MoE step (8 experts of width 96, top 2, dropless) at expert × tensor
+   = 1×1, 2×1, 8×1 and 2×2 against the dense model of equal active parameters (one SwiGLU of width 192) at data 8,
+   interleaved rounds, medians: the dispatch's and XLA:CPU's masked ragged_dot's overhead.
 Simulated devices share the host's cores: section 2 shows each layout's overhead, not a speed-up. Sections 1–3
 take about 1.5 minutes on an idle 2-core machine (3–4 under load), `--quick` a little over 1; section 4 about 6
 minutes per round without MaxText and 10 with it (`--versus-repeats 0` or `--quick` skips it).
@@ -207,6 +210,18 @@ def context(rounds: int, seq_len: int) -> None:
              f"{seq_len}-token sequence per shard ({m['vs_first']:.3f} of context 1, 1/c = {m['ideal']:.3f})")
 
 
+def moe(rounds: int) -> None:
+    """Section 7 (8 devices)."""
+    from bench.moe import time_rows
+
+    rows = time_rows([(1, 1), (2, 1), (8, 1), (2, 2)], steps=2, rounds=rounds, capacity=0.0)
+    dense = rows[0]
+    for r in rows[1:]:
+        emit("moe", f"MoE {r['layout']} (data {r['data']})", f"{r['step_ms']:.1f} ms", f"{dense['step_ms']:.1f} ms",
+             r["dense_over_this"], f"dense step / this, equal active parameters; {r['tokens_per_s']:.0f} tokens/s "
+             f"against dense data 8's {dense['tokens_per_s']:.0f}")
+
+
 def versus_rows(repeats: int) -> list[dict]:
     """Section 4: bench/versus.py's table as rows (it runs its own processes, one per measurement)."""
     cmd = [sys.executable, str(ROOT / "bench" / "versus.py"), "--repeats", str(repeats), "--plain", "--format",
@@ -278,7 +293,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=None, help="interleaved rounds, section 1 (default 15, quick 5)")
     parser.add_argument("--versus-repeats", type=int, default=1,
                         help="rounds of section 4, whole processes against plain jit and MaxText (0: skip)")
-    parser.add_argument("--worker", choices=("single", "layouts", "schedules", "context"), help=argparse.SUPPRESS)
+    parser.add_argument("--worker", choices=("single", "layouts", "schedules", "context", "moe"),
+                        help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     args.steps = args.steps or 2
     args.repeats = args.repeats or (5 if args.quick else 15)
@@ -294,9 +310,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.worker == "context":
         context(2 if args.quick else 3, 1024 if args.quick else 2048)
         return 0
+    if args.worker == "moe":
+        moe(2 if args.quick else 3)
+        return 0
     start = time.perf_counter()
     rows = _worker("single", None, args) + _worker("layouts", 8, args) + _worker("schedules", 8, args) \
-        + _worker("context", 8, args)
+        + _worker("context", 8, args) + _worker("moe", 8, args)
     if args.versus_repeats > 0 and not args.quick:
         rows += versus_rows(args.versus_repeats)
     print(format_table(rows))
