@@ -26,9 +26,9 @@ def get_config() -> ml_collections.ConfigDict:
     config.model.vocab_size = 256  # one id per byte (the byte tokenizer)
     config.model.d_model = 128  # residual width h; head_dim 32
     config.model.n_layers = 4  # every layer an MoE layer
-    config.model.n_heads = 4
-    config.model.n_kv_heads = 2
-    config.model.max_seq_len = 256
+    config.model.n_heads = 4  # query heads; 2 per tensor shard
+    config.model.n_kv_heads = 2  # GQA: 1 kv head per tensor shard
+    config.model.max_seq_len = 256  # twice train.seq_len, for sampling past it
 
     config.moe = ml_collections.ConfigDict()
     config.moe.n_experts = 8  # routed experts per layer, split over 'expert'
@@ -39,23 +39,23 @@ def get_config() -> ml_collections.ConfigDict:
 
     config.parallel = ml_collections.ConfigDict()
     config.parallel.data = -1  # fill: 1 on 8 devices
-    config.parallel.pipe = 2
+    config.parallel.pipe = 2  # circular pipeline over 2 stages
     config.parallel.expert = 2  # 4 experts per expert rank; its ranks are data-parallel outside the MoE layers
     config.parallel.tensor = 2  # each expert's 176 columns split 88 + 88
     config.parallel.repeats = 2  # 4 layers = 2 stages * 2 passes * 1 layer
-    config.parallel.microbatches = 4
+    config.parallel.microbatches = 4  # 16 rows per (data, expert) rank -> 4 microbatches of 4
 
     config.train = ml_collections.ConfigDict()
-    config.train.batch_size = 32
-    config.train.seq_len = 128
+    config.train.batch_size = 32  # global sequences per step: 4,096 tokens
+    config.train.seq_len = 128  # tokens per sequence
     config.train.steps = 600  # tiny's schedule, for the side-by-side curve
-    config.train.lr = 3e-3
-    config.train.warmup_steps = 50
-    config.train.log_every = 10
-    config.train.eval_every = 100
+    config.train.lr = 3e-3  # tiny's peak lr
+    config.train.warmup_steps = 50  # linear warmup, then cosine
+    config.train.log_every = 10  # a metrics.jsonl line (with the expert load) every 10 steps
+    config.train.eval_every = 100  # held-out loss 6 times per run
 
     config.data = ml_collections.ConfigDict()
-    config.data.source = "default"
-    config.data.tokenizer = "bytes"
+    config.data.source = "default"  # the embedded corpus
+    config.data.tokenizer = "bytes"  # raw UTF-8 bytes, vocab 256
 
     return config

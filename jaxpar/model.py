@@ -39,7 +39,6 @@ from flax import nnx
 from jaxpar.config import ModelConfig
 from jaxpar.families import Param, family
 from jaxpar.parallel.context import SINGLE_DEVICE, Parallel
-from jaxpar.parallel.expert import capacity, route
 from jaxpar.parallel.tensor import NEG_INF
 from jaxpar.parallel.weightgrad import MEASURE, RECORD, Tape
 from jaxpar.sharding import constrain
@@ -373,19 +372,18 @@ def moe(p: dict[str, Array], h: Array, cfg: ModelConfig, par: Parallel = SINGLE_
     router [D, X]; we_gate, we_up [X, D, F_e]; we_down [X, F_e, D] (X/ep local experts, F_e/t local columns);
     ws_* the shared expert. Statistics, summed over the B rows: `aux` (load-balancing loss) and `z` (z-loss),
     which the step adds to the objective (`moe_objective`), `load` [X] (assignments per expert) and `dropped`."""
-    m, (B, T, _) = cfg.moe, h.shape
-    logits = par.dot("btd,dx->btx", h, p["router"])  # [B, T, X] float32, every tensor rank the same
-    routing = route(logits, m.top_k, m.norm_topk_prob, m.capacity_factor)
+    m = cfg.moe
+    logits = par.dot("btd,dx->btx", h, p["router"])  # [B, T, X] float32 (T/t under SP)
+    routing = par.route(logits, m.top_k, m.norm_topk_prob, m.capacity_factor)
     ffn = functools.partial(grouped_swiglu, dot=par.dot, dtype=cfg.dtype)
-    out = par.experts(h, routing, (p["we_gate"], p["we_up"], p["we_down"]), ffn,
-                      capacity(T, m.top_k, m.n_experts, m.capacity_factor))
+    out = par.experts(h, routing, (p["we_gate"], p["we_up"], p["we_down"]), ffn, m.capacity_factor)
     if "ws_gate" in p:  # the shared expert: a dense SwiGLU every token passes
         gate, up = par.column(h, (p["ws_gate"], p["ws_up"]), ("btd,df->btf", "btd,df->btf"))
         shared = par.row((jax.nn.silu(gate) * up).astype(cfg.dtype), p["ws_down"], "btf,fd->btd")
         if "ws_score" in p:
             shared = shared * jax.nn.sigmoid(par.dot("btd,d->bt", h, p["ws_score"]))[..., None]
         out = out + shared
-    stats = dict(aux=routing.aux, z=routing.z, load=routing.load.sum(0), dropped=routing.dropped)
+    stats = dict(aux=routing.aux, z=routing.z, load=routing.load.sum(0), dropped=routing.dropped)  # whole rows
     return out, stats
 
 

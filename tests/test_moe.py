@@ -137,18 +137,22 @@ def reference(request):
     return (request.param, cfg, batch, *single_device(cfg, batch))
 
 
-LAYOUTS = [  # (pipe, expert, tensor, microbatches); data fills the 8 devices
-    (1, 1, 1, 1), (1, 2, 1, 1), (1, 4, 1, 1), (1, 8, 1, 1), (1, 1, 2, 1), (1, 2, 2, 1), (1, 4, 2, 1),
-    (2, 2, 2, 2), (2, 4, 1, 4), (2, 1, 2, 2)]
+LAYOUTS = [  # (pipe, expert, tensor, microbatches, sequence_parallel); data fills the 8 devices
+    (1, 1, 1, 1, False), (1, 2, 1, 1, False), (1, 4, 1, 1, False), (1, 8, 1, 1, False), (1, 1, 2, 1, False),
+    (1, 2, 2, 1, False), (1, 4, 2, 1, False), (1, 2, 2, 1, True), (1, 1, 2, 1, True),
+    (2, 2, 2, 2, False), (2, 4, 1, 4, False), (2, 1, 2, 2, False), (2, 2, 2, 2, True)]
 
 
-@pytest.mark.parametrize("pipe,expert,tensor,microbatches", LAYOUTS, ids=lambda x: str(x))
-def test_moe_model_matches_reference(reference, pipe, expert, tensor, microbatches):
-    """Loss and every gradient of the MoE model on (data, pipe, expert, tensor) equal the single-device model's."""
+@pytest.mark.parametrize("pipe,expert,tensor,microbatches,sp", LAYOUTS, ids=lambda x: str(x))
+def test_moe_model_matches_reference(reference, pipe, expert, tensor, microbatches, sp):
+    """Loss and every gradient of the MoE model on (data, pipe, expert, tensor) ± sequence parallelism equal the
+    single-device model's."""
     name, cfg, batch, params, want_loss, want_grads = reference
-    if name == "capacity" and (pipe, expert, tensor) not in [(1, 8, 1), (1, 2, 2), (2, 4, 1)]:
-        pytest.skip("capacity runs three layouts (the dispatch code is the dropless one with a smaller chunk)")
-    parallel = ParallelConfig(pipe=pipe, expert=expert, tensor=tensor, microbatches=microbatches)
+    if name == "capacity" and (pipe, expert, tensor, sp) not in [(1, 8, 1, False), (1, 2, 2, False), (2, 4, 1, False),
+                                                                 (1, 1, 2, True), (2, 2, 2, True)]:
+        pytest.skip("capacity runs five layouts (the dispatch code is the dropless one with a smaller chunk)")
+    parallel = ParallelConfig(pipe=pipe, expert=expert, tensor=tensor, microbatches=microbatches,
+                              sequence_parallel=sp)
     loss, grads = on_layout(cfg, params, batch, parallel)
     np.testing.assert_allclose(loss, want_loss, rtol=1e-5)
     assert_grads_match(grads, want_grads)

@@ -11,6 +11,7 @@ The model (jaxpar.model) speaks logical axes and calls these methods where a par
     attention           attention of local queries over keys that may be sharded (context parallelism:
                         all-gather K/V around the same local kernel, jaxpar.parallel.context_parallel)
     context_shard       this rank's part of a full-sequence array (context parallelism's zigzag chunks)
+    route               an MoE layer's routing of its tokens (its row statistics summed over sequence shards)
     experts             an MoE layer's experts on its routed tokens: dispatch (an all-to-all over `expert` when
                         the experts are split), grouped matmuls, combine (jaxpar.parallel.expert)
 
@@ -28,6 +29,7 @@ The plan (jaxpar.parallel.plan: `plan.parallel`) builds the context once per mod
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Callable, Sequence
 
 import jax
@@ -35,7 +37,8 @@ import jax.numpy as jnp
 
 from jaxpar.matmul import PLAIN, Einsum
 from jaxpar.parallel.context_parallel import ContextParallel
-from jaxpar.parallel.expert import ExpertParallel, GroupedFFN, Routing
+from jaxpar.parallel.expert import ExpertParallel, GroupedFFN, Routing, route
+from jaxpar.parallel.sequence import local_gather
 from jaxpar.parallel.tensor import TensorParallel, vocab_parallel_cross_entropy
 from jaxpar.parallel.weightgrad import Tape
 
@@ -118,14 +121,28 @@ class Parallel:
             return self.context.attention(kernel, q, k, v, mask)
         return kernel(q, k, v, mask)
 
-    def experts(self, h: Array, routing: Routing, weights: Sequence[Array], ffn: GroupedFFN, capacity: int) -> Array:
+    def route(self, logits: Array, top_k: int, norm_topk_prob: bool, capacity_factor: float) -> Routing:
+        """An MoE layer's routing of its tokens from router logits [B, T, X] (float32; jaxpar.parallel.expert.route).
+        Under sequence parallelism the tokens are this rank's shard of each row and the row's statistics are summed
+        over the tensor group."""
+        sp = self.tensor is not None and self.tensor.sequence
+        return route(logits, top_k, norm_topk_prob, capacity_factor, self.tensor.axis if sp else None)
+
+    def experts(self, h: Array, routing: Routing, weights: Sequence[Array], ffn: GroupedFFN,
+                capacity_factor: float) -> Array:
         """An MoE layer's routed experts: Σ_j gate_j · FFN_{expert_j}(h) over each token's kept assignments.
-        h [B, T, D] (compute dtype) → float32 [B, T, D], rounded to the compute dtype once like `row`. weights
-        [X_local, …] each, `ffn` the experts' grouped computation (jaxpar.parallel.expert.GroupedFFN). Under tensor
-        parallelism this is a region like an MLP's: f in, each rank its slice of every expert, g out."""
+        h [B, T, D] (compute dtype; T/t under SP) → float32 [B, T, D], rounded to the compute dtype once like `row`.
+        weights [X_local, …] each, `ffn` the experts' grouped computation (jaxpar.parallel.expert.GroupedFFN).
+        Under tensor parallelism this is a region like an MLP's: f in (under SP: the tokens and their routing
+        gathered), each rank its slice of every expert, g out (under SP: reduce-scattered)."""
         if self.tensor is None:
-            return self.expert.run(h, routing, weights, ffn, capacity).astype(h.dtype).astype(jnp.float32)
-        partial = self.expert.run(self.tensor.enter(h), routing, weights, ffn, capacity)
+            out = self.expert.run(h, routing, weights, ffn, capacity_factor)
+            return out.astype(h.dtype).astype(jnp.float32)
+        if self.tensor.sequence:
+            gather = functools.partial(local_gather, axis=self.tensor.axis)
+            routing = dataclasses.replace(routing, experts=gather(routing.experts), gates=gather(routing.gates),
+                                          keep=gather(routing.keep))
+        partial = self.expert.run(self.tensor.enter(h), routing, weights, ffn, capacity_factor)
         return self.tensor.exit(partial.astype(h.dtype)).astype(jnp.float32)
 
     def context_shard(self, x: Array) -> Array:

@@ -79,6 +79,8 @@ class Routing:
     load    [B, X]    int32   assignments each expert received per row, before dropping
     aux     float32 scalar    Σ over rows of the load-balancing loss X·Σ_e f_e·P_e
     z       float32 scalar    Σ over rows of the z-loss (mean over tokens of logsumexp²)
+    dropped int32 scalar      dropped assignments, Σ over rows of Σ_e max(0, load_e − C)
+    (Under sequence parallelism experts, gates and keep are this rank's tokens'; the rest are whole rows'.)
     """
 
     experts: Array
@@ -87,11 +89,7 @@ class Routing:
     load: Array
     aux: Array
     z: Array
-
-    @property
-    def dropped(self) -> Array:
-        """Dropped assignments, summed over rows: Σ_rows Σ_e max(0, load_e − C)."""
-        return (~self.keep).sum()
+    dropped: Array
 
 
 def capacity(seq_len: int, top_k: int, n_experts: int, capacity_factor: float) -> int:
@@ -99,28 +97,44 @@ def capacity(seq_len: int, top_k: int, n_experts: int, capacity_factor: float) -
     return math.ceil(capacity_factor * seq_len * top_k / n_experts) if capacity_factor > 0 else 0
 
 
-def route(logits: Array, top_k: int, norm_topk_prob: bool, capacity_factor: float) -> Routing:
-    """Routing from router logits [B, T, X] (float32): softmax over all experts, top-k, capacity, loss terms."""
+def route(logits: Array, top_k: int, norm_topk_prob: bool, capacity_factor: float, seq_axis: str | None = None
+          ) -> Routing:
+    """Routing from router logits [B, T, X] (float32): softmax over all experts, top-k, capacity, loss terms.
+
+    seq_axis: under sequence parallelism each rank holds T = S/t tokens of every row, shard r the r-th; the row's
+    statistics (load, P, the z-loss, the queue places of capacity) are then sums over the ranks of `seq_axis`, and
+    come out the same on all of them."""
     B, T, X = logits.shape
+    ranks = jax.lax.axis_size(seq_axis) if seq_axis else 1
+    S = T * ranks  # the row's tokens
+    total = (lambda x: jax.lax.psum(x, seq_axis)) if seq_axis else (lambda x: x)
     probs = jax.nn.softmax(logits, axis=-1)  # [B, T, X]
     top_p, experts = jax.lax.top_k(probs, top_k)  # [B, T, k]
     gates = top_p / top_p.sum(-1, keepdims=True) if norm_topk_prob else top_p
     chosen = jax.nn.one_hot(experts, X, dtype=jnp.int32)  # [B, T, k, X]
-    load = chosen.sum((1, 2))  # [B, X]
-    C = capacity(T, top_k, X, capacity_factor)
+    counts = chosen.sum(1)  # [B, k, X]: this shard's assignments per choice and expert
+    load = total(counts.sum(1))  # [B, X]
+    C = capacity(S, top_k, X, capacity_factor)
     if C:
-        # The place of assignment (t, j) in its expert's queue: the assignments before it in the order (j, t).
-        order = chosen.swapaxes(1, 2).reshape(B, top_k * T, X)  # [B, k·T, X]: first choices, then second, …
-        before = jnp.cumsum(order, axis=1) - order
-        place = (before * order).sum(-1).reshape(B, top_k, T).swapaxes(1, 2)  # [B, T, k]
-        keep = place < C
+        # The place of assignment (t, j) in its expert's queue, in the order (j, t): every assignment of an
+        # earlier choice, then this choice's on earlier shards, then on this shard before token t.
+        row = total(counts)  # [B, k, X]
+        earlier_choices = jnp.cumsum(row, axis=1) - row
+        earlier_shards = 0
+        if seq_axis:
+            shards = jax.lax.all_gather(counts, seq_axis)  # [t, B, k, X]
+            mine = jax.lax.axis_index(seq_axis)
+            earlier_shards = jnp.where((jnp.arange(ranks) < mine)[:, None, None, None], shards, 0).sum(0)
+        earlier_tokens = jnp.cumsum(chosen, axis=1) - chosen  # [B, T, k, X]
+        before = earlier_tokens + (earlier_choices + earlier_shards)[:, None]
+        keep = (before * chosen).sum(-1) < C  # [B, T, k]
     else:
         keep = jnp.ones(experts.shape, bool)
-    f = load / (T * top_k)  # [B, X]: the share of the row's assignments
-    P = probs.mean(1)  # [B, X]
+    f = load / (S * top_k)  # [B, X]: the share of the row's assignments
+    P = total(probs.sum(1)) / S  # [B, X]
     aux = X * (jax.lax.stop_gradient(f) * P).sum()  # f is counts: no gradient (Switch)
-    z = (jax.nn.logsumexp(logits, axis=-1) ** 2).mean(1).sum()
-    return Routing(experts.astype(jnp.int32), gates, keep, load, aux, z)
+    z = total((jax.nn.logsumexp(logits, axis=-1) ** 2).sum(1)).sum() / S
+    return Routing(experts.astype(jnp.int32), gates, keep, load, aux, z, total((~keep).sum()))
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -152,13 +166,15 @@ class ExpertParallel:
     axis: str | None = None
     degree: int = 1
 
-    def run(self, h: Array, routing: Routing, weights: Sequence[Array], ffn: GroupedFFN, capacity: int) -> Array:
-        """Σ_j g_j · FFN_{e_j}(h) for kept assignments. h [B, T, D] (compute dtype) → [B, T, D] float32 (partial
-        sums over `tensor` when the experts' hidden dim is split; the caller closes the region)."""
+    def run(self, h: Array, routing: Routing, weights: Sequence[Array], ffn: GroupedFFN,
+            capacity_factor: float) -> Array:
+        """Σ_j g_j · FFN_{e_j}(h) for kept assignments. h [B, T, D] (compute dtype, whole rows) → [B, T, D] float32
+        (partial sums over `tensor` when the experts' hidden dim is split; the caller closes the region)."""
         B, T, D = h.shape
         k = routing.experts.shape[-1]
         Xl = weights[0].shape[0]  # local experts
         X = Xl * self.degree
+        C = capacity(T, k, X, capacity_factor)
         # Assignments in (token, choice) order; dropped ones sort last (key X).
         keys = jnp.where(routing.keep, routing.experts, X).reshape(-1)  # [A]
         order, inverse = _sort(keys)
@@ -166,7 +182,7 @@ class ExpertParallel:
         if self.degree == 1:
             y = ffn(rows, _group_sizes(keys, X), weights)
         else:
-            S = min(B * Xl * capacity, B * T * min(k, Xl)) if capacity else B * T * min(k, Xl)
+            S = min(B * Xl * C, B * T * min(k, Xl)) if C else B * T * min(k, Xl)
             y = self._exchange(rows, keys[order], Xl, S, weights, ffn)
         y = y[inverse].reshape(B, T, k, D)  # back to (token, choice) order
         gates = jnp.where(routing.keep, routing.gates, 0.0)

@@ -79,6 +79,13 @@ def _gm_bwd(equations, axis, dot, residuals, dys):
 gather_matmuls.defvjp(_gm_fwd, _gm_bwd)
 
 
+def local_gather(x: Array, axis: str) -> Array:
+    """The whole sequence from every rank's shard [B, T/t, …] → [B, T, …]: an all-gather on T, whose gradient (the
+    autodiff transpose) reduce-scatters — for inputs a caller contracts itself (the MoE layer's tokens, its
+    routing)."""
+    return _gather(x, axis)
+
+
 def local_seq(x: Array, axis: str) -> Array:
     """This rank's sequence shard of a replicated full-sequence array [B, T, …] → [B, T/t, …] (no communication)."""
     n = x.shape[SEQ] // jax.lax.axis_size(axis)

@@ -161,11 +161,9 @@ class TensorParallel:
 
     def enter(self, h: Array) -> Array:
         """Enter a region whose matmuls the caller runs itself (the MoE experts' grouped matmuls): f on the
-        replicated input. (Sequence parallelism's entry is fused with its matmuls: `column`.)"""
-        if self.sequence:
-            raise NotImplementedError("sequence parallelism enters a region through `column` (jaxpar.config "
-                                      "refuses it for MoE layers)")
-        return copy_to_tensor(h, self.axis)
+        replicated input, or under SP the all-gather of the sequence shards [B, T/t, …] → [B, T, …] (whose
+        backward reduce-scatters). Unlike `column`, the gathered input is kept for the backward, not re-gathered."""
+        return seq.local_gather(h, self.axis) if self.sequence else copy_to_tensor(h, self.axis)
 
     def exit(self, partial: Array) -> Array:
         """Sum partial results over the tensor group: g, or a reduce-scatter onto sequence shards under SP."""
