@@ -393,10 +393,6 @@ class Config:
             raise ConfigError("parallel.context", p.context, "MoE layers route whole sequences (capacity and the "
                               "load-balancing loss are per sequence), and context parallelism splits them",
                               "set parallel.context=1 for an MoE model")
-        if p.pipe > 1 and p.schedule != "circular":
-            raise ConfigError("parallel.schedule", p.schedule, "the schedule tables split each backward at the "
-                              "matmul groups (B/W), and the experts' grouped matmuls depend on routing the W "
-                              "replay does not see", "use parallel.schedule=circular for an MoE model")
 
     def _check_batch(self, data: int):
         p, t = self.parallel, self.train

@@ -98,8 +98,8 @@ def run_layers(stacked: dict[str, Array], x: Array, positions: Array, mask: Arra
     tape (the pipeline's B/W split, jaxpar.parallel.weightgrad): MEASURE traces layer 0 alone, outside any loop, so
     the tape can trace the weights back to `stacked`'s arrays (→ x). RECORD and REPLAY scan `tape.feed` (leaves
     [n, …]) beside the layers, give each layer a tape of its own and return (x, what the tapes collected, stacked
-    [n, …]): the group inputs (RECORD) or outputs (REPLAY). REPLAY runs no remat (it saves nothing but the inputs
-    it is given).
+    [n, …]) — and the statistics third with `stats`: the group inputs (RECORD) or outputs (REPLAY). REPLAY runs
+    no remat (it saves nothing but the inputs it is given).
 
     Why unroll: each scan iteration is a loop trip whose layer is cut off from its neighbours — XLA cannot fuse or
     schedule across the boundary, and every activation the backward needs is written into a stacked [n, …] buffer
@@ -119,17 +119,23 @@ def run_layers(stacked: dict[str, Array], x: Array, positions: Array, mask: Arra
     def tapped(x, xs):
         layer, feed = xs
         t = Tape(tape.mode, feed)
-        y = block(layer, x, positions, mask, cfg, par.with_tape(t))[0]
-        return y, t.inputs if tape.mode == RECORD else t.outputs
+        y, _, layer_stats = block(layer, x, positions, mask, cfg, par.with_tape(t))
+        return y, (t.inputs if tape.mode == RECORD else t.outputs, layer_stats if stats else None)
 
     if tape is not None:
         body, stacked = tapped, (stacked, tape.feed)
     if remat != "none" and (tape is None or tape.mode == RECORD):
         body = jax.checkpoint(body, policy=REMAT_POLICIES[remat], prevent_cse=False)
     x, collected = jax.lax.scan(body, x, stacked, unroll=unroll)
-    if stats:  # per-layer statistics come out stacked [n, …] (no carry to type under check_vma): sum them
-        return x, jax.tree.map(lambda a: a.sum(0), collected)
-    return x if tape is None else (x, collected)
+    if tape is not None:
+        collected, layer_stats = collected
+    else:
+        collected, layer_stats = None, collected
+    # Per-layer statistics come out stacked [n, …] (no carry to type under check_vma): sum them.
+    summed = jax.tree.map(lambda a: a.sum(0), layer_stats)
+    if tape is None:
+        return (x, summed) if stats else x
+    return (x, collected, summed) if stats else (x, collected)
 
 
 def run_layers_cached(stacked: dict[str, Array], x: Array, positions: Array, mask: Array, cfg: ModelConfig,

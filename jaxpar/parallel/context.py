@@ -134,16 +134,22 @@ class Parallel:
         h [B, T, D] (compute dtype; T/t under SP) → float32 [B, T, D], rounded to the compute dtype once like `row`.
         weights [X_local, …] each, `ffn` the experts' grouped computation (jaxpar.parallel.expert.GroupedFFN).
         Under tensor parallelism this is a region like an MLP's: f in (under SP: the tokens and their routing
-        gathered), each rank its slice of every expert, g out (under SP: reduce-scattered)."""
-        if self.tensor is None:
-            out = self.expert.run(h, routing, weights, ffn, capacity_factor)
-            return out.astype(h.dtype).astype(jnp.float32)
-        if self.tensor.sequence:
-            gather = functools.partial(local_gather, axis=self.tensor.axis)
-            routing = dataclasses.replace(routing, experts=gather(routing.experts), gates=gather(routing.gates),
-                                          keep=gather(routing.keep))
-        partial = self.expert.run(self.tensor.enter(h), routing, weights, ffn, capacity_factor)
-        return self.tensor.exit(partial.astype(h.dtype)).astype(jnp.float32)
+        gathered), each rank its slice of every expert, g out (under SP: reduce-scattered). For a tape (the B/W
+        split) the group's input is the tokens with their routing: W replays the experts on the same assignments."""
+        def group(inputs, weights):  # one matmul group for the tape: its input is the tokens and their routing
+            h, experts, gates, keep = inputs
+            routed = dataclasses.replace(routing, experts=experts, gates=gates, keep=keep)
+            if self.tensor is None:
+                out = self.expert.run(h, routed, weights, ffn, capacity_factor)
+                return [out.astype(h.dtype).astype(jnp.float32)]
+            if self.tensor.sequence:
+                gather = functools.partial(local_gather, axis=self.tensor.axis)
+                routed = dataclasses.replace(routed, experts=gather(experts), gates=gather(gates), keep=gather(keep))
+            partial = self.expert.run(self.tensor.enter(h), routed, weights, ffn, capacity_factor)
+            return [self.tensor.exit(partial.astype(h.dtype)).astype(jnp.float32)]
+
+        inputs = (h, routing.experts, routing.gates, routing.keep)
+        return (group(inputs, weights) if self.tape is None else self.tape.group(inputs, weights, group))[0]
 
     def context_shard(self, x: Array) -> Array:
         """This rank's part of a full-sequence array [B, S, …] under context parallelism (→ [B, S/c, …]); x itself

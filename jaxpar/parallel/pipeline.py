@@ -275,12 +275,34 @@ def _split_residuals(vjp_fn, known, probes):
     return treedef, kinds, leaves
 
 
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def add_to_objective(y: Array, term: Array, weight: float) -> Array:
+    """y, unchanged; in the backward pass `term` receives the gradient `weight`, as if weight·term had been added to
+    the objective. The executor differentiates each chunk from its output's gradient alone (no loss is carried
+    through the ticks), so a chunk's own objective term — the MoE layers' load-balancing and z-losses of one
+    microbatch, weight 1/m like its loss — enters the gradients this way (Megatron's MoEAuxLossAutoScaler). The
+    executor runs no bubble work, so every attached term belongs to a real microbatch."""
+    return y
+
+
+def _add_fwd(y, term, weight):
+    return y, term
+
+
+def _add_bwd(weight, term, dy):
+    return dy, jnp.zeros_like(term) + jnp.asarray(weight, term.dtype)
+
+
+add_to_objective.defvjp(_add_fwd, _add_bwd)
+
+
 def execute(program: Program, chunk_fn: Callable, layers, rest, tokens: Array, targets: Array, embed_fn: Callable,
             head_loss_fn: Callable, *, axis: str = "pipe", operand: Callable[[Array], Array] = lambda w: w):
     """Run a schedule's ticks on this stage. Call inside shard_map with `axis` bound.
 
     chunk_fn(chunk_params, x [mb, …], tape=None) → [mb, …]: one chunk's k layers; with a tape
-    (jaxpar.parallel.weightgrad), as `jaxpar.model.run_layers` runs them with one.
+    (jaxpar.parallel.weightgrad), as `jaxpar.model.run_layers` runs them with one. A chunk that adds a term of its
+    own to the objective (the MoE layers' aux losses) attaches it to y with `add_to_objective`.
     layers: pytree, leaves [v, …]: this stage's chunks in increasing chunk order (`Program.local`).
     rest: the parameters outside the chunks (embedding, final norm, head), held whole by every stage.
     tokens, targets: int [m, mb, T]: every microbatch's inputs and next-token targets.
@@ -337,7 +359,9 @@ def execute(program: Program, chunk_fn: Callable, layers, rest, tokens: Array, t
                          "executor's W has no weight gradients to derive")
     k = param_leaves[0].shape[0]
     probe_ref = [[like(jnp.zeros((k, *y.shape), y.dtype), y) for y in ys] for ys in measured.outputs]
-    tape_ref = [like(jnp.zeros((k, *x.shape), x.dtype), x) for x in measured.inputs]
+    # the groups' inputs, flat (a group's input may be a pytree: the MoE experts' tokens and routing)
+    tape_leaves, tape_def = jax.tree.flatten(measured.inputs)
+    tape_ref = [like(jnp.zeros((k, *x.shape), x.dtype), x) for x in tape_leaves]
     dys_ref, dys_def = jax.tree.flatten(probe_ref)
 
     def part(params, matmul: bool) -> list:
@@ -405,7 +429,7 @@ def execute(program: Program, chunk_fn: Callable, layers, rest, tokens: Array, t
 
         loss, d_rest, msg = jax.lax.cond(g["last"] == 1, head, no_head, y)
         _, _, dys, _, d_chunk, _, _ = nothing()
-        return stash, [like(a, r) for a, r in zip(inputs, tape_ref)], dys, msg, d_chunk, d_rest, loss
+        return stash, [like(a, r) for a, r in zip(jax.tree.leaves(inputs), tape_ref)], dys, msg, d_chunk, d_rest, loss
 
     def input_grads(g, params_r, inbox, stash_buf):
         """B: from the stash and the output gradient in the inbox."""
@@ -428,7 +452,8 @@ def execute(program: Program, chunk_fn: Callable, layers, rest, tokens: Array, t
         others = part(params_r, False)
 
         def replay(weights):
-            return chunk_fn(join(weights, others), zeros(msg_ref), Tape(REPLAY, [b[g["tape"]] for b in tape_buf]))[1]
+            feed = jax.tree.unflatten(tape_def, [b[g["tape"]] for b in tape_buf])
+            return chunk_fn(join(weights, others), zeros(msg_ref), Tape(REPLAY, feed))[1]
 
         _, vjp_w = jax.vjp(replay, part(params_r, True))
         (d_weights,) = vjp_w(jax.tree.unflatten(dys_def, [b[g["dys"]] for b in dys_buf]))

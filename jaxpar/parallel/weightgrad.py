@@ -24,6 +24,9 @@ chunk in one of three modes:
              the re-gather of the input and of a row group's output gradient), so the gradients are the same
              numbers. Everything else the replayed layer computes is dead code, which XLA drops.
 
+A group's input may be a pytree: the MoE experts' group takes (tokens, chosen experts, gates, kept), so W replays
+the grouped matmuls on the very assignments F routed.
+
 The probe sits on the group's output as the model receives it (after a row group's g or reduce-scatter), so a group
 is one function of (input, weights) whatever the tensor layout, and the same code taps the plain, tensor-parallel
 and sequence-parallel paths.
@@ -52,7 +55,7 @@ class Tape:
         if mode not in (MEASURE, RECORD, REPLAY):
             raise ValueError(f"Tape mode {mode!r}: expected one of {MEASURE}, {RECORD}, {REPLAY}")
         self.mode, self.feed = mode, feed
-        self.inputs: list[Array] = []
+        self.inputs: list = []  # per group: an array, or a pytree of them
         self.outputs: list[list[Array]] = []
         self.weights: list[Array] = []
         self._source: dict[int, tuple[Array, Array]] = {}  # id(derived) → (derived, source): the pair keeps ids live
@@ -69,8 +72,7 @@ class Tape:
             w = self._source[id(w)][1]
         return w
 
-    def group(self, x: Array, weights: Sequence[Array], fn: Callable[[Array, Sequence[Array]], list[Array]]
-              ) -> list[Array]:
+    def group(self, x, weights: Sequence[Array], fn: Callable[[object, Sequence[Array]], list[Array]]) -> list[Array]:
         """One matmul group: fn(x, weights) → its outputs, run as the mode says (see the module docstring)."""
         i = len(self.inputs)
         if self.mode == REPLAY:

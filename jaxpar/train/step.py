@@ -36,6 +36,7 @@ from jaxpar.parallel.pipeline import Pipeline
 from jaxpar.parallel.plan import Plan, batch_sharding
 from jaxpar.parallel.context import SINGLE_DEVICE, Parallel
 from jaxpar.parallel.vma import vary
+from jaxpar.parallel.weightgrad import RECORD
 from jaxpar.sharding import constrain
 from jaxpar.train.state import TrainState
 
@@ -119,8 +120,13 @@ def scheduled_loss_and_grads(graphdef: nnx.GraphDef, params: nnx.State, batch: j
     layers = jax.tree.map(lambda a: a.reshape(v, a.shape[0] // v, *a.shape[1:]), blocks["blocks"])
 
     def chunk_fn(chunk: nnx.State, x: jax.Array, tape=None):
-        return run_layers({name: var[...] for name, var in chunk.items()}, x, positions, mask, cfg, remat=remat,
-                          par=par, tape=tape)
+        stacked = {name: var[...] for name, var in chunk.items()}
+        if tape is None or tape.mode != RECORD or not cfg.moe.enabled:
+            return run_layers(stacked, x, positions, mask, cfg, remat=remat, par=par, tape=tape)
+        # F of an MoE chunk: its layers' aux losses over this microbatch join the objective like its loss (1/m)
+        y, collected, stats = run_layers(stacked, x, positions, mask, cfg, remat=remat, par=par, tape=tape,
+                                         stats=True)
+        return pipeline.add_to_objective(y, moe_objective(stats, cfg, x.shape[0]), 1.0 / m), collected
 
     def embed_fn(r: nnx.State, tokens: jax.Array) -> jax.Array:
         return nnx.merge(graphdef, r, blocks).embed_tokens(tokens, positions, par)
