@@ -164,11 +164,13 @@ def test_moe_model_matches_reference(reference, pipe, expert, tensor, microbatch
 @pytest.mark.parametrize("layout", ["parallel.expert=4 parallel.tensor=2 moe.capacity_factor=1.0",
                                     "parallel.expert=8",
                                     "parallel.expert=2 parallel.pipe=2 parallel.tensor=2 parallel.microbatches=2 "
-                                    "moe.capacity_factor=1.0"])
+                                    "parallel.sequence_parallel=true moe.capacity_factor=1.0"])
 def test_expert_bytes_follow_the_formula(layout):
     """From the compiled train step: all-to-all bytes on `expert` = `expected.expert_bytes` (dispatch + combine,
     forward and backward, plus the counts) exactly; with cf = 1 and T·k/X whole, the row bytes are DESIGN's
-    2·(ep−1)/ep·N·k·h·β each way. `jaxpar analyze` reports the same section."""
+    2·(ep−1)/ep·N·k·h·β each way; tensor-axis bytes = Megatron's count plus the shared expert's region and the
+    routing's (the gates' gradient all-reduce; under SP the row statistics and the routing's gathers). `jaxpar
+    analyze` reports the same section."""
     from jaxpar.analysis import expected
     from jaxpar.analysis.report import analyze, format_table
     from jaxpar.config import load_config
@@ -180,6 +182,8 @@ def test_expert_bytes_follow_the_formula(layout):
     report = analyze(config, activations=False)
     ex = report["expert"]
     assert ex["sent_bytes"] == ex["expected_sent_bytes"] > 0
+    if config.parallel.tensor > 1:  # the shared expert's and the routing's tensor traffic (expected.moe_tensor_bytes)
+        assert report["ratio"]["tensor_sent_bytes"] == pytest.approx(1.0)
     if config.moe.capacity_factor == 1.0:  # the rows are exactly the formula; the int32 counts come beside them
         want = expected.expert_bytes(config.resolve_for_devices(8))
         assert want["rows"] == want["balanced"] and want["total"] == want["rows"] + want["counts"]

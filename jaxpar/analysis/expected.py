@@ -95,8 +95,37 @@ def tensor_bytes(config: Config, padded_vocab: int) -> dict[str, float]:
         per_exec += per_layer * 4
         per_chunk += outside * 4
     out["param_grads"] = 2 * (t - 1) / t * (d["layer_execs"] * per_exec + d["A"] * per_chunk)
+    out["moe"] = d["layer_execs"] * moe_tensor_bytes(config, d)
     out["total"] = sum(out.values())
     return out
+
+
+def moe_tensor_bytes(config: Config, d: dict) -> float:
+    """Tensor-axis bytes one MoE layer application adds to the layer formula (whose MLP region the routed experts
+    stand in for; 0 for a dense model). A shared expert is a second MLP region: 4 half-units of N·h·β (f and g,
+    forward and backward; under SP its backward re-gather of the input is the routed experts' kept gather, which
+    XLA shares). Every tensor rank routes the same tokens outside the experts' region and the gates [N, k] enter it, so their
+    float32 gradient is all-reduced in the backward: 2(t−1)/t·N·k·4. Under SP each rank routes its N/t tokens:
+    the row statistics are all-reduced forward (load [b, X] int32, Σp [b, X] and the z-loss [b] float32; the
+    dropped count is a scalar, reported apart), with capacity also the per-choice counts (all-reduced and
+    all-gathered, [b, k, X] int32), and the routing enters the region by all-gathers (experts int32, gates float32
+    and, with capacity, keep bool — dropless it is a constant XLA folds: 9 or 8 bytes an assignment) whose gates
+    come back reduce-scattered (4) — and the tokens' gather is kept for the backward rather than done
+    again (the layer formula's SP re-gather of the MLP input, (t−1)/t·N·h·β, does not happen: negative here)."""
+    moe, t = config.moe, d["t"]
+    if not moe.enabled or t == 1:
+        return 0.0
+    N, k, X = d["tokens_per_exec"], moe.top_k, moe.n_experts
+    shared = 4 * (t - 1) / t * N * d["h"] * d["beta"] if moe.shared_d_ff else 0.0
+    if not d["sp"]:
+        return shared + 2 * (t - 1) / t * N * k * 4
+    b = N // d["s"]
+    reduce = 2 * (t - 1) / t
+    stats = reduce * (b * X * 4 + b * X * 4 + b * 4)
+    if moe.capacity_factor:
+        stats += reduce * b * k * X * 4 + (t - 1) * b * k * X * 4
+    gathered = 9 if moe.capacity_factor else 8
+    return shared + stats + (t - 1) / t * N * k * (gathered + 4) - (t - 1) / t * N * d["h"] * d["beta"]
 
 
 def tensor_replicated_floats(model) -> tuple[int, int]:

@@ -135,6 +135,11 @@ def _size(leaves) -> tuple[int, int]:
     return sum(elements), sum(bits) // 8
 
 
+def scalar_bytes(shape: str) -> int:
+    """Bytes of the rank-0 leaves of a (possibly tuple, XLA-combined) shape."""
+    return _size([leaf for leaf in _leaves(shape) if not leaf[1]])[1]
+
+
 def _shape_text(leaves) -> str:
     text = [f"{dt}[{','.join(map(str, dims))}]" for dt, dims in leaves]
     return text[0] if len(text) == 1 else f"({', '.join(text)})"

@@ -24,7 +24,7 @@ import re
 import jax
 import jax.numpy as jnp
 from jaxpar.analysis import expected
-from jaxpar.analysis.hlo import (branch_flops, collective_summary, collectives, cost, dot_flops,
+from jaxpar.analysis.hlo import (branch_flops, collective_summary, collectives, cost, dot_flops, scalar_bytes,
                                  loop_carried_permutes, memory)
 from jaxpar.config import Config
 from jaxpar.parallel import context_parallel as cp, expert, pipeline, schedule
@@ -78,9 +78,12 @@ def analyze(config: Config, devices: list | None = None, *, activations: bool = 
     cols = collectives(compiled, mesh)
     # Scalar-only reductions on the tensor axis are the optimizer's global gradient norm (partial sums of squares of
     # tensor-sharded gradients, inserted by the compiler outside the shard_map): reported apart from Megatron's.
+    # XLA's all-reduce combiner may also merge those scalars into one of Megatron's all-reduces: their share of a
+    # mixed tuple is counted with the scalars.
     scalar = [c for c in cols if c.axes == (TENSOR,) and _all_scalars(c.shape)]
     tensor_cols = [c for c in cols if c.axes == (TENSOR,) and c not in scalar]
-    tensor_sent = sum(c.sent_bytes * c.count for c in tensor_cols)
+    mixed_scalar = sum(c.sent_bytes * c.count * _scalar_share(c) for c in tensor_cols)
+    tensor_sent = sum(c.sent_bytes * c.count for c in tensor_cols) - mixed_scalar
     padded = trainer.plan.padded_vocab
     want_bytes = expected.tensor_bytes(config, padded)
     want_flops = expected.step_flops(config, padded)
@@ -93,7 +96,7 @@ def analyze(config: Config, devices: list | None = None, *, activations: bool = 
         "collectives": {
             "by_kind_and_axes": collective_summary(cols),
             "tensor_sent_bytes": tensor_sent,
-            "tensor_scalar_sent_bytes": sum(c.sent_bytes * c.count for c in scalar),
+            "tensor_scalar_sent_bytes": sum(c.sent_bytes * c.count for c in scalar) + mixed_scalar,
             "largest_tensor_array_elements": max((_largest_leaf(c.shape) for c in tensor_cols), default=0),
             "exact": all(c.exact for c in cols),
         },
@@ -252,6 +255,11 @@ def _largest_leaf(shape: str) -> int:
     """Elements of the largest array in a (possibly tuple, XLA-combined) collective shape."""
     return max((math.prod(int(d) for d in dims.split(",") if d) for dims in re.findall(r"\[([^\]]*)\]", shape)),
                default=0)
+
+
+def _scalar_share(c) -> float:
+    """The share of a collective's bytes that its rank-0 leaves hold (an XLA-combined tuple of mixed leaves)."""
+    return scalar_bytes(c.shape) / c.bytes if c.bytes else 0.0
 
 
 def _all_scalars(shape: str) -> bool:
