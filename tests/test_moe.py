@@ -207,10 +207,10 @@ def test_flops_count_active_parameters():
     assert flops.forward_flops_per_token(dense, 12).attention == flops.forward_flops_per_token(cfg, 12).attention
 
 
-def test_fit_logs_expert_load(tmp_path):
+def test_fit_logs_expert_load_and_its_checkpoint_restores_anywhere(tmp_path):
     """`fit` on (pipe, expert, tensor) = (2, 2, 2) logs the MoE statistics: per-expert load over every row and
     layer (summing to batch·seq_len·k·L assignments), its imbalance max/mean, the dropped share (0 dropless) and
-    the aux and z-losses, in metrics.jsonl."""
+    the aux and z-losses, in metrics.jsonl; its checkpoint restores at (data, expert) = (2, 4) bit for bit."""
     import json
 
     from jaxpar.config import load_config
@@ -221,7 +221,7 @@ def test_fit_logs_expert_load(tmp_path):
                  "train.seq_len=16", "train.steps=2", "train.log_every=1", "train.eval_every=0",
                  "train.eval_batches=1", "data.source=synthetic"]
     config = load_config("configs/moe_tiny.py", overrides)
-    fit(config, tmp_path, progress=False)
+    result = fit(config, tmp_path, progress=False)
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2]
     for r in rows:
@@ -229,3 +229,21 @@ def test_fit_logs_expert_load(tmp_path):
         assert load.shape == (4,) and load.sum() == 8 * 16 * 2 * 4
         assert r["moe_imbalance"] == pytest.approx(load.max() / load.mean()) and r["moe_imbalance"] >= 1
         assert r["moe_dropped"] == 0.0 and r["moe_aux_loss"] > 0 and r["moe_z_loss"] > 0
+    # The checkpoint is canonical ([layers, experts, …] in model order): it restores bit for bit onto another expert,
+    # tensor and pipe layout — parameters, both Adam moments and the step.
+    from test_checkpoint import assert_states_equal, canonical_state
+
+    from jaxpar.store import checkpoint
+    from jaxpar.train import build_trainer
+
+    other = load_config("configs/moe_tiny.py", overrides + ["parallel.expert=4", "parallel.tensor=1",
+                                                            "parallel.pipe=1", "parallel.repeats=1",
+                                                            "parallel.microbatches=1"]).resolve_for_devices(8)
+    like = build_trainer(other, jax.devices(), abstract=True)
+    mngr = checkpoint.manager(tmp_path)
+    try:
+        state, _ = checkpoint.restore_train(mngr, like.state, like.shardings, like.plan, other.model.vocab_size)
+    finally:
+        mngr.close()
+    assert_states_equal(canonical_state(state, other, like.mesh),
+                        canonical_state(result.state, result.config, result.mesh))
