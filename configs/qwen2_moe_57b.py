@@ -8,7 +8,8 @@ compilation; never run on a CPU.
     experts              = 64 over expert 8: 8 per rank, each 2560 wide split 4 ways (640 per GPU)
     per-rank chunk       = batch_size / (data * pipe * expert * grad_accum) = 1024 / (32 * 8) = 4 sequences
     parameters           = 2 * 151936*3584 + 28 * (attention 29.4M + router 229,376 + experts 64 * 27.5M + shared
-                           220.2M + its gate 3584) ≈ 57.4B; active per token ≈ 14.2B (8 experts, the shared one, the embedding)
+                           220.2M + its gate 3584) ≈ 57.4B; active per token ≈ 14.2B (8 experts, the shared
+                           one, the embedding)
 
 Data: point data.tokenizer at Qwen2's tokenizer.json and data.source/data.path at your corpus.
 """

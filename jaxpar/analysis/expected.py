@@ -104,9 +104,9 @@ def moe_tensor_bytes(config: Config, d: dict) -> float:
     """Tensor-axis bytes one MoE layer application adds to the layer formula (whose MLP region the routed experts
     stand in for; 0 for a dense model). A shared expert is a second MLP region: 4 half-units of N·h·β (f and g,
     forward and backward; under SP its backward re-gather of the input is the routed experts' kept gather, which
-    XLA shares). Every tensor rank routes the same tokens outside the experts' region and the gates [N, k] enter it, so their
-    float32 gradient is all-reduced in the backward: 2(t−1)/t·N·k·4. Under SP each rank routes its N/t tokens:
-    the row statistics are all-reduced forward (load [b, X] int32, Σp [b, X] and the z-loss [b] float32; the
+    XLA shares). Every tensor rank routes the same tokens outside the experts' region and the gates [N, k] enter
+    it, so their float32 gradient is all-reduced in the backward: 2(t−1)/t·N·k·4. Under SP each rank routes its
+    N/t tokens: the row statistics are all-reduced forward (load [b, X] int32, Σp [b, X] and the z-loss [b] float32; the
     dropped count is a scalar, reported apart), with capacity also the per-choice counts (all-reduced and
     all-gathered, [b, k, X] int32), and the routing enters the region by all-gathers (experts int32, gates float32
     and, with capacity, keep bool — dropless it is a constant XLA folds: 9 or 8 bytes an assignment) whose gates

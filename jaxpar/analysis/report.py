@@ -306,7 +306,8 @@ def format_table(report: dict) -> str:
     if "expert" in report:
         ex = report["expert"]
         rows.append(f"expert ep={ex['degree']} X={ex['experts']} k={ex['top_k']} C={ex['capacity'] or 'dropless'}: "
-                    f"all-to-all MB sent/dev {ex['sent_bytes'] / 1e6:.3f} (expected {ex['expected_sent_bytes'] / 1e6:.3f}"
+                    f"all-to-all MB sent/dev {ex['sent_bytes'] / 1e6:.3f} "
+                    f"(expected {ex['expected_sent_bytes'] / 1e6:.3f}"
                     f", balanced formula {ex['balanced_formula_bytes'] / 1e6:.3f}); chunk {ex['chunk_rows']} rows, "
                     f"{ex['balanced_tokens_per_expert']:.1f} tokens/expert/layer when balanced")
     if "context" in report:

@@ -132,7 +132,8 @@ def moe_params(cfg) -> dict[str, Param]:
               "we_down": Param((X, F, D), ("experts", "mlp", "embed"), "out")}
     if cfg.moe.shared_d_ff:
         Fs = cfg.moe.shared_d_ff
-        params.update(ws_gate=Param((D, Fs), ("embed", "mlp"), "normal"), ws_up=Param((D, Fs), ("embed", "mlp"), "normal"),
+        params.update(ws_gate=Param((D, Fs), ("embed", "mlp"), "normal"),
+                      ws_up=Param((D, Fs), ("embed", "mlp"), "normal"),
                       ws_down=Param((Fs, D), ("mlp", "embed"), "out"))
         if cfg.moe.shared_gate:
             params["ws_score"] = Param((D,), ("embed",), "normal")

@@ -11,7 +11,9 @@ Routing (`route`, GShard/Switch with Mixtral's and Qwen2-MoE's top-k):
 
 A *row* is the routing group. Capacity, the load-balancing loss and the z-loss are per sequence, so they do not
 depend on how rows are split over data, pipe, expert, microbatches or gradient accumulation — every layout computes
-the same numbers as one device. (GShard's groups, with one sequence per group.)
+the same numbers as one device. (GShard's groups, with one sequence per group.) Under sequence parallelism a rank
+holds a shard of each row: `route` sums the row's statistics over the tensor group and places a shard's
+assignments after those of the shards before it, so the routing is still the whole row's.
 
 - Capacity (`moe.capacity_factor` cf > 0): expert e takes at most C = ceil(cf·T·k/X) assignments of a row, first
   choices before second ones and, within a choice, earlier tokens first (GShard's priority). Dropped assignments
@@ -23,6 +25,8 @@ the same numbers as one device. (GShard's groups, with one sequence per group.)
 Both enter the objective as coef × their mean over rows and MoE layers (jaxpar.model.moe_objective): each layer
 returns its sums beside the activations, the layer scan and the circular pipeline (bubble ticks masked out) add
 them up, and the step adds the weighted total to the loss it differentiates. The loss it reports is the LM loss.
+(In a schedule table, which carries no loss through its ticks, each chunk attaches its microbatch's term to its
+output instead: jaxpar.parallel.pipeline.add_to_objective.)
 
 Dispatch. Assignments are sorted by expert (stable: the priority order within an expert), dropped ones last; the
 rows of a local expert are then contiguous, and the experts run as grouped matmuls over the sorted rows
@@ -44,12 +48,14 @@ dense all-to-all on every backend, so the bytes on the wire are the chunk sizes 
 
     per MoE layer, forward: 2 · (ep − 1) · S · D · β  (dispatch + combine; the backward moves the same again)
 
-which with cf = 1 and balanced T·k/X is the DESIGN formula 2·(ep−1)/ep·N·k·D·β.
+which with cf = 1 and T·k/X whole is the DESIGN formula 2·(ep−1)/ep·N·k·D·β (jaxpar.analysis.expected.expert_bytes
+counts it, with the counts, and the tests compare it with the compiled program).
 
 Tensor parallelism inside each expert: experts split their hidden dim over `tensor` like a dense MLP. The routing
-runs outside the tensor region (every tensor rank routes the same tokens the same way), the gathered rows enter it
-with f, each rank computes its F/t slice of every expert, and the combined partial sums leave through g — one
-all-reduce of [B, T, D] per MoE layer, as for a dense MLP.
+runs outside the tensor region (every tensor rank routes the same tokens the same way), the tokens enter it with f
+(under SP: the tokens and their routing all-gathered), each rank computes its F/t slice of every expert, and the
+combined partial sums leave through g (under SP: a reduce-scatter) — one all-reduce of [B, T, D] per MoE layer, as
+for a dense MLP, plus the gates' gradient all-reduce [N, k] in the backward (jaxpar.parallel.context.Parallel.experts).
 """
 
 from __future__ import annotations
