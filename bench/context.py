@@ -17,11 +17,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
-import time
 
-from bench import with_devices
+from bench import step_medians, with_devices
 
 DEVICES = 8
 MODEL = ["model.d_model=64", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2", "model.head_dim=16",
@@ -58,30 +56,12 @@ def memory_rows(degrees: list[int], impls: list[str], seq_len: int) -> list[dict
 
 
 def time_rows(degrees: list[int], impls: list[str], seq_len: int, steps: int, rounds: int) -> list[dict]:
-    import jax
-
-    from jaxpar.train import build_trainer
-
-    runs = {}
-    for c, impl in cases(degrees, impls):
-        config = config_for(c, seq_len, rows=c, impl=impl)  # 8 sequences in all at every c
-        trainer = build_trainer(config, jax.devices())
-        batch = trainer.random_batch(config)
-        state, metrics = trainer.train_step(trainer.state, batch)  # compile and warm up
-        jax.block_until_ready(metrics)
-        runs[(c, impl)] = [trainer, batch, state, []]
-    for _ in range(rounds):
-        for run in runs.values():
-            trainer, batch, state, times = run
-            start = time.perf_counter()
-            for _ in range(steps):
-                state, metrics = trainer.train_step(state, batch)
-            jax.block_until_ready(metrics)
-            times.append((time.perf_counter() - start) / steps)
-            run[2] = state
-    base = statistics.median(next(iter(runs.values()))[3])
-    return [{"context": c, "impl": impl if c > 1 else "-", "step_ms": statistics.median(r[3]) * 1e3,
-             "vs_first": statistics.median(r[3]) / base} for (c, impl), r in runs.items()]
+    # 8 sequences in all at every c
+    times = step_medians({(c, impl): config_for(c, seq_len, rows=c, impl=impl) for c, impl in cases(degrees, impls)},
+                         steps, rounds)
+    base = next(iter(times.values()))
+    return [{"context": c, "impl": impl if c > 1 else "-", "step_ms": t * 1e3, "vs_first": t / base}
+            for (c, impl), t in times.items()]
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -19,11 +19,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
-import time
 
-from bench import with_devices
+from bench import step_medians, with_devices
 
 DEVICES = 8
 MODEL = ["model.d_model=64", "model.n_layers=4", "model.n_heads=4", "model.n_kv_heads=2", "model.head_dim=16",
@@ -46,35 +44,15 @@ def config_for(expert: int, tensor: int, capacity: float = 0.0):
 
 def time_rows(layouts: list[tuple[int, int]], steps: int, rounds: int, capacity: float) -> list[dict]:
     """Per layout (expert 0 = dense): median step time, tokens/s, and the ratio to the dense step."""
-    import jax
-
-    from jaxpar.train import build_trainer
-
-    runs = {}
-    for ep, tp in [(0, 1)] + layouts:
-        config = config_for(ep, tp, capacity)
-        trainer = build_trainer(config, jax.devices())
-        batch = trainer.random_batch(config)
-        state, metrics = trainer.train_step(trainer.state, batch)  # compile and warm up
-        jax.block_until_ready(metrics)
-        runs[(ep, tp)] = [trainer, batch, state, [], config]
-    for _ in range(rounds):
-        for run in runs.values():
-            trainer, batch, state, times, _ = run
-            start = time.perf_counter()
-            for _ in range(steps):
-                state, metrics = trainer.train_step(state, batch)
-            jax.block_until_ready(metrics)
-            times.append((time.perf_counter() - start) / steps)
-            run[2] = state
-    dense = statistics.median(runs[(0, 1)][3])
+    configs = {(ep, tp): config_for(ep, tp, capacity) for ep, tp in [(0, 1)] + layouts}
+    times = step_medians(configs, steps, rounds)
     rows = []
-    for (ep, tp), (_, _, _, times, config) in runs.items():
-        t = statistics.median(times)
+    for (ep, tp), t in times.items():
+        config = configs[(ep, tp)]
         tokens = config.train.batch_size * config.train.seq_len
         rows.append({"layout": "dense" if ep == 0 else f"expert {ep} x tensor {tp}", "expert": ep, "tensor": tp,
                      "data": config.parallel.data, "step_ms": t * 1e3, "tokens_per_s": tokens / t,
-                     "dense_over_this": dense / t})
+                     "dense_over_this": times[(0, 1)] / t})
     return rows
 
 

@@ -20,11 +20,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
-import time
 
-from bench import with_devices
+from bench import step_medians, with_devices
 
 DEVICES = 8
 SCHEDULES = {"circular": 2, "gpipe": 1, "1f1b": 1, "interleaved_1f1b": 2, "zb_h1": 1, "zbv": 2}  # name: chunks
@@ -72,30 +70,9 @@ def memory_rows(mults: list[int]) -> list[dict]:
 
 
 def time_rows(steps: int, rounds: int) -> list[dict]:
-    import jax
-
-    from jaxpar.train import build_trainer
-
-    runs = {}
-    for name in SCHEDULES:
-        config = config_for(name, 4)
-        trainer = build_trainer(config, jax.devices())
-        batch = trainer.random_batch(config)
-        state, metrics = trainer.train_step(trainer.state, batch)  # compile and warm up
-        jax.block_until_ready(metrics)
-        runs[name] = [trainer, batch, state, []]
-    for _ in range(rounds):
-        for name, run in runs.items():
-            trainer, batch, state, times = run
-            start = time.perf_counter()
-            for _ in range(steps):
-                state, metrics = trainer.train_step(state, batch)
-            jax.block_until_ready(metrics)
-            times.append((time.perf_counter() - start) / steps)
-            run[2] = state
-    base = statistics.median(runs["circular"][3])
-    return [{"schedule": name, "step_ms": statistics.median(r[3]) * 1e3, "circular_over_this":
-             base / statistics.median(r[3])} for name, r in runs.items()]
+    times = step_medians({name: config_for(name, 4) for name in SCHEDULES}, steps, rounds)
+    return [{"schedule": name, "step_ms": t * 1e3, "circular_over_this": times["circular"] / t}
+            for name, t in times.items()]
 
 
 def main(argv: list[str] | None = None) -> int:

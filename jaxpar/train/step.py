@@ -185,7 +185,7 @@ def loss_and_grads(graphdef: nnx.GraphDef, *, grad_accum: int = 1, remat: str = 
         (_, (loss, sums)), grads = differentiate(p, b)
         return loss, grads, sums
 
-    if pipe is not None and pipe.schedule != "circular":  # (MoE models are refused there: no statistics)
+    if pipe is not None and pipe.schedule != "circular":  # (the tables report no MoE statistics: {})
         grad_fn = lambda p, b: (*scheduled_loss_and_grads(graphdef, p, b, pipe, remat, par), {})  # noqa: E731
 
     batch_axes = tuple(grad_axes) + ((PIPE,) if pipe is not None else ())
