@@ -60,6 +60,10 @@ class MoEConfig:
     z_loss_coef: float = _f(0.0, "router z-loss coefficient (ST-MoE): coef * mean logsumexp(router logits)^2; 0: off")
     shared_d_ff: int = _f(0, "hidden width of a shared expert every token also passes (Qwen2-MoE); 0: none")
     shared_gate: bool = _f(False, "scale the shared expert's output by sigmoid(x . w) per token (Qwen2-MoE)")
+    sparse_step: int = _f(1, "layer i (from 0) is an MoE layer when (i + 1) % sparse_step == 0, the others keep "
+                          "a dense SwiGLU of width model.d_ff (Qwen2-MoE's decoder_sparse_step); 1: every layer")
+    dense_layers: tuple[int, ...] = _f((), "layers that keep a dense MLP whatever sparse_step says (Qwen2-MoE's "
+                                       "mlp_only_layers; DeepSeek's first k dense layers: 0, …, k-1)")
 
     def __post_init__(self):
         _check_fields(self, "moe")
@@ -68,6 +72,15 @@ class MoEConfig:
         for name in ("capacity_factor", "aux_loss_coef", "z_loss_coef"):
             _check_positive(f"moe.{name}", getattr(self, name), allow_zero="off")
         _check_positive("moe.top_k", self.top_k)
+        _check_positive("moe.sparse_step", self.sparse_step)
+        if len(set(self.dense_layers)) != len(self.dense_layers) or any(i < 0 for i in self.dense_layers):
+            raise ConfigError("moe.dense_layers", list(self.dense_layers), "must list distinct layer indices >= 0",
+                              "list each dense layer once, counting from 0")
+        object.__setattr__(self, "dense_layers", tuple(sorted(self.dense_layers)))
+        if not self.enabled and (self.sparse_step != 1 or self.dense_layers):
+            field = "moe.sparse_step" if self.sparse_step != 1 else "moe.dense_layers"
+            raise ConfigError(field, getattr(self, field[4:]), "chooses which layers are MoE, and moe.n_experts = 0 "
+                              "(a dense model)", f"set moe.n_experts > 0, or drop {field}")
         if self.n_experts and self.top_k > self.n_experts:
             raise ConfigError("moe.top_k", self.top_k, f"must be <= moe.n_experts = {self.n_experts} (a token "
                               "picks distinct experts)", f"use top_k among 1..{self.n_experts}")
@@ -168,6 +181,48 @@ class ModelConfig:
             raise ConfigError("model.n_kv_heads", self.n_kv_heads,
                               f"must divide model.n_heads = {self.n_heads} (each kv head serves a group of query heads)",
                               f"use one of {divisors(self.n_heads)}")
+        if self.moe.enabled:
+            late = [i for i in self.moe.dense_layers if i >= self.n_layers]
+            if late:
+                raise ConfigError("moe.dense_layers", list(self.moe.dense_layers), f"layers {late} do not exist: "
+                                  f"the model has n_layers = {self.n_layers} (indices 0..{self.n_layers - 1})",
+                                  "list layers below model.n_layers")
+            if not any(self.layer_kinds):
+                raise ConfigError("moe.sparse_step" if self.moe.sparse_step > 1 else "moe.dense_layers",
+                                  self.moe.sparse_step if self.moe.sparse_step > 1 else list(self.moe.dense_layers),
+                                  f"leaves none of the {self.n_layers} layers an MoE layer",
+                                  "set moe.n_experts=0 for a dense model, or make some layer MoE")
+
+    @property
+    def layer_kinds(self) -> tuple[bool, ...]:
+        """Per model layer: True for an MoE layer (router and experts), False for a dense MLP."""
+        m = self.moe
+        if not m.enabled:
+            return (False,) * self.n_layers
+        dense = set(m.dense_layers)
+        return tuple((i + 1) % m.sparse_step == 0 and i not in dense for i in range(self.n_layers))
+
+    @property
+    def layer_stacks(self) -> dict[str, tuple[int, ...]]:
+        """The model layers each stack of layer parameters holds, in model order. `blocks`: every layer of a dense or
+        all-MoE model, the MoE layers of a mixed one; `dense_blocks` (a mixed dense / MoE model only): its dense
+        layers. Every layer of a stack has the same parameters, so each stack scans (jaxpar.model.run_layers)."""
+        kinds = self.layer_kinds
+        if all(kinds) or not any(kinds):
+            return {"blocks": tuple(range(self.n_layers))}
+        return {"blocks": tuple(i for i, k in enumerate(kinds) if k),
+                "dense_blocks": tuple(i for i, k in enumerate(kinds) if not k)}
+
+    @property
+    def layer_pattern(self) -> tuple[str, ...]:
+        """Per model layer, the name of the stack that holds it (`layer_stacks`)."""
+        where = {i: name for name, layers in self.layer_stacks.items() for i in layers}
+        return tuple(where[i] for i in range(self.n_layers))
+
+    @property
+    def moe_layer_count(self) -> int:
+        """How many layers are MoE layers."""
+        return sum(self.layer_kinds)
 
 
 def resolve_attention(cfg: ModelConfig, device: Any) -> ModelConfig:
@@ -389,6 +444,15 @@ class Config:
         if moe.shared_d_ff:
             _check_divides("moe.shared_d_ff", moe.shared_d_ff, "parallel.tensor", p.tensor, "the shared expert's "
                            "hidden dim is split over tensor")
+        chunks = p.pipe * p.repeats
+        if p.pipe > 1 and m.n_layers % chunks == 0 and not _same_chunks(m.layer_kinds, chunks):
+            fits = [c for c in divisors(m.n_layers) if c > 1 and _same_chunks(m.layer_kinds, c)]
+            raise ConfigError("parallel.repeats" if p.repeats > 1 else "parallel.pipe", p.repeats if p.repeats > 1
+                              else p.pipe, f"the pipeline cuts the {m.n_layers} layers into pipe*repeats = {chunks} "
+                              f"chunks, and they do not all hold the same dense / MoE layers (MoE: "
+                              f"{[i for i, k in enumerate(m.layer_kinds) if k]}); every stage runs one program",
+                              f"use pipe*repeats among {fits}" if fits else "run this layer pattern without a "
+                              "pipeline (parallel.pipe=1), or make the pattern periodic (moe.sparse_step)")
         if p.context > 1:
             raise ConfigError("parallel.context", p.context, "MoE layers route whole sequences (capacity and the "
                               "load-balancing loss are per sequence), and context parallelism splits them",
@@ -584,6 +648,13 @@ def _apply_override(d: dict, key: str, raw: str) -> None:
 
 
 def _parse_scalar(key: str, raw: str, kind: type) -> Any:
+    if typing.get_origin(kind) is tuple:  # a list of ints: "0,1,2", "[0, 1, 2]" or "" / "[]" for none
+        items = [x.strip() for x in raw.strip().strip("[]()").split(",") if x.strip()]
+        try:
+            return tuple(int(x) for x in items)
+        except ValueError:
+            raise ConfigError(key, raw, "must be a comma-separated list of integers",
+                              f"write e.g. {key}=0,1") from None
     try:
         if kind is bool:
             lowered = raw.lower()
@@ -619,6 +690,13 @@ def _check_fields(obj: Any, section: str) -> None:
     hints = typing.get_type_hints(type(obj))
     for f in dataclasses.fields(obj):
         value, kind, name = getattr(obj, f.name), hints[f.name], f"{section}.{f.name}"
+        if typing.get_origin(kind) is tuple:  # tuple[int, ...]: a list or tuple of ints (JSON, YAML give lists)
+            if not isinstance(value, (list, tuple)) or not all(
+                    isinstance(v, int) and not isinstance(v, bool) for v in value):
+                raise ConfigError(name, value, "must be a list of integers",
+                                  f"give {name} a list such as [0, 1] (default {list(f.default)!r})")
+            object.__setattr__(obj, f.name, tuple(value))
+            continue
         ok = (isinstance(value, bool) if kind is bool else
               isinstance(value, int) and not isinstance(value, bool) if kind is int else
               isinstance(value, (int, float)) and not isinstance(value, bool) if kind is float else
@@ -654,6 +732,12 @@ def _check_divides(name: str, value: int, by_name: str, by: int, why: str) -> No
                           f"use {by_name} among {divisors(value)}, or {name} a multiple of {by}")
 
 
+def _same_chunks(kinds: tuple, chunks: int) -> bool:
+    """Whether `chunks` equal cuts of the layer kinds are all the same (what a pipeline over them needs)."""
+    k = len(kinds) // chunks
+    return all(kinds[i] == kinds[i % k] for i in range(len(kinds)))
+
+
 def _nearest_multiples(n: int, k: int) -> str:
     lo, hi = (n // k) * k, (n // k + 1) * k
     return f"{lo} or {hi}" if lo > 0 else f"{hi}"
@@ -669,6 +753,7 @@ def reference_markdown() -> str:
         for f in dataclasses.fields(cls):
             if f.metadata.get("section"):
                 continue
-            lines.append(f"| `{section}.{f.name}` | {hints[f.name].__name__} | `{f.default!r}` | {f.metadata['help']} |")
+            kind = "list[int]" if typing.get_origin(hints[f.name]) is tuple else hints[f.name].__name__
+            lines.append(f"| `{section}.{f.name}` | {kind} | `{f.default!r}` | {f.metadata['help']} |")
         lines.append("")
     return "\n".join(lines).rstrip() + "\n"

@@ -130,13 +130,22 @@ class LayerFlops:
     down_projection: float
 
 
-def layer_forward_flops(cfg: ModelConfig, keys: float, tensor: int = 1) -> LayerFlops:
+def layer_forward_flops(cfg: ModelConfig, keys: float, tensor: int = 1, moe: bool | None = None) -> LayerFlops:
     """One layer's forward matmul FLOPs per token on one of `tensor` ranks (the Megatron split: query heads and MLP
     columns divided by t; kv heads too, unless there are fewer of them than ranks — then each rank computes the
-    one it attends with). `keys`: how many keys each query's attention costs. tensor = 1 is the whole layer."""
+    one it attends with). `keys`: how many keys each query's attention costs. tensor = 1 is the whole layer.
+    moe: an MoE layer (True) or a dense one (False); None: the mean over the model's layers (a mixed stack has
+    both kinds, `ModelConfig.layer_kinds`)."""
+    if moe is None:
+        n_moe, L = cfg.moe_layer_count, cfg.n_layers
+        if n_moe in (0, L):
+            return layer_forward_flops(cfg, keys, tensor, moe=n_moe == L)
+        a, b = layer_forward_flops(cfg, keys, tensor, True), layer_forward_flops(cfg, keys, tensor, False)
+        mean = lambda x, y: (n_moe * x + (L - n_moe) * y) / L  # noqa: E731
+        return LayerFlops(*(mean(x, y) for x, y in zip(dataclasses.astuple(a), dataclasses.astuple(b))))
     h, E, F, t = cfg.d_model, cfg.head_dim, cfg.d_ff, tensor
     a, K = cfg.n_heads / t, max(cfg.n_kv_heads / t, 1)
-    if cfg.moe.enabled:  # the *active* MLP: the router, k experts, the shared expert and its score
+    if moe:  # the *active* MLP: the router, k experts, the shared expert and its score
         m = cfg.moe
         down = 2 * (m.top_k * m.d_ff + m.shared_d_ff) / t * h
         mlp = 2 * h * m.n_experts + 3 * down + (2 * h if m.shared_gate else 0)

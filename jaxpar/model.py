@@ -13,7 +13,9 @@ Design:
   mesh. The model imports nothing about meshes or devices.
 - The L layers are one `Blocks` module whose parameters are stacked on a leading `layers` axis; the forward is a
   `jax.lax.scan` over that axis, so compile time does not grow with depth and the pipeline can view the stack as
-  `[repeats, stages, layers_per_stage, …]` without touching the model.
+  `[repeats, stages, layers_per_stage, …]` without touching the model. A model whose layers differ in kind (dense
+  MLPs among mixtures of experts) holds one such stack per kind, and the forward scans the layers in groups of one
+  period of the pattern (`layer_groups`).
 - The math reads head counts from weight *shapes* (`wq.shape[-2]`), never from the config, so the same code runs on
   full weights on one device and on a tensor-parallel shard (H/t local heads) inside `shard_map`. Where a parallel
   strategy may act (a tensor-parallel region begins or ends, the embedding, the loss, attention over keys) the model
@@ -70,36 +72,78 @@ def _param(rngs: nnx.Rngs, spec: Param, cfg: ModelConfig, *, layers: int | None 
 
 
 class Blocks(nnx.Module):
-    """All L transformer blocks: the family's layer parameters (jaxpar.families), each stacked on a leading `layers`
-    axis — e.g. llama's wq [L, D, H, E], w_gate [L, D, F]; gpt2's b_up [L, F]."""
+    """A stack of transformer blocks of one kind: the family's layer parameters (jaxpar.families), each stacked on a
+    leading `layers` axis — e.g. llama's wq [n, D, H, E], w_gate [n, D, F]; gpt2's b_up [n, F]. A model holds one
+    stack (`blocks`: all L layers), or two when its layers mix dense MLPs and mixtures of experts
+    (`ModelConfig.layer_stacks`: `blocks` the MoE layers, `dense_blocks` the dense ones)."""
 
-    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
-        for name, spec in family(cfg).layer_params(cfg).items():
-            setattr(self, name, _param(rngs, spec, cfg, layers=cfg.n_layers))
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, moe: bool | None = None, layers: int | None = None):
+        moe = cfg.moe.enabled if moe is None else moe
+        for name, spec in family(cfg).layer_params(cfg, moe).items():
+            setattr(self, name, _param(rngs, spec, cfg, layers=cfg.n_layers if layers is None else layers))
         self.cfg = cfg
 
     def stacked(self) -> dict[str, Array]:
-        """The stacked parameters by name, each [L, …] (the local share of the stack inside shard_map)."""
+        """The stacked parameters by name, each [n, …] (the local share of the stack inside shard_map)."""
         return {name: v[...] for name, v in vars(self).items() if isinstance(v, nnx.Param)}
 
-    def __call__(self, x: Array, positions: Array, mask: Array | None, *, remat: str = "none",
-                 par: Parallel = SINGLE_DEVICE, stats: bool = False):
-        """x [B, T, D] float32 (T/t under sequence parallelism) → same (and the layers' MoE statistics, `stats`);
-        positions [B, T]; mask as `attend`'s."""
-        return run_layers(self.stacked(), x, positions, mask, self.cfg, remat=remat, par=par, stats=stats)
+
+Stacks = dict[str, dict[str, Array]]  # stack name (`ModelConfig.layer_stacks`) → its stacked parameters [n, …]
 
 
-def run_layers(stacked: dict[str, Array], x: Array, positions: Array, mask: Array | None, cfg: ModelConfig, *,
+def layer_groups(pattern: tuple[str, ...], single: bool = False) -> list[tuple[tuple[str, ...], int]]:
+    """Cut a run of layers — the stack each comes from, in order — into groups (period, count): `count` repeats of
+    the stack sequence `period`, each group one scan whose body runs one period.
+
+    The cut minimises the layers the program holds (Σ period lengths), then the number of groups: a uniform stack is
+    one group of period 1, Qwen2-MoE's decoder_sparse_step 2 one group of period 2, DeepSeek's first dense layers two
+    groups of period 1 — compile time grows with the number of distinct groups, not with depth. `single`: one group
+    (the shortest period that covers the whole run), which the pipeline's tape needs (a chunk is one scan)."""
+    n = len(pattern)
+    if single:
+        P = next(P for P in range(1, n + 1) if n % P == 0 and pattern == pattern[:P] * (n // P))
+        return [(pattern[:P], n // P)]
+    best: list[tuple[int, int, int, int]] = [(0, 0, 0, 0)] * (n + 1)  # best[i] = (size, groups, P, count) from i on
+    for i in range(n - 1, -1, -1):
+        options = []
+        for P in range(1, n - i + 1):
+            count = 1
+            while True:
+                size, groups = best[i + count * P][:2]
+                options.append((P + size, 1 + groups, P, count))
+                if pattern[i + count * P:i + (count + 1) * P] != pattern[i:i + P]:
+                    break
+                count += 1
+        best[i] = min(options)
+    groups, i = [], 0
+    while i < n:
+        _, _, P, count = best[i]
+        groups.append((pattern[i:i + P], count))
+        i += P * count
+    return groups
+
+
+def _add_stats(a: dict, b: dict) -> dict:
+    """The sum of two layers' MoE statistics ({} for a dense layer)."""
+    return jax.tree.map(jnp.add, a, b) if a and b else a or b
+
+
+def run_layers(stacks: Stacks, x: Array, positions: Array, mask: Array | None, cfg: ModelConfig, *,
                remat: str = "none", par: Parallel = SINGLE_DEVICE, tape: Tape | None = None, stats: bool = False):
-    """Apply the layers of `stacked` ([n, …] each) in order with a scan, `cfg.scan_unroll` layers per iteration;
-    `remat` checkpoints each layer. → x, or (x, the MoE layers' statistics summed over them) with `stats` (an empty
-    dict for a dense model; see `moe`).
+    """Apply the layers of `stacks` in model order; `remat` checkpoints each layer. → x, or (x, the MoE layers'
+    statistics summed over them) with `stats` (an empty dict for a dense model; see `moe`).
 
-    tape (the pipeline's B/W split, jaxpar.parallel.weightgrad): MEASURE traces layer 0 alone, outside any loop, so
-    the tape can trace the weights back to `stacked`'s arrays (→ x). RECORD and REPLAY scan `tape.feed` (leaves
-    [n, …]) beside the layers, give each layer a tape of its own and return (x, what the tapes collected, stacked
-    [n, …]) — and the statistics third with `stats`: the group inputs (RECORD) or outputs (REPLAY). REPLAY runs
-    no remat (it saves nothing but the inputs it is given).
+    stacks: {stack name: {param: [n_s, …]}} — every layer of the model (`Transformer.stacks`), or a pipeline chunk's
+    share, whose dense / MoE pattern is the model's first Σ n_s layers' (the config checks that every chunk has the
+    same). The run is cut into `layer_groups`, each a `jax.lax.scan` over its periods with each stack's slice viewed
+    as [count, per-period, …]; `cfg.scan_unroll` periods per iteration.
+
+    tape (the pipeline's B/W split, jaxpar.parallel.weightgrad): the run is one group. MEASURE traces its first
+    period alone, outside any loop, so the tape can trace the weights back to `stacks`' arrays, and notes the
+    periods the scan runs (`tape.steps`) (→ x). RECORD and REPLAY scan `tape.feed` (leaves [count, …]) beside the
+    periods, give each period a tape of its own and return (x, what the tapes collected, stacked [count, …]) — and
+    the statistics third with `stats`: the group inputs (RECORD) or outputs (REPLAY). REPLAY runs no remat (it saves
+    nothing but the inputs it is given); RECORD checkpoints the whole period (the tape lives in its body).
 
     Why unroll: each scan iteration is a loop trip whose layer is cut off from its neighbours — XLA cannot fuse or
     schedule across the boundary, and every activation the backward needs is written into a stacked [n, …] buffer
@@ -107,61 +151,104 @@ def run_layers(stacked: dict[str, Array], x: Array, positions: Array, mask: Arra
     the tiny model's single-device step, about a quarter of its time) while the program still holds at most
     `scan_unroll` copies of the layer, whatever the depth. (Under sequence parallelism the plan sets it to 1:
     see `jaxpar.parallel.plan.make_plan`.)"""
-    unroll = max(1, min(cfg.scan_unroll, jax.tree.leaves(stacked)[0].shape[0]))
+    sizes = {name: jax.tree.leaves(params)[0].shape[0] for name, params in stacks.items()}
+    pattern = cfg.layer_pattern[:sum(sizes.values())]
+    if {name: pattern.count(name) for name in sizes} != sizes:
+        raise ValueError(f"stacks of {sizes} layers are not the first {len(pattern)} layers of the model "
+                         f"({dict(zip(*np.unique(pattern, return_counts=True)))} of each kind)")
+    groups = layer_groups(pattern, single=tape is not None)
+    per_layer_remat = remat != "none" and tape is None
+
+    def run_period(period, layers, x, par, take=lambda a, j: a[j]):
+        """The period's layers in order → (x, their statistics summed). layers: {stack: {param: [per, …]}}; the
+        j-th layer of a stack in the period is take(its array, j)."""
+        one_layer = lambda layer, x: block(layer, x, positions, mask, cfg, par)  # noqa: E731
+        if per_layer_remat:
+            one_layer = jax.checkpoint(one_layer, policy=REMAT_POLICIES[remat], prevent_cse=False)
+        seen, total = dict.fromkeys(layers, 0), {}
+        for name in period:
+            layer = {k: take(a, seen[name]) for k, a in layers[name].items()}
+            seen[name] += 1
+            x, _, layer_stats = one_layer(layer, x)
+            total = _add_stats(total, layer_stats)
+        return x, total
+
     if tape is not None and tape.mode == MEASURE:
-        layer = {name: tape.derive(a[0], a) for name, a in stacked.items()}
-        return block(layer, x, positions, mask, cfg, par.with_tape(tape))[0]
+        ((period, count),) = groups
+        tape.steps = count  # the group starts every stack: its first period holds entries 0, 1, … of each
+        return run_period(period, stacks, x, par.with_tape(tape), take=lambda a, j: tape.derive(a[j], a))[0]
 
-    def body(x, layer):
-        x, _, layer_stats = block(layer, x, positions, mask, cfg, par)
-        return x, layer_stats if stats else None
+    offsets = dict.fromkeys(sizes, 0)
+    summed, collected = {}, None
+    for period, count in groups:
+        per = {name: period.count(name) for name in sizes if name in period}
+        xs = {name: {k: a[offsets[name]:offsets[name] + count * n].reshape(count, n, *a.shape[1:])
+                     for k, a in stacks[name].items()} for name, n in per.items()}
+        for name, n in per.items():
+            offsets[name] += count * n
 
-    def tapped(x, xs):
-        layer, feed = xs
-        t = Tape(tape.mode, feed)
-        y, _, layer_stats = block(layer, x, positions, mask, cfg, par.with_tape(t))
-        return y, (t.inputs if tape.mode == RECORD else t.outputs, layer_stats if stats else None)
+        def body(x, layers, period=period):
+            x, period_stats = run_period(period, layers, x, par)
+            return x, period_stats if stats else None
 
-    if tape is not None:
-        body, stacked = tapped, (stacked, tape.feed)
-    if remat != "none" and (tape is None or tape.mode == RECORD):
-        body = jax.checkpoint(body, policy=REMAT_POLICIES[remat], prevent_cse=False)
-    x, collected = jax.lax.scan(body, x, stacked, unroll=unroll)
-    if tape is not None:
-        collected, layer_stats = collected
-    else:
-        collected, layer_stats = None, collected
-    # Per-layer statistics come out stacked [n, …] (no carry to type under check_vma): sum them.
-    summed = jax.tree.map(lambda a: a.sum(0), layer_stats)
+        def tapped(x, xs, period=period):
+            layers, feed = xs
+            t = Tape(tape.mode, feed)
+            y, period_stats = run_period(period, layers, x, par.with_tape(t))
+            return y, (t.inputs if tape.mode == RECORD else t.outputs, period_stats if stats else None)
+
+        if tape is not None:
+            body, xs = tapped, (xs, tape.feed)
+            if remat != "none" and tape.mode == RECORD:
+                body = jax.checkpoint(body, policy=REMAT_POLICIES[remat], prevent_cse=False)
+        unroll = max(1, min(cfg.scan_unroll // len(period), count))
+        x, out = jax.lax.scan(body, x, xs, unroll=unroll)
+        if tape is not None:
+            collected, out = out
+        # Per-period statistics come out stacked [count, …] (no carry to type under check_vma): sum them.
+        summed = _add_stats(summed, jax.tree.map(lambda a: a.sum(0), out) if out else {})
     if tape is None:
         return (x, summed) if stats else x
     return (x, collected, summed) if stats else (x, collected)
 
 
-def run_layers_cached(stacked: dict[str, Array], x: Array, positions: Array, mask: Array, cfg: ModelConfig,
+def run_layers_cached(stacks: Stacks, x: Array, positions: Array, mask: Array, cfg: ModelConfig,
                       k_cache: Array, v_cache: Array, slot: Array) -> tuple[Array, Array, Array]:
-    """`run_layers` for decoding: layer l also writes its new keys/values into k_cache[l], v_cache[l] [L, B, S, K, E]
-    at slots slot … slot+T-1 and attends over the whole cache. Returns (x, k_cache, v_cache).
+    """`run_layers` for decoding: model layer l also writes its new keys/values into k_cache[l], v_cache[l]
+    [L, B, S, K, E] at slots slot … slot+T-1 and attends over the whole cache. Returns (x, k_cache, v_cache).
 
     The caches ride in the scan's carry and each layer writes only its T new slots into them (an in-place
     `dynamic_update_slice`): scanning them as inputs/outputs instead would copy every layer's whole cache out and
     back in on every decode step.
     """
+    T = x.shape[1]
+    offsets = dict.fromkeys(stacks, 0)
+    first = 0  # the model layer the group starts at
+    for period, count in layer_groups(cfg.layer_pattern):
+        per = {name: period.count(name) for name in stacks if name in period}
+        xs = {name: {k: a[offsets[name]:offsets[name] + count * n].reshape(count, n, *a.shape[1:])
+                     for k, a in stacks[name].items()} for name, n in per.items()}
+        for name, n in per.items():
+            offsets[name] += count * n
 
-    def body(carry, xs):
-        x, k_all, v_all = carry
-        layer, l = xs
-        k, v = k_all[l], v_all[l]  # [B, S, K, E]: this layer's cache, read by its attention
-        x, (k, v), _ = block(layer, x, positions, mask, cfg, kv_cache=(k, v, slot))
-        T = x.shape[1]
-        new_k = jax.lax.dynamic_slice_in_dim(k, slot, T, axis=1)[None]  # [1, B, T, K, E]: just the new slots
-        new_v = jax.lax.dynamic_slice_in_dim(v, slot, T, axis=1)[None]
-        k_all = jax.lax.dynamic_update_slice(k_all, new_k, (l, 0, slot, 0, 0))
-        v_all = jax.lax.dynamic_update_slice(v_all, new_v, (l, 0, slot, 0, 0))
-        return (x, k_all, v_all), None
+        def body(carry, xs, period=period, first=first):
+            x, k_all, v_all = carry
+            layers, i = xs
+            seen = dict.fromkeys(layers, 0)
+            for j, name in enumerate(period):
+                layer = {k: a[seen[name]] for k, a in layers[name].items()}
+                seen[name] += 1
+                l = first + i * len(period) + j  # noqa: E741 — the model layer
+                k, v = k_all[l], v_all[l]  # [B, S, K, E]: this layer's cache, read by its attention
+                x, (k, v), _ = block(layer, x, positions, mask, cfg, kv_cache=(k, v, slot))
+                new_k = jax.lax.dynamic_slice_in_dim(k, slot, T, axis=1)[None]  # [1, B, T, K, E]: just the new slots
+                new_v = jax.lax.dynamic_slice_in_dim(v, slot, T, axis=1)[None]
+                k_all = jax.lax.dynamic_update_slice(k_all, new_k, (l, 0, slot, 0, 0))
+                v_all = jax.lax.dynamic_update_slice(v_all, new_v, (l, 0, slot, 0, 0))
+            return (x, k_all, v_all), None
 
-    L = k_cache.shape[0]
-    (x, k_cache, v_cache), _ = jax.lax.scan(body, (x, k_cache, v_cache), (stacked, jnp.arange(L)))
+        (x, k_cache, v_cache), _ = jax.lax.scan(body, (x, k_cache, v_cache), (xs, jnp.arange(count)))
+        first += count * len(period)
     return x, k_cache, v_cache
 
 
@@ -204,7 +291,10 @@ class Transformer(nnx.Module):
         self.embed = _param(rngs, Param((V, D), ("vocab", "embed"), "normal"), cfg, pad=((0, Vp - V), (0, 0)))
         if fam.positions == "learned":
             self.pos_embed = _param(rngs, Param((cfg.max_seq_len, D), (None, "embed"), "half"), cfg)
-        self.blocks = Blocks(cfg, rngs=rngs)
+        stacks = cfg.layer_stacks
+        self.blocks = Blocks(cfg, rngs=rngs, layers=len(stacks["blocks"]))
+        if "dense_blocks" in stacks:  # a mixed dense / MoE model: its dense layers
+            self.dense_blocks = Blocks(cfg, rngs=rngs, moe=False, layers=len(stacks["dense_blocks"]))
         self.final_norm = _param(rngs, Param((D,), ("norm",), "ones", decay=False), cfg)
         if fam.norm == "layer":
             self.final_norm_b = _param(rngs, Param((D,), ("norm",), "zeros", decay=False), cfg)
@@ -225,7 +315,7 @@ class Transformer(nnx.Module):
             positions = default_positions(B, T)
         x = self.embed_tokens(tokens, positions, par)
         mask = attention_mask(T, segment_ids, self.cfg.sliding_window)
-        x, layer_stats = self.blocks(x, positions, mask, remat=remat, par=par, stats=True)
+        x, layer_stats = run_layers(self.stacks(), x, positions, mask, self.cfg, remat=remat, par=par, stats=True)
         return (self.logits(x, par), layer_stats) if stats else self.logits(x, par)
 
     def decode(self, tokens: Array, cache: KVCache) -> tuple[Array, KVCache]:
@@ -245,9 +335,13 @@ class Transformer(nnx.Module):
             mask &= q - k < self.cfg.sliding_window
         mask |= k == q  # a padding query attends to itself: no all-masked softmax rows (their output is unused)
         x = self.embed_tokens(tokens, positions)
-        x, k_cache, v_cache = run_layers_cached(self.blocks.stacked(), x, positions, mask[:, None], self.cfg,
-                                                cache.k, cache.v, cache.end)
+        x, k_cache, v_cache = run_layers_cached(self.stacks(), x, positions, mask[:, None], self.cfg, cache.k,
+                                                cache.v, cache.end)
         return self.logits(x), KVCache(k_cache, v_cache, cache.start, cache.end + T)
+
+    def stacks(self) -> Stacks:
+        """The layer stacks' parameters by stack name (`ModelConfig.layer_stacks`), each [n, …]."""
+        return {name: getattr(self, name).stacked() for name in self.cfg.layer_stacks}
 
     def embed_tokens(self, tokens: Array, positions: Array, par: Parallel = SINGLE_DEVICE) -> Array:
         """tokens [B, T] → residual stream [B, T, D] float32 ([B, T/t, D] under sequence parallelism)."""
@@ -399,7 +493,7 @@ def moe_objective(stats: dict[str, Array], cfg: ModelConfig, rows: int) -> Array
     if not stats:
         return jnp.zeros((), jnp.float32)
     m = cfg.moe
-    return (m.aux_loss_coef * stats["aux"] + m.z_loss_coef * stats["z"]) / (rows * cfg.n_layers)
+    return (m.aux_loss_coef * stats["aux"] + m.z_loss_coef * stats["z"]) / (rows * cfg.moe_layer_count)
 
 
 def grouped_swiglu(rows: Array, group_sizes: Array, weights, *, dot, dtype) -> Array:

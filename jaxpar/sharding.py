@@ -24,7 +24,7 @@ its query group.
 from __future__ import annotations
 
 import math
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -135,9 +135,13 @@ def pad_vocab(params: nnx.State, padded_vocab: int) -> nnx.State:
     return jax.tree.map(resize, params, is_leaf=_is_variable)
 
 
-def permute_layers(params: nnx.State, order) -> nnx.State:
-    """Reorder the stacked layer axis (the leading `layers` logical axis) of every parameter that has one: position n
-    of the result holds `params`' layer order[n]."""
-    index = jnp.asarray(order)
-    return jax.tree.map(lambda v: v.replace(v[...][index]) if _axes_of(v)[:1] == ("layers",) else v, params,
-                        is_leaf=_is_variable)
+def permute_layers(params: nnx.State, order: Callable[[int], Any]) -> nnx.State:
+    """Reorder the stacked layer axis (the leading `layers` logical axis) of every parameter that has one: position i
+    of the result holds `params`' entry order(n)[i], n the length of the parameter's stack."""
+
+    def permute(v):
+        if _axes_of(v)[:1] != ("layers",):
+            return v
+        return v.replace(v[...][jnp.asarray(order(v.shape[0]))])
+
+    return jax.tree.map(permute, params, is_leaf=_is_variable)

@@ -49,7 +49,7 @@ def _flat(tree) -> dict[str, np.ndarray]:
                 for path, v in jax.tree_util.tree_flatten_with_path(tree)[0]}
     out = {}
     for name, a in flat.items():
-        out.update({f"{name}/{i}": layer for i, layer in enumerate(a)} if name.startswith("blocks/") else {name: a})
+        out.update({f"{name}/{i}": layer for i, layer in enumerate(a)} if name.startswith(("blocks/", "dense_blocks/")) else {name: a})
     return out
 
 
@@ -92,7 +92,7 @@ def assert_grads_match(got, want, rtol: float = 1e-5, zero: dict[str, str] | Non
     errors = grad_errors(got, want, zero)
     by_param: dict[str, float] = {}
     for name, e in errors.items():
-        base = name.rpartition("/")[0] if name.startswith("blocks/") else name
+        base = name.rpartition("/")[0] if name.startswith(("blocks/", "dense_blocks/")) else name
         by_param[base] = max(by_param.get(base, 0.0), e)
     worst = max(errors, key=errors.get)
     print(f"worst per-parameter relative error {errors[worst]:.2e} ({worst}); "

@@ -91,7 +91,7 @@ def test_plan_exposes_what_each_strategy_needs():
     assert (plan.tensor.axis, plan.tensor.sequence, plan.tensor.kv_replicas) == ("tensor", True, 1)
     p = plan.pipeline
     assert (p.stages, p.repeats, p.microbatches, p.layers, p.iterations) == (2, 2, 4, 4, 2 * 4 + 2 - 1)
-    assert plan.layer_order.tolist() == [0, 2, 1, 3]
+    assert plan.stack_order(4).tolist() == [0, 2, 1, 3]
     assert (plan.zero, plan.opt_zero_data, plan.param_zero_data) == (1, 2, 1)
     assert plan.batch_axes == ("data", "pipe", "expert") and plan.grad_axes == ("data", "expert")
     assert plan.batch_spec == P(("data", "pipe", "expert"), None)
@@ -106,7 +106,7 @@ def test_plan_exposes_what_each_strategy_needs():
 def test_single_device_plan_is_the_reference():
     plan = make_plan(MODEL)
     assert plan.mesh is None and not plan.sharded and plan.tensor is None and plan.pipeline is None
-    assert plan.padded_vocab == MODEL.vocab_size and plan.layer_order is None
+    assert plan.padded_vocab == MODEL.vocab_size and plan.stack_order(4) is None
     assert set(plan.degrees.values()) == {1}
 
 

@@ -70,6 +70,8 @@ def _dims(config: Config, padded_vocab: int) -> dict:
                  mb=mb // t.grad_accum, iterations=n * t.grad_accum)
     else:
         d.update(rows=b, layer_execs=m.n_layers * t.grad_accum, tokens_per_exec=b // t.grad_accum * d["s"])
+    # the MoE layers' share of them (every pipeline chunk holds the same dense / MoE layers: the config checks it)
+    d["moe_layer_execs"] = d["layer_execs"] * m.moe_layer_count // m.n_layers
     return d
 
 
@@ -95,7 +97,7 @@ def tensor_bytes(config: Config, padded_vocab: int) -> dict[str, float]:
         per_exec += per_layer * 4
         per_chunk += outside * 4
     out["param_grads"] = 2 * (t - 1) / t * (d["layer_execs"] * per_exec + d["A"] * per_chunk)
-    out["moe"] = d["layer_execs"] * moe_tensor_bytes(config, d)
+    out["moe"] = d["moe_layer_execs"] * moe_tensor_bytes(config, d)
     out["total"] = sum(out.values())
     return out
 
@@ -128,7 +130,7 @@ def moe_tensor_bytes(config: Config, d: dict) -> float:
     return shared + stats + (t - 1) / t * N * k * (gathered + 4) - (t - 1) / t * N * d["h"] * d["beta"]
 
 
-def tensor_replicated_floats(model) -> tuple[int, int]:
+def tensor_replicated_floats(model) -> tuple[float, int]:
     """(per layer, outside the layers): how many floats of the model's parameters no tensor rank splits — read from
     the parameters' logical axes (none of them one that `tensor` splits). Under SP each of them meets sequence
     shards, so its gradient is all-reduced over `tensor`."""
@@ -139,8 +141,8 @@ def tensor_replicated_floats(model) -> tuple[int, int]:
     for _, v in leaves:
         axes = tuple(v.get_metadata().get("logical_axes") or ())
         if not set(axes) & set(tensor_split):
-            if axes[:1] == ("layers",):
-                per_layer += math.prod(v.shape) // model.n_layers
+            if axes[:1] == ("layers",):  # (a mean over the layers when two stacks hold different parameters)
+                per_layer += math.prod(v.shape) / model.n_layers
             else:
                 outside += math.prod(v.shape)
     return per_layer, outside
@@ -234,7 +236,7 @@ def expert_bytes(config: Config) -> dict[str, float]:
         return {"rows": 0.0, "counts": 0.0, "total": 0.0, "balanced": 0.0}
     rows_exec = d["tokens_per_exec"] // d["s"]
     S = expert_chunk_rows(config, rows_exec)
-    execs = d["layer_execs"]
+    execs = d["moe_layer_execs"]
     rows_bytes = execs * 4 * (ep - 1) * S * d["h"] * d["beta"]
     counts = execs * (ep - 1) * (moe.n_experts // ep) * 4
     balanced = execs * 4 * (ep - 1) / ep * d["tokens_per_exec"] * moe.top_k * d["h"] * d["beta"]

@@ -39,6 +39,9 @@ class Param:
 class Rule:
     """jaxpar parameter `param` ⇄ Hugging Face tensor `name` ("{l}" = layer index for stacked params).
 
+    layers: for a stacked param, the model layer each entry of its stack is (`ModelConfig.layer_stacks`: a mixed
+    dense / MoE model keeps two stacks); None: entry l is layer l.
+
     to_jax: the HF tensor → the jaxpar array (one layer's, for stacked params); to_hf: the inverse. Several rules
     may share one HF tensor (GPT-2's fused c_attn): each takes its `part` of `parts` equal slices of the last axis.
     """
@@ -49,10 +52,15 @@ class Rule:
     to_hf: Callable[[Any], Any]
     part: int = 0
     parts: int = 1
+    layers: tuple[int, ...] | None = None
 
     @property
     def stacked(self) -> bool:
         return "{l}" in self.name
+
+    def model_layers(self, n_layers: int) -> tuple[int, ...]:
+        """The model layer of each entry of the stacked param, in stack order."""
+        return tuple(range(n_layers)) if self.layers is None else self.layers
 
 
 def same(x):
@@ -88,7 +96,8 @@ class Family:
     norm: str  # 'rms' (RMSNorm: scale) or 'layer' (LayerNorm: scale and bias)
     positions: str  # 'rope' (rotary, in attention) or 'learned' (a position table added to the embedding)
     mlp: str  # 'swiglu' (gate, up, down) or 'gelu' (up, down, biases)
-    layer_params: Callable[[Any], dict[str, Param]]  # cfg → one layer's parameters, in initialisation order
+    layer_params: Callable[[Any, bool], dict[str, Param]]  # (cfg, moe) → one layer's parameters, in initialisation
+    # order; moe: the layer holds the mixture of experts (cfg.moe) in place of the dense MLP
     default_d_ff: Callable[[int], int]  # d_model → the MLP width a d_ff of 0 means
     check: Callable[[Any], None]  # cfg → raise ConfigError for what the family cannot run
     hf: HuggingFace

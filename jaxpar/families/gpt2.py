@@ -17,7 +17,7 @@ from jaxpar.errors import ConfigError
 from jaxpar.families.base import Family, HuggingFace, Param, Rule, attention_params, qkv_bias_params, same
 
 
-def layer_params(cfg) -> dict[str, Param]:
+def layer_params(cfg, moe: bool = False) -> dict[str, Param]:
     """GPT-2's layer: the shared attention with LayerNorms (scale and bias), a GELU MLP, biases everywhere."""
     D, F = cfg.d_model, cfg.d_ff
     params = attention_params(cfg, norm_bias=True)

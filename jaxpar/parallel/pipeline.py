@@ -89,7 +89,13 @@ class Pipeline:
     @property
     def layer_order(self) -> np.ndarray:
         """order[n] = the model layer at position n of the stacked axis in memory (`pipeline_order`)."""
-        return pipeline_order(self.layers, self.stages, self.repeats,
+        return self.stack_order(self.layers)
+
+    def stack_order(self, n: int) -> np.ndarray:
+        """`layer_order` for a stack of n of the layers (a mixed dense / MoE model keeps one stack per kind): every
+        chunk holds the same kinds of layers (the config checks it), so chunk c holds the c-th n/(p·v) of the stack
+        and its storage order is the same rule over n."""
+        return pipeline_order(n, self.stages, self.repeats,
                               tables.placement(self.schedule, self.stages, self.repeats))
 
     @property
@@ -345,7 +351,7 @@ def execute(program: Program, chunk_fn: Callable, layers, rest, tokens: Array, t
 
     # One layer traced at the top level (dead code, as the traces below: XLA drops them) tells which parameters are
     # matmul weights and sizes the probes (each group's outputs) and the tape (each group's input), [k, …] for the
-    # chunk's k layers.
+    # chunk's k periods (`Tape.steps`; a period is one layer unless the chunk mixes dense and MoE layers).
     x0 = embed_fn(rest, tokens[0])
     chunk_a = jax.tree.map(lambda a: a[0], layers)
     chunk_b = jax.tree.map(lambda a: a[0], layers)
@@ -357,7 +363,7 @@ def execute(program: Program, chunk_fn: Callable, layers, rest, tokens: Array, t
     if not any(is_matmul):
         raise ValueError("the chunk contracts none of its parameters through Parallel.column / Parallel.row: the "
                          "executor's W has no weight gradients to derive")
-    k = param_leaves[0].shape[0]
+    k = measured.steps  # the chunk's scan runs k periods of layers (k layers in a uniform stack)
     probe_ref = [[like(jnp.zeros((k, *y.shape), y.dtype), y) for y in ys] for ys in measured.outputs]
     # the groups' inputs, flat (a group's input may be a pytree: the MoE experts' tokens and routing)
     tape_leaves, tape_def = jax.tree.flatten(measured.inputs)

@@ -10,9 +10,9 @@ silently do something else, is refused here (or, when no device count is needed,
 
 `make_plan(model)` (no devices) is the single-device reference: no mesh, plain computations, unpadded vocab.
 
-    config ─► make_plan ─► Plan ─► create_state (rules, zero, layer_order, padded_vocab)
+    config ─► make_plan ─► Plan ─► create_state (rules, zero, stack_order, padded_vocab)
                                 ─► the step (tensor, pipeline, batch_spec, grad_axes) under shard_map on plan.mesh
-                                ─► checkpoints (layer_order, padded_vocab) and the data loader (batch_spec)
+                                ─► checkpoints (stack_order, padded_vocab) and the data loader (batch_spec)
 """
 
 from __future__ import annotations
@@ -83,10 +83,10 @@ class Plan:
     def opt_zero_data(self) -> int:
         return self.data if self.zero >= 1 else 1
 
-    @property
-    def layer_order(self) -> np.ndarray | None:
-        """order[n] = the model layer at position n of the stacked axis in memory (None: model order)."""
-        return None if self.pipeline is None else self.pipeline.layer_order
+    def stack_order(self, n: int) -> np.ndarray | None:
+        """order[i] = the entry of a stack of n layers (in model order) at position i of the stacked axis in memory
+        (None: model order). The pipeline stores each stack stage-major (`Pipeline.stack_order`)."""
+        return None if self.pipeline is None else self.pipeline.stack_order(n)
 
     @property
     def sharded(self) -> bool:
@@ -112,12 +112,12 @@ class Plan:
         padded to `padded_vocab`, the layers in the pipeline's storage order. The one place that conversion is
         written: checkpoints, state creation and the tests all use it (and `to_canonical`, its inverse)."""
         params = pad_vocab(params, self.padded_vocab)
-        return params if self.layer_order is None else permute_layers(params, self.layer_order)
+        return params if self.pipeline is None else permute_layers(params, self.stack_order)
 
     def to_canonical(self, params: nnx.State) -> nnx.State:
         """Runtime params (or gradients, or Adam moments) → model layer order and the model's true vocab size."""
-        if self.layer_order is not None:
-            params = permute_layers(params, np.argsort(self.layer_order))
+        if self.pipeline is not None:
+            params = permute_layers(params, lambda n: np.argsort(self.stack_order(n)))
         return pad_vocab(params, self.model.vocab_size)
 
     @property

@@ -11,8 +11,8 @@ every weight matrix in a *group* — `Parallel.column` (matmuls sharing one inpu
 the model's parallel context sees each one, and the pipeline executor (jaxpar.parallel.pipeline.execute) runs the
 chunk in one of three modes:
 
-    MEASURE  one layer, traced once outside any loop: which of the chunk's parameters are matmul weights (traced
-             back through `derive`: a layer's slice of a stacked array, the kv heads of a rank) and each group's
+    MEASURE  one layer (a period of a mixed stack), traced once outside any loop: which of the chunk's parameters
+             are matmul weights (traced back through `derive`: a layer's slice of a stacked array, the kv heads of a rank) and each group's
              input and output shapes (the W stash and the probes are sized from them).
     RECORD   the forward F. Each group's input is collected (→ the W stash), and a zero *probe* is added to each of
              its outputs, so the chunk's vjp with respect to the probes is every group output's gradient dy
@@ -58,6 +58,7 @@ class Tape:
         self.inputs: list = []  # per group: an array, or a pytree of them
         self.outputs: list[list[Array]] = []
         self.weights: list[Array] = []
+        self.steps = 1  # MEASURE: how many times the chunk's scan runs the traced unit (set by the model's runner)
         self._source: dict[int, tuple[Array, Array]] = {}  # id(derived) → (derived, source): the pair keeps ids live
 
     def derive(self, result: Array, source: Array) -> Array:

@@ -76,7 +76,7 @@ def build_trainer(config: Config, devices: list | Mesh | None, *, explicit: bool
     grads_of, step_grads = (sharded_loss_and_grads(graphdef, plan, grad_accum=config.train.grad_accum,
                                                    remat=parallel.remat, param_specs=specs, stats=stats)
                             for stats in (False, model.moe.enabled))  # the step also reports MoE statistics
-    moe_layers = model.n_layers if model.moe.enabled else 0
+    moe_layers = model.moe_layer_count
     train_step, eval_step = compile_steps(make_train_step(step_grads, tx, lr_schedule(config.train), moe_layers),
                                           make_eval_step(graphdef, plan, param_specs=specs), plan.mesh, shardings)
     return Trainer(graphdef, state, shardings, train_step, eval_step, plan, grads_of)

@@ -88,7 +88,7 @@ def pipeline_loss(model, batch: jax.Array, pipe: Pipeline, remat: str, par: Para
     positions = row_positions[:mb]  # every row has the same positions
     x = model.embed_tokens(tokens, row_positions, par)  # [R, T(/t), D]
     io = x.reshape(q, mb, *x.shape[1:])
-    per_pass = jax.tree.map(lambda a: a.reshape(v, a.shape[0] // v, *a.shape[1:]), model.blocks.stacked())
+    per_pass = jax.tree.map(lambda a: a.reshape(v, a.shape[0] // v, *a.shape[1:]), model.stacks())
     mask = attention_mask(T, None)
     stage = lambda layers, h: run_layers(layers, h, positions, mask, model.cfg, remat=remat, par=par,  # noqa: E731
                                          stats=True)
@@ -115,12 +115,13 @@ def scheduled_loss_and_grads(graphdef: nnx.GraphDef, params: nnx.State, batch: j
     positions = positions[:mb]
     mask = attention_mask(T, None)
     cfg = nnx.merge(graphdef, params).cfg
-    blocks, rest = nnx.split_state(params, nnx.PathContains("blocks"), ...)  # the stacked layers | the rest
-    # [v·k, …] in storage order → [v, k, …]: chunk r of this stage is row r (pipeline_order)
-    layers = jax.tree.map(lambda a: a.reshape(v, a.shape[0] // v, *a.shape[1:]), blocks["blocks"])
+    stack_names = tuple(cfg.layer_stacks)
+    blocks, rest = nnx.split_state(params, nnx.Any(*map(nnx.PathContains, stack_names)), ...)  # the layers | rest
+    # [v·k, …] in storage order → [v, k, …]: chunk r of this stage is row r (pipeline_order), in every stack
+    layers = jax.tree.map(lambda a: a.reshape(v, a.shape[0] // v, *a.shape[1:]), blocks)
 
     def chunk_fn(chunk: nnx.State, x: jax.Array, tape=None):
-        stacked = {name: var[...] for name, var in chunk.items()}
+        stacked = {stack: {name: var[...] for name, var in chunk[stack].items()} for stack in stack_names}
         if tape is None or tape.mode != RECORD or not cfg.moe.enabled:
             return run_layers(stacked, x, positions, mask, cfg, remat=remat, par=par, tape=tape)
         # F of an MoE chunk: its layers' aux losses over this microbatch join the objective like its loss (1/m)
@@ -138,7 +139,7 @@ def scheduled_loss_and_grads(graphdef: nnx.GraphDef, params: nnx.State, batch: j
                                                      targets.reshape(m, mb, T), embed_fn, head_loss_fn, axis=PIPE,
                                                      operand=lambda w: par.dot.operand(w, cfg.dtype))
     block_grads = jax.tree.map(lambda a: a.reshape(a.shape[0] * a.shape[1], *a.shape[2:]), layer_grads)
-    return loss, _merge_state(rest_grads, nnx.State({"blocks": block_grads}))
+    return loss, _merge_state(rest_grads, block_grads)
 
 
 def loss_and_grads(graphdef: nnx.GraphDef, *, grad_accum: int = 1, remat: str = "none",
