@@ -3,13 +3,18 @@
 
 tests/fixtures/hf/mixtral: 4 experts top-2 (always renormalised), sliding window 16, untied, one file.
 tests/fixtures/hf/qwen2_moe: 4 experts top-2 with norm_topk_prob false, a shared expert with its sigmoid gate, q/k/v
-biases, tied, sharded over 3 files (a layer's experts spread across them). Every routing decision of the reference
-inputs is clear (the k-th and (k+1)-th router probabilities differ by > 1e-3), so a float32 port routes alike.
+biases, tied, sharded over 3 files (a layer's experts spread across them).
+tests/fixtures/hf/qwen2_moe_mixed: a mixed dense / MoE stack, 8 layers with decoder_sparse_step 2 and mlp_only_layers
+[1, 5]: MoE layers 3 and 7 (norm_topk_prob true, a gated shared expert), the other six dense (intermediate_size 96);
+untied, sharded. Its two halves hold the same kinds of layers, so it runs on a 2-stage pipeline.
+Every routing decision of the reference inputs is clear (the k-th and (k+1)-th router probabilities differ by
+> 1e-3), so a float32 port routes alike.
 
 Checked: config.json → ModelConfig (the moe section), import → export bit for bit (and a fresh config.json for each
 architecture), the fused layout transformers 5 can also save, an expert × tensor sharded import that reads only each
-shard's experts, logits within fp32 max-abs 1e-4 of transformers', 32 greedy tokens through the KV cache equal to
-transformers' greedy, and the unsupported or inexpressible options as one-line typed errors naming the key.
+shard's experts (the mixed model's also under a pipeline), logits within fp32 max-abs 1e-4 of transformers', 32 greedy
+tokens through the KV cache equal to transformers' greedy, the loss on expert layouts (the mixed model's on a
+pipeline), and the unsupported or inexpressible options as one-line typed errors naming the key.
 """
 
 from __future__ import annotations
@@ -38,9 +43,10 @@ from jaxpar.sharding import param_shardings, param_specs
 from jaxpar.train.step import sharded_loss_and_grads
 
 FIXTURES = pathlib.Path(__file__).parent / "fixtures" / "hf"
-MOE = ("mixtral", "qwen2_moe")
+MOE = ("mixtral", "qwen2_moe", "qwen2_moe_mixed")
 EXPERT_TENSORS = {"mixtral": ("block_sparse_moe", ("w1", "w3", "w2")),  # (block, (gate, up, down)) of the hub layout
-                  "qwen2_moe": ("mlp", ("gate_proj", "up_proj", "down_proj"))}
+                  "qwen2_moe": ("mlp", ("gate_proj", "up_proj", "down_proj")),
+                  "qwen2_moe_mixed": ("mlp", ("gate_proj", "up_proj", "down_proj"))}
 
 
 def reference(name: str) -> dict:
@@ -64,14 +70,12 @@ def loaded(name: str, data: int = 1, tensor: int = 1):
     return load(FIXTURES / name, data=data, tensor=tensor)
 
 
-def params_of(directory: pathlib.Path, cfg, plan=None) -> dict:
-    """The imported params (nested dict), on one device or on `plan`'s mesh and layout."""
+def params_of(directory: pathlib.Path, cfg, plan=None) -> nnx.State:
+    """The imported params, on one device or on `plan`'s mesh and layout."""
     _, abstract = abstract_model(cfg if plan is None else plan.model, None if plan is None else plan.padded_vocab)
     if plan is None:
-        params = hf.load_params(directory, cfg, abstract)
-    else:
-        params = hf.load_params(directory, cfg, abstract, plan, param_shardings(abstract, plan.mesh, plan.rules))
-    return nnx.to_pure_dict(params)
+        return hf.load_params(directory, cfg, abstract)
+    return hf.load_params(directory, cfg, abstract, plan, param_shardings(abstract, plan.mesh, plan.rules))
 
 
 # -----------------------------------------------------------------------------------------------------------------
@@ -86,6 +90,12 @@ def test_config_maps_the_moe_features():
                                  shared_d_ff=48, shared_gate=True)
     assert (qwen.d_ff, qwen.qkv_bias, qwen.sliding_window, qwen.tie_embeddings) == (96, True, 0, True)
     assert (qwen.n_kv_heads, qwen.head_dim, qwen.rope_theta, qwen.norm_eps) == (2, 16, 1e6, 1e-6)
+    assert qwen.layer_stacks == {"blocks": (0, 1)}  # every layer MoE: one stack, as before mixed stacks
+    mixed = model_config(FIXTURES / "qwen2_moe_mixed")  # decoder_sparse_step 2, mlp_only_layers [1, 5]
+    assert mixed.moe == MoEConfig(n_experts=4, top_k=2, d_ff=32, norm_topk_prob=True, aux_loss_coef=0.001,
+                                  shared_d_ff=48, shared_gate=True, sparse_step=2, dense_layers=(1, 5))
+    assert (mixed.n_layers, mixed.d_ff, mixed.qkv_bias, mixed.tie_embeddings) == (8, 96, True, False)
+    assert mixed.layer_stacks == {"blocks": (3, 7), "dense_blocks": (0, 1, 2, 4, 5, 6)}
 
 
 @pytest.mark.parametrize("name", MOE)
@@ -98,23 +108,58 @@ def test_import_export_reproduces_every_tensor_bit_for_bit(name, tmp_path):
         assert got[key].dtype == want[key].dtype and got[key].tobytes() == want[key].tobytes(), key
     exported = json.loads((tmp_path / "out" / "config.json").read_text())
     assert hf.model_config(exported, tmp_path) == model_config(FIXTURES / name)
+    original = hf.read_config(FIXTURES / name)
+    for key in ("architectures", "decoder_sparse_step", "mlp_only_layers"):  # the last two: Qwen2-MoE's only
+        assert exported.get(key) == original.get(key), key
     index = json.loads((tmp_path / "out" / hf.INDEX).read_text())["weight_map"]  # 200 kB shards: an index
     assert sorted(index) == sorted(want)
 
 
 def test_a_fresh_config_json_picks_the_architecture_by_the_features():
-    """Without the imported config.json to start from, a shared expert exports as Qwen2-MoE and none as Mixtral,
-    with every key transformers needs (here: reads back to the same ModelConfig)."""
-    for name, arch in (("mixtral", "MixtralForCausalLM"), ("qwen2_moe", "Qwen2MoeForCausalLM")):
-        cfg = model_config(FIXTURES / name)
+    """Without the imported config.json to start from, a model Mixtral holds exports as Mixtral and every other as
+    Qwen2-MoE (dense layers, q/k/v biases, unnormalised top-k: with no shared expert, one of width 0), with every
+    key transformers needs (here: reads back to the same ModelConfig)."""
+    mixtral, mixed = model_config(FIXTURES / "mixtral"), model_config(FIXTURES / "qwen2_moe_mixed")
+    no_shared = dataclasses.replace(mixed.moe, shared_d_ff=0, shared_gate=False)
+    cases = [(mixtral, "MixtralForCausalLM", None), (model_config(FIXTURES / "qwen2_moe"), "Qwen2MoeForCausalLM", 48),
+             (mixed, "Qwen2MoeForCausalLM", 48), (dataclasses.replace(mixed, moe=no_shared), "Qwen2MoeForCausalLM", 0),
+             (dataclasses.replace(mixtral, qkv_bias=True), "Qwen2MoeForCausalLM", 0),
+             (dataclasses.replace(mixtral, moe=dataclasses.replace(mixtral.moe, norm_topk_prob=False)),
+              "Qwen2MoeForCausalLM", 0)]
+    for cfg, arch, shared in cases:
         fresh = hf.hf_config(cfg)
-        assert fresh["architectures"] == [arch]
-        assert hf.model_config(fresh, FIXTURES / name) == cfg
+        assert (fresh["architectures"], fresh.get("shared_expert_intermediate_size")) == ([arch], shared)
+        assert hf.model_config(fresh, FIXTURES) == cfg
+    assert (hf.hf_config(mixed)["decoder_sparse_step"], hf.hf_config(mixed)["mlp_only_layers"]) == (2, [1, 5])
     qwen = model_config(FIXTURES / "qwen2_moe")
     no_bias = dataclasses.replace(qwen, qkv_bias=False)  # Qwen2-MoE's qkv_bias key holds that
     assert hf.model_config(hf.hf_config(no_bias), FIXTURES) == no_bias
     windowed = dataclasses.replace(qwen, sliding_window=16)  # every layer windowed: layer_types says so
     assert hf.model_config(hf.hf_config(windowed), FIXTURES) == windowed
+
+
+def test_a_mixed_model_without_a_shared_expert_exports_one_of_width_zero(tmp_path):
+    """Mixtral has no dense layers, so a mixed model without a shared expert exports as Qwen2-MoE with
+    shared_expert_intermediate_size 0: transformers 5.24 builds that expert with [0, D] and [D, 0] weights, and it
+    adds sigmoid(x·w)·0. The export writes them (the gate as zeros) on the MoE layers only, and imports back."""
+    cfg = model_config(FIXTURES / "qwen2_moe_mixed")
+    params = nnx.to_pure_dict(params_of(FIXTURES / "qwen2_moe_mixed", cfg))
+    for key in ("ws_gate", "ws_up", "ws_down", "ws_score"):
+        del params["blocks"][key]
+    cfg = dataclasses.replace(cfg, moe=dataclasses.replace(cfg.moe, shared_d_ff=0, shared_gate=False))
+    _, state = abstract_model(cfg)
+    nnx.replace_by_pure_dict(state, params)
+    hf.save_params(state, cfg, tmp_path / "out")
+    out, config = tensors(tmp_path / "out"), hf.read_config(tmp_path / "out")
+    assert (config["architectures"], config["shared_expert_intermediate_size"]) == (["Qwen2MoeForCausalLM"], 0)
+    shared = {k: v.shape for k, v in out.items() if ".shared_expert" in k}
+    assert shared == {f"model.layers.{layer}.mlp.{name}.weight": shape for layer in (3, 7) for name, shape in (
+        ("shared_expert.gate_proj", (0, 64)), ("shared_expert.up_proj", (0, 64)), ("shared_expert.down_proj", (64, 0)),
+        ("shared_expert_gate", (1, 64)))}
+    assert not out["model.layers.7.mlp.shared_expert_gate.weight"].any()
+    assert hf.model_config(config, tmp_path) == cfg
+    back = nnx.to_pure_dict(params_of(tmp_path / "out", cfg))
+    assert jax.tree.all(jax.tree.map(np.array_equal, back, params))
 
 
 def fused_copy(tmp_path: pathlib.Path, name: str) -> pathlib.Path:
@@ -127,7 +172,7 @@ def fused_copy(tmp_path: pathlib.Path, name: str) -> pathlib.Path:
     block, (gate, up, down) = EXPERT_TENSORS[name]
     hub, X = tensors(FIXTURES / name), model_config(FIXTURES / name).moe.n_experts
     fused = {k.replace(f".{block}.gate.", ".mlp.gate."): v for k, v in hub.items() if ".experts." not in k}
-    for layer in range(2):
+    for layer in model_config(FIXTURES / name).layer_stacks["blocks"]:  # the MoE layers
         get = lambda e, w: hub[f"model.layers.{layer}.{block}.experts.{e}.{w}.weight"]  # noqa: E731
         fused[f"model.layers.{layer}.mlp.experts.gate_up_proj"] = np.stack(
             [np.concatenate([get(e, gate), get(e, up)]) for e in range(X)])
@@ -139,7 +184,7 @@ def fused_copy(tmp_path: pathlib.Path, name: str) -> pathlib.Path:
 @pytest.mark.parametrize("name", MOE)
 def test_the_fused_expert_layout_imports_and_exports_the_hub_layout(name, tmp_path):
     fused, cfg = fused_copy(tmp_path, name), model_config(FIXTURES / name)
-    got, want = params_of(fused, cfg), params_of(FIXTURES / name, cfg)
+    got, want = nnx.to_pure_dict(params_of(fused, cfg)), nnx.to_pure_dict(params_of(FIXTURES / name, cfg))
     assert jax.tree.all(jax.tree.map(np.array_equal, got, want))
     hf.import_to_workdir(fused, tmp_path / "workdir")  # keeps the fused names in hf_source.json
     hf.export_workdir(tmp_path / "workdir", tmp_path / "out")
@@ -147,13 +192,17 @@ def test_the_fused_expert_layout_imports_and_exports_the_hub_layout(name, tmp_pa
     assert sorted(out) == sorted(hub) and all(out[k].tobytes() == hub[k].tobytes() for k in hub)
 
 
-@pytest.mark.parametrize("name,fused", [("mixtral", False), ("qwen2_moe", False), ("qwen2_moe", True)])
-def test_an_expert_sharded_import_reads_only_its_experts(name, fused, tmp_path, monkeypatch):
+@pytest.mark.parametrize("name,fused,pipe", [("mixtral", False, 1), ("qwen2_moe", False, 1), ("qwen2_moe", True, 1),
+                                            ("qwen2_moe_mixed", False, 2)])
+def test_an_expert_sharded_import_reads_only_its_experts(name, fused, pipe, tmp_path, monkeypatch):
     """At expert 2 × tensor 2 every parameter lands where the single-device import puts it, and each expert's
-    tensor is read by the two tensor ranks of the expert rank that holds it — never by the other expert rank."""
+    tensor is read by the two tensor ranks of the expert rank that holds it — never by the other expert rank. The
+    mixed model also over pipe 2: each stack (MoE layers 3, 7; dense 0, 1, 2, 4, 5, 6) in its pipeline order, an
+    expert tensor read only on the stage that holds its layer."""
     directory = fused_copy(tmp_path, name) if fused else FIXTURES / name
     cfg = model_config(FIXTURES / name)
-    plan = make_plan(cfg, ParallelConfig(expert=2, tensor=2, data=-1), jax.devices()[:4])
+    plan = make_plan(cfg, ParallelConfig(expert=2, tensor=2, pipe=pipe, data=-1, microbatches=pipe),
+                     jax.devices()[:4 * pipe])
     reads, get = collections.Counter(), hf.SafetensorsDir.get
 
     def counted(self, name, shape=None, index=None):
@@ -163,10 +212,10 @@ def test_an_expert_sharded_import_reads_only_its_experts(name, fused, tmp_path, 
     monkeypatch.setattr(hf.SafetensorsDir, "get", counted)
     sharded = params_of(directory, cfg, plan)
     monkeypatch.undo()
-    single = params_of(directory, cfg)
-    for key in ("we_gate", "we_up", "we_down", "router"):
-        assert np.array_equal(np.asarray(sharded["blocks"][key]), single["blocks"][key]), key
-    assert sharded["blocks"]["we_gate"].addressable_shards[0].data.shape == (2, 2, 64, 16)  # [L, X/2, D, F/2]
+    single, canonical = nnx.to_pure_dict(params_of(directory, cfg)), nnx.to_pure_dict(plan.to_canonical(sharded))
+    assert jax.tree.all(jax.tree.map(lambda a, b: np.array_equal(np.asarray(a), b), canonical, single))
+    shard = sharded["blocks"]["we_gate"][...].addressable_shards[0].data.shape  # [L/pipe, X/2, D, F/2]
+    assert shard == (2 // pipe, 2, 64, 16)
     expert_reads = {k: n for k, n in reads.items() if "experts" in str(k)}
     if fused:  # (gate_up_proj, e) read for we_gate and we_up, (down_proj, e) for we_down, on 2 devices each
         assert sorted(expert_reads.values()) == [2] * 8 + [4] * 8  # 2 layers × 4 experts, once a tensor rank
@@ -178,7 +227,7 @@ def test_an_expert_sharded_import_reads_only_its_experts(name, fused, tmp_path, 
 # Parity with transformers
 
 
-@pytest.mark.parametrize("name,tensor", [("mixtral", 1), ("qwen2_moe", 1), ("mixtral", 4)])
+@pytest.mark.parametrize("name,tensor", [("mixtral", 1), ("qwen2_moe", 1), ("qwen2_moe_mixed", 1), ("mixtral", 4)])
 def test_logits_match_transformers(name, tensor):
     """One forward over four rows right-padded to one length (a causal model: padding after a row changes nothing
     before it): the reference batch [2, 13] and the two greedy texts, prompt + 31 new tokens (Mixtral's 41 tokens
@@ -198,7 +247,8 @@ def test_logits_match_transformers(name, tensor):
         assert np.abs(logits[i, :len(w), :w.shape[-1]] - w).max() < 1e-4, i
 
 
-@pytest.mark.parametrize("name,data,tensor", [("mixtral", 1, 1), ("qwen2_moe", 1, 1), ("qwen2_moe", 2, 2)])
+@pytest.mark.parametrize("name,data,tensor", [("mixtral", 1, 1), ("qwen2_moe", 1, 1), ("qwen2_moe_mixed", 1, 1),
+                                              ("qwen2_moe", 2, 2)])
 def test_greedy_generation_matches_transformers(name, data, tensor):
     """32 greedy tokens with the KV cache, two prompts (5 and 9 tokens) in one left-padded batch, on one device and
     with the prompts over data 2 and each layer over tensor 2."""
@@ -216,15 +266,18 @@ def cross_entropy(logits: np.ndarray, ids: np.ndarray) -> float:
     return float(-np.take_along_axis(logp, ids[:, 1:, None], -1).mean())
 
 
-@pytest.mark.parametrize("name,expert,tensor", [("mixtral", 4, 2), ("qwen2_moe", 2, 2)])
-def test_loss_on_an_expert_layout_matches_transformers(name, expert, tensor):
-    """Imported straight onto (data, expert, tensor) of the 8 devices and run through the training step's
-    shard_map (tokens reach their experts by all-to-all), the loss of the reference batch (its 2 rows, repeated to
-    fill data × expert) is the cross-entropy of transformers' logits. The load-balancing loss is switched off: it
-    has no counterpart in those logits."""
+@pytest.mark.parametrize("name,expert,tensor,pipe", [("mixtral", 4, 2, 1), ("qwen2_moe", 2, 2, 1),
+                                                   ("qwen2_moe_mixed", 2, 2, 2)])
+def test_loss_on_an_expert_layout_matches_transformers(name, expert, tensor, pipe):
+    """Imported straight onto (data, pipe, expert, tensor) of the 8 devices and run through the training step's
+    shard_map (tokens reach their experts by all-to-all; the mixed model's dense and MoE stacks over 2 pipeline
+    stages, 2 microbatches), the loss of the reference batch (its 2 rows, repeated to fill the batch axes) is the
+    cross-entropy of transformers' logits. The load-balancing loss is switched off: it has no counterpart in those
+    logits."""
     cfg = model_config(FIXTURES / name)
     cfg = dataclasses.replace(cfg, moe=dataclasses.replace(cfg.moe, aux_loss_coef=0.0))
-    plan = make_plan(cfg, ParallelConfig(expert=expert, tensor=tensor, data=-1), jax.devices())
+    plan = make_plan(cfg, ParallelConfig(expert=expert, tensor=tensor, pipe=pipe, data=-1, microbatches=pipe),
+                     jax.devices())
     graphdef, abstract = abstract_model(cfg, plan.padded_vocab)
     params = hf.load_params(FIXTURES / name, cfg, abstract, plan,
                             param_shardings(abstract, plan.mesh, plan.rules, plan.param_zero_data))
@@ -261,18 +314,28 @@ def _set(**kv):
 BAD_CONFIGS = [  # (fixture, edit of config.json's dict, the message)
     ("mixtral", _set(router_jitter_noise=0.1), r"config\.json: router_jitter_noise = 0\.1: jaxpar's router has no "
                                                r"jitter"),
-    ("qwen2_moe", _set(decoder_sparse_step=2), r"config\.json: decoder_sparse_step = 2: jaxpar does not support "
-                                               r"mixed dense/MoE stacks yet"),
-    ("qwen2_moe", _set(mlp_only_layers=[1]), r"config\.json: mlp_only_layers = \[1\]: jaxpar does not support mixed "
-                                             r"dense/MoE stacks yet"),
     ("qwen2_moe", _set(mlp_only_layers="1"), r"config\.json: mlp_only_layers = '1': must be a list of layer indices"),
+    ("qwen2_moe_mixed", _set(mlp_only_layers=[1.0]), r"config\.json: mlp_only_layers = \[1\.0\]: must be a list of "
+                                                     r"layer indices \(integers from 0\); write e\.g\. \[0, 3\]"),
+    ("qwen2_moe_mixed", _set(mlp_only_layers=[5, 8]), r"config\.json: mlp_only_layers = \[5, 8\]: layers \[8\] do not "
+                                                      r"exist: num_hidden_layers = 8 \(indices 0\.\.7\); list only"),
+    ("qwen2_moe_mixed", _set(mlp_only_layers=[-1]), r"config\.json: mlp_only_layers = \[-1\]: layers \[-1\] do not "
+                                                    r"exist"),
+    ("qwen2_moe_mixed", _set(mlp_only_layers=[5, 1, 5]), r"config\.json: mlp_only_layers = \[5, 1, 5\]: lists layers "
+                                                         r"\[5\] more than once; list each dense layer once$"),
+    ("qwen2_moe_mixed", _set(mlp_only_layers=[1, 3, 5, 7]), r"config\.json: mlp_only_layers = \[1, 3, 5, 7\]: leaves "
+                                                            r"none of the 8 layers an MoE layer"),
+    ("qwen2_moe_mixed", _set(decoder_sparse_step=9), r"config\.json: decoder_sparse_step = 9: leaves none of the 8 "
+                                                     r"layers an MoE layer"),
     ("qwen2_moe", _set(decoder_sparse_step=0), r"config\.json: decoder_sparse_step = 0: must be > 0$"),
+    ("qwen2_moe_mixed", _set(decoder_sparse_step="2"), r"config\.json: decoder_sparse_step = '2': must be an "
+                                                       r"integer$"),
     ("mixtral", _set(num_experts_per_tok=5), r"config\.json: num_experts_per_tok = 5: must be <= num_local_experts = "
                                              r"4"),
     ("qwen2_moe", _set(num_experts_per_tok=5), r"config\.json: num_experts_per_tok = 5: must be <= num_experts = 4"),
     ("mixtral", _set(num_local_experts=0), r"config\.json: num_local_experts = 0: must be > 0$"),
-    ("qwen2_moe", _set(shared_expert_intermediate_size=0), r"config\.json: shared_expert_intermediate_size = 0: must "
-                                                           r"be > 0$"),
+    ("qwen2_moe", _set(shared_expert_intermediate_size=-1), r"config\.json: shared_expert_intermediate_size = -1: "
+                                                            r"must be >= 0$"),
     ("qwen2_moe", _set(norm_topk_prob="no"), r"config\.json: norm_topk_prob = 'no': must be true or false$"),
     ("qwen2_moe", _set(moe_intermediate_size=None), r"config\.json: no 'moe_intermediate_size', which a qwen2_moe "
                                                     r"model needs"),
@@ -294,12 +357,9 @@ def test_bad_moe_config_json_is_a_one_line_error_naming_the_key(tmp_path, name, 
 
 
 def test_export_refuses_what_neither_architecture_holds():
-    mixtral, qwen = model_config(FIXTURES / "mixtral"), model_config(FIXTURES / "qwen2_moe")
-    cases = [(dataclasses.replace(qwen, moe=dataclasses.replace(qwen.moe, shared_gate=False)), "moe.shared_gate"),
-             (dataclasses.replace(mixtral, qkv_bias=True), "model.qkv_bias"),
-             (dataclasses.replace(mixtral, moe=dataclasses.replace(mixtral.moe, norm_topk_prob=False)),
-              "moe.norm_topk_prob")]
-    for cfg, field in cases:
+    """A shared expert without its gate: Qwen2-MoE always applies sigmoid(x·w) (the only MoE model neither holds)."""
+    for name in ("qwen2_moe", "qwen2_moe_mixed"):
+        qwen = model_config(FIXTURES / name)
         with pytest.raises(ConfigError) as info:
-            hf.hf_config(cfg)
-        assert info.value.field == field
+            hf.hf_config(dataclasses.replace(qwen, moe=dataclasses.replace(qwen.moe, shared_gate=False)))
+        assert info.value.field == "moe.shared_gate"

@@ -157,9 +157,9 @@ def _rope_fields(keys) -> tuple[dict, dict]:
 
 def write(cfg, out: dict, base: dict | None) -> None:
     """config.json for cfg. Dense: Qwen2 for q/k/v biases, Mistral for a sliding window, else Llama (or the imported
-    config's own dense architecture). MoE: Qwen2-MoE for a shared expert, else Mixtral (`moe_hf.architecture`)."""
+    config's own dense architecture). MoE: Mixtral where it holds the model, else Qwen2-MoE (`moe_hf.architecture`)."""
     if cfg.moe.enabled:
-        arch, model_type = moe_hf.architecture(cfg)
+        arch, model_type = moe_hf.architecture(cfg, base)
     else:
         arch, model_type = ("Qwen2ForCausalLM", "qwen2") if cfg.qkv_bias else (
             ("MistralForCausalLM", "mistral") if cfg.sliding_window else ("LlamaForCausalLM", "llama"))
@@ -205,26 +205,34 @@ def exportable(cfg) -> None:
 
 def tensors(cfg, names: set[str] | None = None) -> list[Rule]:
     """The `model.layers.{l}.*` tensor table (torch Linear weights transposed, head dims split); an MoE layer's
-    router and experts from `moe_hf.tensors` (`names`, the tensors present, tells its fused layout)."""
+    router and experts from `moe_hf.tensors` (`names`, the tensors present, tells its fused layout). A mixed dense /
+    MoE model has the attention rules once per layer stack (`blocks`: the MoE layers, `dense_blocks`: the dense
+    ones), each naming its stack's model layers (`Rule.layers`), and the dense MLP rules on `dense_blocks`."""
     D, H, K, E = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
     lay = "model.layers.{l}."
+    stacks = cfg.layer_stacks
+    layers = {name: (ls if len(stacks) > 1 else None) for name, ls in stacks.items()}  # None: every layer, in order
     linear_in = lambda n: (lambda x: x.T.reshape(D, n, E), lambda x: x.reshape(D, -1).T)  # noqa: E731
-    rules = [Rule("embed", "model.embed_tokens.weight", same, same), Rule("final_norm", "model.norm.weight", same, same),
-             Rule("blocks.attn_norm", lay + "input_layernorm.weight", same, same),
-             Rule("blocks.mlp_norm", lay + "post_attention_layernorm.weight", same, same),
-             Rule("blocks.wq", lay + "self_attn.q_proj.weight", *linear_in(H)),
-             Rule("blocks.wk", lay + "self_attn.k_proj.weight", *linear_in(K)),
-             Rule("blocks.wv", lay + "self_attn.v_proj.weight", *linear_in(K)),
-             Rule("blocks.wo", lay + "self_attn.o_proj.weight", lambda x: x.T.reshape(H, E, D),
-                  lambda x: x.reshape(-1, D).T)]
+    rules = [Rule("embed", "model.embed_tokens.weight", same, same),
+             Rule("final_norm", "model.norm.weight", same, same)]
+    for stack, ls in layers.items():
+        rules += [Rule(f"{stack}.attn_norm", lay + "input_layernorm.weight", same, same, layers=ls),
+                  Rule(f"{stack}.mlp_norm", lay + "post_attention_layernorm.weight", same, same, layers=ls),
+                  Rule(f"{stack}.wq", lay + "self_attn.q_proj.weight", *linear_in(H), layers=ls),
+                  Rule(f"{stack}.wk", lay + "self_attn.k_proj.weight", *linear_in(K), layers=ls),
+                  Rule(f"{stack}.wv", lay + "self_attn.v_proj.weight", *linear_in(K), layers=ls),
+                  Rule(f"{stack}.wo", lay + "self_attn.o_proj.weight", lambda x: x.T.reshape(H, E, D),
+                       lambda x: x.reshape(-1, D).T, layers=ls)]
     if cfg.moe.enabled:
         rules += moe_hf.tensors(cfg, names)
-    else:
-        rules += [Rule(f"blocks.w_{p}", lay + f"mlp.{p}_proj.weight", lambda x: x.T, lambda x: x.T)
-                  for p in ("gate", "up", "down")]
+    dense = "dense_blocks" if cfg.moe.enabled else "blocks"  # the stack of dense layers (none: an all-MoE model)
+    if dense in stacks:
+        rules += [Rule(f"{dense}.w_{p}", lay + f"mlp.{p}_proj.weight", lambda x: x.T, lambda x: x.T,
+                       layers=layers[dense]) for p in ("gate", "up", "down")]
     if cfg.qkv_bias:
-        rules += [Rule(f"blocks.{b}", lay + f"self_attn.{p}_proj.bias", lambda x, n=n: x.reshape(n, E),
-                       lambda x: x.reshape(-1)) for b, p, n in (("bq", "q", H), ("bk", "k", K), ("bv", "v", K))]
+        rules += [Rule(f"{stack}.{b}", lay + f"self_attn.{p}_proj.bias", lambda x, n=n: x.reshape(n, E),
+                       lambda x: x.reshape(-1), layers=ls)
+                  for stack, ls in layers.items() for b, p, n in (("bq", "q", H), ("bk", "k", K), ("bv", "v", K))]
     if not cfg.tie_embeddings:
         rules.append(Rule("lm_head", "lm_head.weight", lambda x: x.T, lambda x: x.T))
     return rules

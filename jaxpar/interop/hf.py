@@ -30,6 +30,11 @@ from the (layer, expert) tensors it covers only — a rank of expert 4 reads a q
 fused layout transformers 5 can also save (`experts.gate_up_proj` [X, 2F, D]) is read through safetensors slices, one
 expert at a time, so the same holds for it; export writes the per-expert hub layout.
 
+Mixed dense / MoE stacks (Qwen2-MoE's decoder_sparse_step, mlp_only_layers) keep two stacks of layers, `blocks` (the
+MoE layers) and `dense_blocks`; each stacked rule names the model layer of every entry of its stack (`Rule.layers`),
+so entry i of `dense_blocks.wq` is `model.layers.{layers[i]}.self_attn.q_proj.weight`. Under a pipeline each stack
+is stored in its own order (`Plan.stack_order(n)`, n the stack's length).
+
 Weight dtypes. Each tensor's dtype is read from its safetensors header before its data, and import accepts the
 floating-point kinds that hold ordinary weights: F32, F16, BF16 and F64, each converted (rounded to nearest) to the
 run's param dtype, float32, bfloat16 or float16 — as `from_pretrained(torch_dtype=...)` does. F64 is accepted because
@@ -74,7 +79,7 @@ from safetensors.numpy import save_file
 from jaxpar.config import Config, ConfigError, DataConfig, ModelConfig
 from jaxpar.errors import JaxparError
 from jaxpar.families import FAMILIES, Rule, family
-from jaxpar.families.moe_hf import ExpertRule
+from jaxpar.families.moe_hf import FUSED, ExpertRule, ZeroRule
 from jaxpar.model import abstract_model
 from jaxpar.parallel.plan import Plan
 from jaxpar.sharding import vocab_dims
@@ -413,12 +418,13 @@ def load_params(path: str | pathlib.Path, cfg: ModelConfig, abstract: nnx.State,
     with `shardings` (None: the default device) in `layout`'s layer order and vocab padding.
 
     Each device's shard is assembled from the HF tensors it covers, read one layer at a time (mmap), so host memory
-    stays near one parameter's local shard.
+    stays near one parameter's local shard. Stored entry i of a stack of n layers holds the stack's entry
+    j = `layout.stack_order(n)[i]` (i without a pipeline), which is model layer `rule.model_layers(n_layers)[j]`.
     """
     path = pathlib.Path(path)
     files = SafetensorsDir(path)
-    rules = {r.param: r for r in _rules(cfg, files.names())}
-    order = layout.layer_order
+    table = _rules(cfg, files.names())
+    rules = {r.param: r for r in table if not isinstance(r, ZeroRule)}
     like = nnx.to_pure_dict(abstract)
     vocab_axes = vocab_dims(abstract)  # which dim of which parameter runs over the vocab (its logical axes)
     placed = nnx.to_pure_dict(shardings) if shardings is not None else None
@@ -429,9 +435,11 @@ def load_params(path: str | pathlib.Path, cfg: ModelConfig, abstract: nnx.State,
         if param not in rules:
             raise HFError(f"{path}: jaxpar parameter {param!r} has no Hugging Face tensor (family {cfg.family})")
         rule = rules[param]
+        # stored entry i of the stack → the model layer it holds
+        layers = _stored_layers(rule, var, layout, cfg, path) if rule.stacked else None
         if isinstance(rule, ExpertRule):
             return jax.make_array_from_callback(tuple(var.shape), sharding_of(key_path),
-                                                _expert_shards(rule, var, files, order, used, path))
+                                                _expert_shards(rule, var, files, layers, used, path))
         shape, dtype = var.shape, var.dtype
         vocab_axis = vocab_axes.get(param)
         layer_shape = shape[1:] if rule.stacked else shape
@@ -464,12 +472,10 @@ def load_params(path: str | pathlib.Path, cfg: ModelConfig, abstract: nnx.State,
                 cache[key] = x.astype(dtype)
             return cache[key]
 
-        def shard(index: tuple[slice, ...], rule=rule, layer_array=layer_array) -> np.ndarray:
+        def shard(index: tuple[slice, ...], rule=rule, layer_array=layer_array, layers=layers) -> np.ndarray:
             if not rule.stacked:
                 return layer_array(None)[index]
-            stack = range(*index[0].indices(shape[0]))
-            layers = [order[i] if order is not None else i for i in stack]
-            return np.stack([layer_array(int(layer))[index[1:]] for layer in layers])
+            return np.stack([layer_array(layers[i])[index[1:]] for i in range(*index[0].indices(shape[0]))])
 
         return jax.make_array_from_callback(tuple(shape), sharding_of(key_path), shard)
 
@@ -482,6 +488,13 @@ def load_params(path: str | pathlib.Path, cfg: ModelConfig, abstract: nnx.State,
         return sharding
 
     arrays = jax.tree_util.tree_map_with_path(load, like)
+    for rule in table:  # tensors no parameter holds (a zero-width shared expert): checked where present, not loaded
+        if isinstance(rule, ZeroRule):
+            for layer in rule.model_layers(cfg.n_layers):
+                name = rule.name.format(l=layer)
+                if name in files.names():
+                    files.get(name, rule.shape)  # [1, D] at most
+                    used.add(name)
     # GPT-2 checkpoints may hold non-parameter buffers (attention masks); anything else left over is reported.
     ignored = {n for n in files.names() - used if n.endswith((".attn.bias", ".attn.masked_bias", "rotary_emb.inv_freq"))}
     if cfg.tie_embeddings:
@@ -495,10 +508,23 @@ def load_params(path: str | pathlib.Path, cfg: ModelConfig, abstract: nnx.State,
     return params
 
 
-def _expert_shards(rule: ExpertRule, var, files: SafetensorsDir, order, used: set[str], path: pathlib.Path):
+def _stored_layers(rule: Rule, var, layout: Plan, cfg: ModelConfig, path: pathlib.Path) -> list[int]:
+    """The model layer at each stored entry of stacked parameter `var`: the stack's entries in the layout's storage
+    order (`Plan.stack_order`), each mapped to its model layer (`Rule.layers`)."""
+    model_layers = rule.model_layers(cfg.n_layers)
+    if len(model_layers) != var.shape[0]:  # the table and the model disagree: a bug, not bad input
+        raise HFError(f"{path}: jaxpar parameter {rule.param!r} stacks {var.shape[0]} layers, its tensor rule "
+                      f"names {len(model_layers)}")
+    order = layout.stack_order(var.shape[0])
+    return [model_layers[int(order[i]) if order is not None else i] for i in range(var.shape[0])]
+
+
+def _expert_shards(rule: ExpertRule, var, files: SafetensorsDir, layers: list[int], used: set[str],
+                   path: pathlib.Path):
     """The shard callback of a stacked expert parameter [L, X, …]: a device's shard is stacked from the (layer,
     expert) tensors its index covers — one HF tensor each in the hub layout, one slice of the layer's fused tensor
-    otherwise — each converted by `rule.to_jax` and cast; the last one read is cached."""
+    otherwise — each converted by `rule.to_jax` and cast; the last one read is cached. `layers`: the model layer of
+    each stored entry (`_stored_layers`)."""
     L, X, *one = var.shape  # `one`: one expert's jaxpar shape
     expected = _hf_shape(rule, tuple(one))  # one expert's HF tensor (or its part of the fused rows)
     rows = expected[0]
@@ -522,9 +548,9 @@ def _expert_shards(rule: ExpertRule, var, files: SafetensorsDir, order, used: se
         return cache[(layer, e)]
 
     def shard(index: tuple[slice, ...]) -> np.ndarray:
-        layers = [order[i] if order is not None else i for i in range(*index[0].indices(L))]
         experts = range(*index[1].indices(X))
-        return np.stack([np.stack([expert(int(layer), e)[index[2:]] for e in experts]) for layer in layers])
+        return np.stack([np.stack([expert(layers[i], e)[index[2:]] for e in experts])
+                         for i in range(*index[0].indices(L))])
 
     return shard
 
@@ -541,7 +567,8 @@ def save_params(params: nnx.State, cfg: ModelConfig, path: str | pathlib.Path, *
     `model.safetensors` when it fits, else shards plus the index), and tokenizer.json when given. `dtype`: the
     tensors' dtype (default: the params'). `names`: the imported checkpoint's tensor names, to keep GPT-2's prefix.
     Parameters are fetched one layer at a time. The files are written into a temporary sibling directory and moved
-    into place when complete, so a crash never leaves a half-written model under `path`."""
+    into place when complete, so a crash never leaves a half-written model under `path`. With a Qwen2-MoE
+    `base_config`, pass its `names` too: they tell Qwen2-MoE's tensor names for a model Mixtral could also hold."""
     path = pathlib.Path(path)
     if dtype is not None and dtype not in _DTYPES:
         raise HFError(f"{path}: dtype {dtype!r} cannot be exported; use one of {sorted(_DTYPES)}")
@@ -582,20 +609,25 @@ def _write_files(params: nnx.State, cfg: ModelConfig, path: pathlib.Path, *, bas
     vocab_axes = vocab_dims(params)
     rules = _rules(cfg, names)
     if any(isinstance(r, ExpertRule) and not r.per_expert for r in rules):
-        rules = _rules(cfg, None)  # an import of the fused expert layout exports the hub's per-expert one
-    # HF tensor → the (rule, layer, expert) pieces that make it
+        # an import of the fused expert layout exports the hub's per-expert one
+        rules = _rules(cfg, {n for n in names if not n.endswith(FUSED)})
+    first = next(iter(flat.values()))
+    # HF tensor → the (rule, stack entry, expert) pieces that make it; a stack's entry i is model layer layers[i]
     by_name: dict[str, list[tuple[Rule, int | None, int | None]]] = {}
     for rule in rules:
-        for layer in (range(cfg.n_layers) if rule.stacked else (None,)):
+        for entry, layer in enumerate(rule.model_layers(cfg.n_layers)) if rule.stacked else ((None, None),):
             per_expert = isinstance(rule, ExpertRule)
             for e in range(flat[rule.param].shape[1]) if per_expert else (None,):
                 name = rule.name.format(l=layer, e=e) if per_expert else rule.name.format(l=layer)
-                by_name.setdefault(name, []).append((rule, layer, e))
+                by_name.setdefault(name, []).append((rule, entry, e))
 
     def tensor(name: str) -> np.ndarray:
         parts = []
-        for rule, layer, e in sorted(by_name[name], key=lambda piece: piece[0].part):
-            x = flat[rule.param] if layer is None else flat[rule.param][layer]
+        for rule, entry, e in sorted(by_name[name], key=lambda piece: piece[0].part):
+            if isinstance(rule, ZeroRule):  # no parameter holds it: zeros (a zero-width shared expert and its gate)
+                parts.append(np.zeros(rule.shape, np.dtype(first.dtype)))
+                continue
+            x = flat[rule.param] if entry is None else flat[rule.param][entry]
             x = np.asarray(jax.device_get(x if e is None else x[e]))
             if rule.param in vocab_axes:  # drop the tensor-parallel vocab padding
                 x = x[(slice(None),) * vocab_axes[rule.param] + (slice(0, cfg.vocab_size),)]
@@ -623,7 +655,6 @@ def _write_files(params: nnx.State, cfg: ModelConfig, path: pathlib.Path, *, bas
             weight_map.update({n: file for n in shard})
             total += sum(x.nbytes for x in shard.values())
         (path / INDEX).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
-    first = next(iter(flat.values()))
     config = hf_config(cfg, base_config, dtype or str(np.dtype(first.dtype)))
     (path / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     if tokenizer is not None:
