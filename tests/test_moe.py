@@ -1,6 +1,7 @@
 """Mixture of experts (jaxpar.parallel.expert, jaxpar.model.moe): the block against a per-token loop, value and every
 gradient, dropless and with capacity; dropped assignments against Σ_e max(0, load_e − C); the whole model at expert
-1, 2, 4, 8 × tensor 1, 2, with and without the pipeline, against the single-device model."""
+1, 2, 4, 8 × tensor 1, 2, with and without the pipeline, against the single-device model; a mixed dense / MoE
+stack likewise, its layer groups, its compile size against depth and its KV-cache decoding."""
 
 import functools
 import math
@@ -129,10 +130,16 @@ MOE = dict(n_experts=8, top_k=2, d_ff=10, shared_d_ff=12, shared_gate=True, aux_
 B, T = 16, 12
 
 
-@pytest.fixture(scope="module", params=["dropless", "capacity"])
+# "mixed": 6 layers, dense at 0 and 3 (moe.dense_layers) — two stacks, scanned in periods (d, m, m); a two-stage
+# pipeline's chunks are one period each.
+MIXED = dict(n_layers=6), dict(dense_layers=(0, 3))
+
+
+@pytest.fixture(scope="module", params=["dropless", "capacity", "mixed"])
 def reference(request):
     cf = 1.0 if request.param == "capacity" else 0.0
-    cfg = ModelConfig(**MODEL, moe=MoEConfig(**MOE, capacity_factor=cf))
+    model, moe = MIXED if request.param == "mixed" else ({}, {})
+    cfg = ModelConfig(**{**MODEL, **model}, moe=MoEConfig(**MOE, **moe, capacity_factor=cf))
     batch = jnp.asarray(np.random.default_rng(5).integers(0, cfg.vocab_size, (B, T + 1)), jnp.int32)
     return (request.param, cfg, batch, *single_device(cfg, batch))
 
@@ -154,6 +161,11 @@ def test_moe_model_matches_reference(reference, pipe, expert, tensor, microbatch
                                                                            (2, 2, 2, True, "circular")]:
         pytest.skip("capacity runs two layouts (the dispatch code is the dropless one with a smaller chunk; SP's "
                     "capacity places across shards and the pipeline are the new parts)")
+    if name == "mixed" and (pipe, expert, tensor, sp, schedule) not in [
+            (1, 8, 1, False, ""), (1, 2, 2, False, ""), (2, 2, 2, False, "circular"), (2, 2, 2, False, "1f1b"),
+            (2, 1, 2, True, "zb_h1")]:
+        pytest.skip("the mixed stack runs five layouts (its new parts: two stacks, each in pipeline order, and a "
+                    "period per scan step, under autodiff and under the schedule tables' tape)")
     parallel = ParallelConfig(pipe=pipe, expert=expert, tensor=tensor, microbatches=microbatches,
                               sequence_parallel=sp, schedule=schedule or "circular",
                               repeats=2 if schedule == "zbv" else 1)
@@ -165,13 +177,14 @@ def test_moe_model_matches_reference(reference, pipe, expert, tensor, microbatch
 @pytest.mark.parametrize("layout", ["parallel.expert=4 parallel.tensor=2 moe.capacity_factor=1.0",
                                     "parallel.expert=8",
                                     "parallel.expert=2 parallel.pipe=2 parallel.tensor=2 parallel.microbatches=2 "
-                                    "parallel.sequence_parallel=true moe.capacity_factor=1.0"])
+                                    "parallel.sequence_parallel=true moe.capacity_factor=1.0 moe.sparse_step=2"])
 def test_expert_bytes_follow_the_formula(layout):
     """From the compiled train step: all-to-all bytes on `expert` = `expected.expert_bytes` (dispatch + combine,
     forward and backward, plus the counts) exactly; with cf = 1 and T·k/X whole, the row bytes are DESIGN's
     2·(ep−1)/ep·N·k·h·β each way; tensor-axis bytes = Megatron's count plus the shared expert's region and the
     routing's (the gates' gradient all-reduce; under SP the row statistics and the routing's gathers). `jaxpar
-    analyze` reports the same section."""
+    analyze` reports the same section. The last layout mixes dense and MoE layers (sparse_step 2): only its MoE
+    layers' applications count."""
     from jaxpar.analysis import expected
     from jaxpar.analysis.report import analyze, format_table
     from jaxpar.config import load_config
@@ -191,15 +204,17 @@ def test_expert_bytes_follow_the_formula(layout):
     assert "expert ep=" in format_table(report)
 
 
-def test_flops_count_active_parameters():
+@pytest.mark.parametrize("mixed", [{}, dict(dense_layers=(0, 2))])
+def test_flops_count_active_parameters(mixed):
     """FLOPs per token count the active parameters: 6·N_active + attention, where N_active holds the router, k of
-    the X experts and the shared expert (the MoE holds X/k times the routed experts' weights)."""
+    the X experts and the shared expert (the MoE holds X/k times the routed experts' weights); in a mixed stack the
+    dense layers' MLPs whole."""
     from jaxpar import flops
     from jaxpar.model import count_params
 
-    cfg = ModelConfig(**MODEL, moe=MoEConfig(**MOE))
+    cfg = ModelConfig(**MODEL, moe=MoEConfig(**MOE, **mixed))
     m, L, h = cfg.moe, cfg.n_layers, cfg.d_model
-    experts = L * m.n_experts * 3 * h * m.d_ff
+    experts = cfg.moe_layer_count * m.n_experts * 3 * h * m.d_ff
     active = count_params(cfg) - experts * (m.n_experts - m.top_k) / m.n_experts
     norms = L * 2 * h + h  # no matmul FLOPs
     fwd = flops.forward_flops_per_token(cfg, 12, keys=0.0)
@@ -209,15 +224,17 @@ def test_flops_count_active_parameters():
 
 
 def test_fit_logs_expert_load_and_its_checkpoint_restores_anywhere(tmp_path):
-    """`fit` on (pipe, expert, tensor) = (2, 2, 2) logs the MoE statistics: per-expert load over every row and
-    layer (summing to batch·seq_len·k·L assignments), its imbalance max/mean, the dropped share (0 dropless) and
-    the aux and z-losses, in metrics.jsonl; its checkpoint restores at (data, expert) = (2, 4) bit for bit."""
+    """`fit` of a mixed dense / MoE stack on (pipe, expert, tensor) = (2, 2, 2) logs the MoE statistics: per-expert
+    load over every row and MoE layer (summing to batch·seq_len·k·L_moe assignments), its imbalance max/mean, the
+    dropped share (0 dropless) and the aux and z-losses, in metrics.jsonl; its checkpoint (both stacks in model
+    order) restores at (data, expert) = (2, 4) bit for bit."""
     import json
 
     from jaxpar.config import load_config
     from jaxpar.train import fit
 
     overrides = ["moe.n_experts=4", "moe.top_k=2", "moe.d_ff=16", "model.d_model=24", "model.n_heads=2",
+                 "moe.sparse_step=2", "parallel.repeats=1",  # a mixed stack: layers 1, 3 MoE; chunks (dense, MoE)
                  "model.n_kv_heads=2", "model.n_layers=4", "parallel.expert=2", "train.batch_size=8",
                  "train.seq_len=16", "train.steps=2", "train.log_every=1", "train.eval_every=0",
                  "train.eval_batches=1", "data.source=synthetic"]
@@ -227,7 +244,7 @@ def test_fit_logs_expert_load_and_its_checkpoint_restores_anywhere(tmp_path):
     assert [r["step"] for r in rows] == [1, 2]
     for r in rows:
         load = np.array(r["moe_load"])
-        assert load.shape == (4,) and load.sum() == 8 * 16 * 2 * 4
+        assert load.shape == (4,) and load.sum() == 8 * 16 * 2 * 2  # rows · tokens · k · MoE layers
         assert r["moe_imbalance"] == pytest.approx(load.max() / load.mean()) and r["moe_imbalance"] >= 1
         assert r["moe_dropped"] == 0.0 and r["moe_aux_loss"] > 0 and r["moe_z_loss"] > 0
     # The checkpoint is canonical ([layers, experts, …] in model order): it restores bit for bit onto another expert,
@@ -253,7 +270,7 @@ def test_fit_logs_expert_load_and_its_checkpoint_restores_anywhere(tmp_path):
 def test_moe_with_zero3_remat_and_accumulation_matches_reference(reference):
     """ZeRO-3 (parameters split over `data` too, the experts' gradients reduce-scattered after their division by
     ep), full remat and gradient accumulation at (data, expert, tensor) = (2, 2, 2): loss and every gradient equal
-    the single-device model's."""
+    the single-device model's (the mixed stack: remat checkpoints each layer of a period)."""
     name, cfg, batch, params, want_loss, want_grads = reference
     if name == "capacity":
         pytest.skip("the dropless model covers the reductions")
@@ -261,3 +278,64 @@ def test_moe_with_zero3_remat_and_accumulation_matches_reference(reference):
     loss, grads = on_layout(cfg, params, batch, parallel, remat="full", grad_accum=2)
     np.testing.assert_allclose(loss, want_loss, rtol=1e-5)
     assert_grads_match(grads, want_grads)
+
+
+def test_layer_groups_cut_a_pattern_into_periodic_scans():
+    """Mixed stacks scan in groups of one period: the cut minimises the layers the program holds, then the groups."""
+    from jaxpar.model import layer_groups
+
+    assert layer_groups(("m",) * 5) == [(("m",), 5)]
+    assert layer_groups(("d", "m") * 3) == [(("d", "m"), 3)]  # Qwen2-MoE's decoder_sparse_step 2
+    assert layer_groups(("d",) * 2 + ("m",) * 5) == [(("d",), 2), (("m",), 5)]  # DeepSeek's first dense layers
+    assert layer_groups(("d", "m", "m") * 2) == [(("d", "m", "m"), 2)]
+    assert layer_groups(("d", "d", "d", "m"), single=True) == [(("d", "d", "d", "m"), 1)]  # a pipeline chunk
+    assert layer_groups(("d", "m", "d", "m"), single=True) == [(("d", "m"), 2)]
+
+
+@pytest.mark.parametrize("moe_fields", [dict(dense_layers=(0, 1)), dict(sparse_step=2)])
+def test_mixed_stack_matches_a_layer_loop_compiles_flat_and_decodes(moe_fields):
+    """A mixed stack (DeepSeek's first dense layers; Qwen2-MoE's decoder_sparse_step 2): the scanned model's logits
+    equal a plain loop over its layers in model order; its program holds as many matmuls at 7 as at 13 layers
+    (compile size does not grow with depth); prefill + one KV-cache decode step equal the full forward."""
+    from flax import nnx
+
+    from jaxpar.model import KVCache, Transformer, block, default_positions
+
+    def model(n_layers):
+        fields = dict(MODEL, n_layers=n_layers, scan_unroll=1)
+        return ModelConfig(**fields, moe=MoEConfig(**dict(MOE, shared_gate=False), **moe_fields))
+
+    cfg = model(7)
+    graphdef, params = nnx.split(Transformer(cfg, rngs=nnx.Rngs(3)), nnx.Param)
+    tokens = jnp.asarray(np.random.default_rng(0).integers(0, cfg.vocab_size, (2, 9)), jnp.int32)
+
+    def forward(params, tokens):
+        return nnx.merge(graphdef, params)(tokens)
+
+    def loop(params, tokens):
+        m = nnx.merge(graphdef, params)
+        positions = default_positions(*tokens.shape)
+        x, stacks, seen = m.embed_tokens(tokens, positions), m.stacks(), {name: 0 for name in cfg.layer_stacks}
+        for name in cfg.layer_pattern:
+            x = block({k: a[seen[name]] for k, a in stacks[name].items()}, x, positions, None, cfg)[0]
+            seen[name] += 1
+        return m.logits(x)
+
+    def decode(params, tokens):
+        m = nnx.merge(graphdef, params)
+        cache = KVCache.empty(cfg, 2, 12, jnp.zeros((2,), jnp.int32))
+        prefill, cache = m.decode(tokens[:, :-1], cache)
+        return prefill, m.decode(tokens[:, -1:], cache)[0]
+
+    logits = jax.jit(forward)(params, tokens)
+    np.testing.assert_allclose(jax.jit(loop)(params, tokens), logits, rtol=1e-5, atol=1e-5)
+    prefill, step = jax.jit(decode)(params, tokens)
+    np.testing.assert_allclose(prefill, logits[:, :-1], rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(step[:, 0], logits[:, -1], rtol=1e-5, atol=1e-5)
+
+    def matmuls(cfg):
+        graphdef, params = nnx.split(nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0))), nnx.Param)
+        text = jax.jit(lambda p, t: nnx.merge(graphdef, p)(t)).lower(params, tokens).as_text()
+        return text.count("dot_general") + text.count("ragged_dot")
+
+    assert matmuls(cfg) == matmuls(model(13)) > 0

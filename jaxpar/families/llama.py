@@ -25,12 +25,12 @@ from jaxpar.families.base import (Family, HuggingFace, Param, Rule, attention_pa
                                   same)
 
 
-def layer_params(cfg) -> dict[str, Param]:
-    """The llama layer: the shared attention with RMSNorms, a SwiGLU MLP (or a mixture of SwiGLU experts when
-    moe.n_experts > 0: Mixtral, Qwen2-MoE), q/k/v biases only with qkv_bias."""
+def layer_params(cfg, moe: bool) -> dict[str, Param]:
+    """The llama layer: the shared attention with RMSNorms, a SwiGLU MLP (or, `moe`, a mixture of SwiGLU experts:
+    Mixtral, Qwen2-MoE), q/k/v biases only with qkv_bias."""
     D, F = cfg.d_model, cfg.d_ff
     params = attention_params(cfg, norm_bias=False)
-    if cfg.moe.enabled:
+    if moe:
         params.update(moe_params(cfg))
     else:
         params.update(w_gate=Param((D, F), ("embed", "mlp"), "normal"), w_up=Param((D, F), ("embed", "mlp"), "normal"),

@@ -83,6 +83,12 @@ class Plan:
     def opt_zero_data(self) -> int:
         return self.data if self.zero >= 1 else 1
 
+    @property
+    def layer_order(self) -> np.ndarray | None:
+        """order[n] = the model layer at position n of a stack of all L layers in memory (None: model order) — a
+        dense or all-MoE model's `blocks`; `stack_order` for a stack of any length."""
+        return self.stack_order(self.model.n_layers)
+
     def stack_order(self, n: int) -> np.ndarray | None:
         """order[i] = the entry of a stack of n layers (in model order) at position i of the stacked axis in memory
         (None: model order). The pipeline stores each stack stage-major (`Pipeline.stack_order`)."""
