@@ -123,6 +123,22 @@ def layer_groups(pattern: tuple[str, ...], single: bool = False) -> list[tuple[t
     return groups
 
 
+def _periods(a: Array, start: int, count: int, n: int) -> Array:
+    """Entries start … start + count·n of stack a [N, …] as the scan's input: [count, n, …] (n per period), or
+    [count, …] as it is when a period holds one layer of the stack — a uniform stack scans its own array, as it
+    did before stacks were grouped: the reshape would cost the backward pass a copy of the gradients per layer
+    (XLA:CPU, measured with `activation_bytes_per_layer`)."""
+    a = a[start:start + count * n]
+    return a if n == 1 else a.reshape(count, n, *a.shape[1:])
+
+
+def _whole_layers(period: tuple[str, ...]):
+    """take(stack, array, j) for a scan body over `_periods` slices: the array itself where the period holds one
+    layer of the stack, else its entry j."""
+    single = {name for name in period if period.count(name) == 1}
+    return lambda name, a, j: a if name in single else a[j]
+
+
 def _add_stats(a: dict, b: dict) -> dict:
     """The sum of two layers' MoE statistics ({} for a dense layer)."""
     return jax.tree.map(jnp.add, a, b) if a and b else a or b
@@ -159,15 +175,15 @@ def run_layers(stacks: Stacks, x: Array, positions: Array, mask: Array | None, c
     groups = layer_groups(pattern, single=tape is not None)
     per_layer_remat = remat != "none" and tape is None
 
-    def run_period(period, layers, x, par, take=lambda a, j: a[j]):
+    def run_period(period, layers, x, par, take):
         """The period's layers in order → (x, their statistics summed). layers: {stack: {param: [per, …]}}; the
-        j-th layer of a stack in the period is take(its array, j)."""
+        j-th layer of a stack in the period is take(stack, its array, j)."""
         one_layer = lambda layer, x: block(layer, x, positions, mask, cfg, par)  # noqa: E731
         if per_layer_remat:
             one_layer = jax.checkpoint(one_layer, policy=REMAT_POLICIES[remat], prevent_cse=False)
         seen, total = dict.fromkeys(layers, 0), {}
         for name in period:
-            layer = {k: take(a, seen[name]) for k, a in layers[name].items()}
+            layer = {k: take(name, a, seen[name]) for k, a in layers[name].items()}
             seen[name] += 1
             x, _, layer_stats = one_layer(layer, x)
             total = _add_stats(total, layer_stats)
@@ -176,25 +192,26 @@ def run_layers(stacks: Stacks, x: Array, positions: Array, mask: Array | None, c
     if tape is not None and tape.mode == MEASURE:
         ((period, count),) = groups
         tape.steps = count  # the group starts every stack: its first period holds entries 0, 1, … of each
-        return run_period(period, stacks, x, par.with_tape(tape), take=lambda a, j: tape.derive(a[j], a))[0]
+        return run_period(period, stacks, x, par.with_tape(tape), take=lambda _, a, j: tape.derive(a[j], a))[0]
 
     offsets = dict.fromkeys(sizes, 0)
     summed, collected = {}, None
     for period, count in groups:
         per = {name: period.count(name) for name in sizes if name in period}
-        xs = {name: {k: a[offsets[name]:offsets[name] + count * n].reshape(count, n, *a.shape[1:])
-                     for k, a in stacks[name].items()} for name, n in per.items()}
+        xs = {name: {k: _periods(a, offsets[name], count, n) for k, a in stacks[name].items()}
+              for name, n in per.items()}
         for name, n in per.items():
             offsets[name] += count * n
+        whole = _whole_layers(period)
 
-        def body(x, layers, period=period):
-            x, period_stats = run_period(period, layers, x, par)
+        def body(x, layers, period=period, take=whole):
+            x, period_stats = run_period(period, layers, x, par, take)
             return x, period_stats if stats else None
 
-        def tapped(x, xs, period=period):
+        def tapped(x, xs, period=period, take=whole):
             layers, feed = xs
             t = Tape(tape.mode, feed)
-            y, period_stats = run_period(period, layers, x, par.with_tape(t))
+            y, period_stats = run_period(period, layers, x, par.with_tape(t), take)
             return y, (t.inputs if tape.mode == RECORD else t.outputs, period_stats if stats else None)
 
         if tape is not None:
@@ -226,17 +243,18 @@ def run_layers_cached(stacks: Stacks, x: Array, positions: Array, mask: Array, c
     first = 0  # the model layer the group starts at
     for period, count in layer_groups(cfg.layer_pattern):
         per = {name: period.count(name) for name in stacks if name in period}
-        xs = {name: {k: a[offsets[name]:offsets[name] + count * n].reshape(count, n, *a.shape[1:])
-                     for k, a in stacks[name].items()} for name, n in per.items()}
+        xs = {name: {k: _periods(a, offsets[name], count, n) for k, a in stacks[name].items()}
+              for name, n in per.items()}
         for name, n in per.items():
             offsets[name] += count * n
+        take = _whole_layers(period)
 
-        def body(carry, xs, period=period, first=first):
+        def body(carry, xs, period=period, first=first, take=take):
             x, k_all, v_all = carry
             layers, i = xs
             seen = dict.fromkeys(layers, 0)
             for j, name in enumerate(period):
-                layer = {k: a[seen[name]] for k, a in layers[name].items()}
+                layer = {k: take(name, a, seen[name]) for k, a in layers[name].items()}
                 seen[name] += 1
                 l = first + i * len(period) + j  # noqa: E741 — the model layer
                 k, v = k_all[l], v_all[l]  # [B, S, K, E]: this layer's cache, read by its attention
