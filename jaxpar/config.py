@@ -29,6 +29,7 @@ from jaxpar.parallel import axes
 from jaxpar.parallel.schedule import SCHEDULES, check as schedule_check
 
 CONTEXT_IMPLS = ("all_gather", "ring")  # jaxpar.parallel.context_parallel (here: the config loads before jax)
+OVERLAPS = ("none", "collective_matmul")  # jaxpar.parallel.overlap
 
 
 def _f(default: Any, help: str) -> Any:
@@ -252,6 +253,9 @@ class ParallelConfig:
                            "ring, online softmax, no S-long score row)")
     tensor: int = _f(1, "tensor-parallel degree on 'tensor' (innermost mesh axis, fastest links)")
     sequence_parallel: bool = _f(False, "shard norms/residuals on the sequence dim inside tensor-parallel regions")
+    overlap: str = _f("none", "tensor-parallel communication under sequence parallelism: 'none' (each all-gather / "
+                      "reduce-scatter whole, before / after its matmul) or 'collective_matmul' (each decomposed into "
+                      "tensor-1 ring steps beside the partial matmuls, which hide them)")
     repeats: int = _f(1, "circular pipeline passes through the stages (1 is GPipe)")
     microbatches: int = _f(1, "pipeline microbatches per step")
     schedule: str = _f("circular", "pipeline schedule: 'circular' (autodiff of the circular loop), or a table run "
@@ -271,6 +275,18 @@ class ParallelConfig:
             raise ConfigError("parallel.sequence_parallel", True, "sequence parallelism shards activations over the "
                               "tensor axis, and parallel.tensor = 1", "set parallel.tensor > 1, or "
                               "parallel.sequence_parallel=false")
+        _check_choice("parallel.overlap", self.overlap, OVERLAPS)
+        if self.overlap == "collective_matmul" and not self.sequence_parallel:
+            raise ConfigError("parallel.overlap", self.overlap, "decomposes sequence parallelism's all-gathers and "
+                              "reduce-scatters, and parallel.sequence_parallel is off",
+                              "set parallel.sequence_parallel=true (with parallel.tensor > 1), or "
+                              "parallel.overlap=none")
+        if self.overlap == "collective_matmul" and self.pipe > 1 and self.schedule != "circular":
+            # As the ring's: a ring step inside one stage's branch waits for stages on other actions (XLA:CPU).
+            raise ConfigError("parallel.overlap", self.overlap, f"its collective-permutes would run inside the "
+                              f"per-stage branches of the '{self.schedule}' schedule, where XLA waits for every "
+                              "device of the mesh (stages on other actions never arrive)",
+                              "use parallel.overlap=none with a schedule table, or parallel.schedule=circular")
         _check_choice("parallel.zero", self.zero, (0, 1, 3))
         _check_choice("parallel.context_impl", self.context_impl, CONTEXT_IMPLS)
         if self.context > 1 and self.context_impl == "ring" and self.pipe > 1 and self.schedule != "circular":

@@ -186,7 +186,10 @@ def make_plan(model: ModelConfig, parallel: ParallelConfig | None = None, device
         kv_replicas = t // model.n_kv_heads
     # At tensor = 1 the model runs the single-device context: a psum over a one-device axis is not free on every
     # backend (XLA:CPU keeps it as an all-reduce, with its rendezvous, in every layer, forward and backward).
-    tensor = TensorParallel(TENSOR, parallel.sequence_parallel, kv_replicas) if explicit and t > 1 else None
+    tensor = None
+    if explicit and t > 1:
+        tensor = TensorParallel(TENSOR, parallel.sequence_parallel, kv_replicas,
+                                overlap=parallel.overlap == "collective_matmul")
     pipeline = None
     if degrees[PIPE] > 1:
         pipeline = Pipeline(degrees[PIPE], parallel.repeats, parallel.microbatches, model.n_layers,

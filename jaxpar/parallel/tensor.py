@@ -38,7 +38,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxpar.matmul import Einsum
-from jaxpar.parallel import sequence as seq
+from jaxpar.parallel import overlap, sequence as seq
 from jaxpar.parallel.vma import vary
 
 Array = jax.Array
@@ -136,6 +136,8 @@ class TensorParallel:
               the boundaries become all-gather (enter) / reduce-scatter (exit).
     kv_replicas: GQA with fewer kv heads K than tensor ranks t: kv weights are replicated and rank r uses kv head
               r // (t/K) (the head its local query heads attend with); kv_replicas = t/K, 1 otherwise.
+    overlap:  with `sequence`, each column group's all-gather and each row matmul's reduce-scatter decomposed into
+              ring steps beside the partial matmuls (collective matmul, jaxpar.parallel.overlap).
 
     The matmuls themselves are the caller's `dot` policy (jaxpar.matmul): this class only places the collectives
     around them.
@@ -144,12 +146,14 @@ class TensorParallel:
     axis: str = "tensor"
     sequence: bool = False
     kv_replicas: int = 1
+    overlap: bool = False  # under SP, collective matmuls (jaxpar.parallel.overlap) in place of the whole collectives
 
     def column(self, h: Array, weights: Sequence[Array], equations: Sequence[str], dot: Einsum) -> list[Array]:
         """Column-parallel matmuls sharing one input: h (sequence shard under SP, else replicated) → full-sequence
         float32 outputs with the weights' local column split. One f (or one all-gather) for the whole group."""
         if self.sequence:
-            return seq.gather_matmuls(h, tuple(weights), tuple(equations), self.axis, dot)
+            gather = overlap.gather_matmuls if self.overlap else seq.gather_matmuls
+            return gather(h, tuple(weights), tuple(equations), self.axis, dot)
         h = copy_to_tensor(h, self.axis)
         return [dot(eq, h, w) for eq, w in zip(equations, weights)]
 
@@ -157,6 +161,8 @@ class TensorParallel:
         """Row-parallel matmul: local partial product, then g (or reduce-scatter to sequence shards under SP).
         The partial sums cross the wire in the compute dtype (bf16 on GPUs, as Megatron does); the result is
         float32 for the residual stream."""
+        if self.sequence and self.overlap:
+            return overlap.matmul_scatter(x, w, equation, self.axis, dot).astype(jnp.float32)
         return self.exit(dot(equation, x, w).astype(x.dtype)).astype(jnp.float32)
 
     def enter(self, h: Array) -> Array:
