@@ -5,8 +5,10 @@
 For tensor ∈ {1, 2, 4, 8} and SP off/on (data fills the 8 simulated devices) it prints, per device:
 tensor-axis bytes sent per layer (measured from the compiled HLO, loop trip counts applied) against the analytic
 Megatron count, the activation memory per layer (jaxpar.analysis.report.activation_bytes_per_layer), the step's
-temp memory, and the median step time of our step and of the same model with tensor parallelism left to GSPMD.
-On simulated CPU devices every "device" shares the same cores, so times measure overhead, not scaling.
+temp memory, and the median step time of our step and of the same model with tensor parallelism left to GSPMD; with
+SP also the step with collective matmuls (parallel.overlap=collective_matmul) and its tensor bytes (equal).
+On simulated CPU devices every "device" shares the same cores, so times measure overhead, not scaling — nor
+overlap, which needs collectives that run beside the compute (GPU/TPU async collective-permutes).
 """
 
 from __future__ import annotations
@@ -47,6 +49,13 @@ def step_time(config, mesh, explicit: bool, steps: int) -> tuple[float, float, f
     return statistics.median(times[1:]), sent, memory(compiled)["temp_bytes"]
 
 
+def collective_matmul(config, mesh, steps: int, plain: float, layers: int) -> tuple[float, float, float]:
+    """(ms, its time over the plain SP step's, tensor KB per layer) of the step with collective matmuls."""
+    cm = dataclasses.replace(config, parallel=dataclasses.replace(config.parallel, overlap="collective_matmul"))
+    seconds, sent, _ = step_time(cm, mesh, True, steps)
+    return seconds * 1e3, seconds / plain, sent / layers / 1e3
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--config", default="configs/tiny.py")
@@ -58,7 +67,7 @@ def main():
           f"{base.train.batch_size} x seq {base.train.seq_len}, {base.model.dtype}; per device figures\n")
     head = (f"{'t':>2} {'SP':>3} {'data':>4} | {'TP KB/layer':>11} {'analytic':>9} {'ratio':>6} | "
             f"{'act KB/layer':>12} {'temp MB':>8} | {'ours ms':>8} {'GSPMD ms':>9} {'GSPMD/ours':>10} "
-            f"{'GSPMD TP KB/layer':>17}")
+            f"{'GSPMD TP KB/layer':>17} | {'cm ms':>7} {'cm/ours':>7} {'cm KB/layer':>11}")
     print(head)
     print("-" * len(head))
     for tensor in (1, 2, 4, 8):
@@ -76,9 +85,11 @@ def main():
             no_sp = dataclasses.replace(config, parallel=dataclasses.replace(parallel, sequence_parallel=False))
             gspmd, gspmd_sent, _ = step_time(no_sp, mesh, False, args.steps)  # GSPMD has no SP (refused if asked)
             ratio = f"{per_layer / want:.3f}" if want else "—"
+            cm = "" if not sp else " | {:>7.1f} {:>7.2f} {:>11.1f}".format(*collective_matmul(config, mesh, args.steps,
+                                                                                               ours, L))
             print(f"{tensor:>2} {'on' if sp else 'off':>3} {8 // tensor:>4} | {per_layer:>11.1f} {want:>9.1f} "
                   f"{ratio:>6} | {act:>12.1f} {temp / 1e6:>8.2f} | {ours * 1e3:>8.1f} {gspmd * 1e3:>9.1f} "
-                  f"{gspmd / ours:>10.2f} {gspmd_sent / L / 1e3:>17.1f}")
+                  f"{gspmd / ours:>10.2f} {gspmd_sent / L / 1e3:>17.1f}{cm}")
     print("\nTP KB/layer: all tensor-axis bytes of the step (embedding, head and loss included) divided by the "
           "layer count;\nGSPMD TP KB/layer: the same for the GSPMD-inferred step (no sequence parallelism there).")
 

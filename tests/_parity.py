@@ -26,17 +26,18 @@ def single_device(cfg, batch):
     return params, loss, grads
 
 
-def on_layout(cfg, params, batch, parallel, *, remat: str = "none", grad_accum: int = 1):
+def on_layout(cfg, params, batch, parallel, *, remat: str = "none", grad_accum: int = 1, stats: bool = False):
     """The same parameters laid out for `parallel` (a ParallelConfig) on all devices — vocab padded, layers in the
-    plan's order, ZeRO-3 split if asked — through `sharded_loss_and_grads` → (loss, gradients in model order)."""
+    plan's order, ZeRO-3 split if asked — through `sharded_loss_and_grads` → (loss, gradients in model order), and
+    with `stats` the MoE statistics summed over the step third."""
     plan = make_plan(cfg, parallel, jax.devices())
     graphdef = nnx.graphdef(Transformer(cfg, rngs=nnx.Rngs(0), padded_vocab=plan.padded_vocab))
     laid_out = plan.from_canonical(params)
     laid_out = jax.device_put(laid_out, param_shardings(laid_out, plan.mesh, plan.rules, plan.param_zero_data))
     specs = param_specs(laid_out, plan.rules, plan.param_zero_data)
-    fn = sharded_loss_and_grads(graphdef, plan, param_specs=specs, remat=remat, grad_accum=grad_accum)
-    loss, grads = jax.jit(fn)(laid_out, jax.device_put(batch, plan.batch_sharding))
-    return loss, plan.to_canonical(grads)
+    fn = sharded_loss_and_grads(graphdef, plan, param_specs=specs, remat=remat, grad_accum=grad_accum, stats=stats)
+    loss, grads, *sums = jax.jit(fn)(laid_out, jax.device_put(batch, plan.batch_sharding))
+    return (loss, plan.to_canonical(grads), *sums)
 
 
 def _flat(tree) -> dict[str, np.ndarray]:

@@ -10,10 +10,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
 from jaxpar.config import ModelConfig, MoEConfig, ParallelConfig
-from jaxpar.model import moe, moe_objective
+from jaxpar.model import Transformer, moe, moe_objective
 from jaxpar.parallel.expert import capacity, route
+from jaxpar.train.step import loss_and_grads
 
 from _parity import assert_grads_match, on_layout, single_device
 
@@ -141,7 +143,10 @@ def reference(request):
     model, moe = MIXED if request.param == "mixed" else ({}, {})
     cfg = ModelConfig(**{**MODEL, **model}, moe=MoEConfig(**MOE, **moe, capacity_factor=cf))
     batch = jnp.asarray(np.random.default_rng(5).integers(0, cfg.vocab_size, (B, T + 1)), jnp.int32)
-    return (request.param, cfg, batch, *single_device(cfg, batch))
+    params, loss, grads = single_device(cfg, batch)
+    graphdef = nnx.graphdef(Transformer(cfg, rngs=nnx.Rngs(0)))
+    sums = jax.jit(loss_and_grads(graphdef, stats=True))(params, batch)[2]  # the routing statistics of the step
+    return request.param, cfg, batch, params, loss, grads, sums
 
 
 LAYOUTS = [  # (pipe, expert, tensor, microbatches, sequence_parallel, schedule); data fills the 8 devices
@@ -156,7 +161,7 @@ LAYOUTS = [  # (pipe, expert, tensor, microbatches, sequence_parallel, schedule)
 def test_moe_model_matches_reference(reference, pipe, expert, tensor, microbatches, sp, schedule):
     """Loss and every gradient of the MoE model on (data, pipe, expert, tensor) ± sequence parallelism, under the
     circular pipeline and the schedule tables (B/W split at the experts' group), equal the single-device model's."""
-    name, cfg, batch, params, want_loss, want_grads = reference
+    name, cfg, batch, params, want_loss, want_grads, want_sums = reference
     if name == "capacity" and (pipe, expert, tensor, sp, schedule) not in [(1, 8, 1, False, ""),
                                                                            (2, 2, 2, True, "circular")]:
         pytest.skip("capacity runs two layouts (the dispatch code is the dropless one with a smaller chunk; SP's "
@@ -169,9 +174,14 @@ def test_moe_model_matches_reference(reference, pipe, expert, tensor, microbatch
     parallel = ParallelConfig(pipe=pipe, expert=expert, tensor=tensor, microbatches=microbatches,
                               sequence_parallel=sp, schedule=schedule or "circular",
                               repeats=2 if schedule == "zbv" else 1)
-    loss, grads = on_layout(cfg, params, batch, parallel)
+    loss, grads, sums = on_layout(cfg, params, batch, parallel, stats=True)
     np.testing.assert_allclose(loss, want_loss, rtol=1e-5)
     assert_grads_match(grads, want_grads)
+    # The routing statistics the step reports (metrics.jsonl), under autodiff and the schedule tables alike: the
+    # per-expert load and the dropped count exactly, the aux and z sums to rounding.
+    np.testing.assert_array_equal(sums["load"], want_sums["load"])
+    assert int(sums["dropped"]) == int(want_sums["dropped"])
+    np.testing.assert_allclose([sums["aux"], sums["z"]], [want_sums["aux"], want_sums["z"]], rtol=1e-5)
 
 
 @pytest.mark.parametrize("layout", ["parallel.expert=4 parallel.tensor=2 moe.capacity_factor=1.0",
@@ -271,7 +281,7 @@ def test_moe_with_zero3_remat_and_accumulation_matches_reference(reference):
     """ZeRO-3 (parameters split over `data` too, the experts' gradients reduce-scattered after their division by
     ep), full remat and gradient accumulation at (data, expert, tensor) = (2, 2, 2): loss and every gradient equal
     the single-device model's (the mixed stack: remat checkpoints each layer of a period)."""
-    name, cfg, batch, params, want_loss, want_grads = reference
+    name, cfg, batch, params, want_loss, want_grads, _ = reference
     if name == "capacity":
         pytest.skip("the dropless model covers the reductions")
     parallel = ParallelConfig(expert=2, tensor=2, zero=3, remat="full")

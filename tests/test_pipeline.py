@@ -20,9 +20,10 @@ GPT2 = dict(LLAMA, family="gpt2", n_kv_heads=4, tie_embeddings=True)
 B, T = 48, 8
 
 
-def pipelined(cfg, params, batch, data, pipe, tensor, repeats, microbatches, sequence=False, remat="none"):
+def pipelined(cfg, params, batch, data, pipe, tensor, repeats, microbatches, sequence=False, remat="none",
+              overlap="none"):
     parallel = ParallelConfig(data=data, pipe=pipe, tensor=tensor, repeats=repeats, microbatches=microbatches,
-                              sequence_parallel=sequence)
+                              sequence_parallel=sequence, overlap=overlap)
     return on_layout(cfg, params, batch, parallel, remat=remat)
 
 
@@ -41,10 +42,15 @@ def test_pipeline_matches_reference(family_reference, pipe, repeats, microbatche
     assert_grads_match(grads, want_grads, zero=exactly_zero(cfg))
 
 
-@pytest.mark.parametrize("sequence", [False, True], ids=["tp", "tp+sp"])
-def test_pipeline_with_tensor_and_data_matches_reference(family_reference, sequence):
+@pytest.mark.parametrize("mode", ["tp", "tp+sp", "tp+sp+cm"])
+def test_pipeline_with_tensor_and_data_matches_reference(family_reference, mode):
+    """(data, pipe, tensor) = (2, 2, 2): Megatron TP, with SP, and with SP's collectives as collective matmuls
+    (llama) inside the circular pipeline's loop."""
     cfg, batch, params, want_loss, want_grads = family_reference
-    loss, grads = pipelined(cfg, params, batch, 2, 2, 2, 2, 4, sequence)  # (data, pipe, tensor) = (2, 2, 2)
+    if mode == "tp+sp+cm" and cfg.family != "llama":
+        pytest.skip("collective matmul in the pipeline: the llama model")
+    loss, grads = pipelined(cfg, params, batch, 2, 2, 2, 2, 4, mode != "tp",
+                            overlap="collective_matmul" if mode == "tp+sp+cm" else "none")
     np.testing.assert_allclose(loss, want_loss, rtol=1e-5)
     assert_grads_match(grads, want_grads, zero=exactly_zero(cfg))
 

@@ -307,17 +307,20 @@ def execute(program: Program, chunk_fn: Callable, layers, rest, tokens: Array, t
     """Run a schedule's ticks on this stage. Call inside shard_map with `axis` bound.
 
     chunk_fn(chunk_params, x [mb, …], tape=None) → [mb, …]: one chunk's k layers; with a tape
-    (jaxpar.parallel.weightgrad), as `jaxpar.model.run_layers` runs them with one. A chunk that adds a term of its
-    own to the objective (the MoE layers' aux losses) attaches it to y with `add_to_objective`.
+    (jaxpar.parallel.weightgrad), as `jaxpar.model.run_layers` runs them with one — but in RECORD (F) it returns
+    (y, (what the tape collected, statistics)): a pytree of sums the chunk reports (the MoE layers' routing
+    statistics; {} for none). A chunk that adds a term of its own to the objective (the MoE layers' aux losses)
+    attaches it to y with `add_to_objective`.
     layers: pytree, leaves [v, …]: this stage's chunks in increasing chunk order (`Program.local`).
     rest: the parameters outside the chunks (embedding, final norm, head), held whole by every stage.
     tokens, targets: int [m, mb, T]: every microbatch's inputs and next-token targets.
     embed_fn(rest, tokens [mb, T]) → x [mb, …];  head_loss_fn(rest, y [mb, …], targets [mb, T]) → mean loss.
     operand(w): a matmul weight as the contraction reads it (jaxpar.matmul: `Einsum.operand`).
 
-    Returns (loss, layer_grads, rest_grads), this stage's share: loss = Σ_j loss_j / m over the microbatches whose
-    last chunk it holds; the complete gradients of its chunks; the gradients of `rest` from the microbatches it
-    embedded or finished. Summed over `axis`, loss and rest_grads are the step's.
+    Returns (loss, layer_grads, rest_grads, stats), this stage's share: loss = Σ_j loss_j / m over the microbatches
+    whose last chunk it holds; the complete gradients of its chunks; the gradients of `rest` from the microbatches it
+    embedded or finished; its chunks' statistics summed over every F (each microbatch once per chunk). Summed over
+    `axis`, loss, rest_grads and stats are the step's.
 
     Each tick every stage runs one branch of a `lax.switch` on its action — idle, F, B or W — so an idle tick
     computes nothing. The chunk runs under a tape (`jaxpar.parallel.weightgrad`), which splits its backward in two:
@@ -384,19 +387,20 @@ def execute(program: Program, chunk_fn: Callable, layers, rest, tokens: Array, t
         return jax.tree.leaves(params_r) + [operand(w) for w in part(params_r, True)]
 
     def chunk_vjp(params_r, x):
-        """(y, vjp of (non-matmul params, x, probes), the groups' inputs, known(params_r))."""
+        """(y, vjp of (non-matmul params, x, probes), the groups' inputs, the chunk's statistics, known(params_r))."""
         leaves = known(params_r)
         weights = leaves[len(is_matmul):]  # closed over: B derives no weight gradient, F keeps no input for one
 
         def record(others, x, probes):
             return chunk_fn(join(weights, others), x, Tape(RECORD, probes))
 
-        return (*jax.vjp(record, part(params_r, False), x, zeros(probe_ref), has_aux=True), leaves)
+        y, vjp_fn, (inputs, stats) = jax.vjp(record, part(params_r, False), x, zeros(probe_ref), has_aux=True)
+        return y, vjp_fn, inputs, stats, leaves
 
     # Two traces of a chunk's forward fix the closure's structure and types before the loop: which leaves are
     # weights, which are constants, which the stash must hold.
-    y0, vjp_a, _, known_a = chunk_vjp(chunk_a, x0)
-    _, vjp_b, _, _ = chunk_vjp(chunk_b, x0 + 0)
+    y0, vjp_a, _, stats_ref, known_a = chunk_vjp(chunk_a, x0)
+    _, vjp_b, _, _, _ = chunk_vjp(chunk_b, x0 + 0)
     treedef, kinds, leaves_a = _split_residuals(vjp_a, known_a, jax.tree.leaves(vjp_b))
     stash_ref = [leaf for leaf, kind in zip(leaves_a, kinds) if kind[0] == "stash"]
     loss_ref = head_loss_fn(rest, y0, targets[0])
@@ -411,15 +415,15 @@ def execute(program: Program, chunk_fn: Callable, layers, rest, tokens: Array, t
         return jax.tree.map(like, tree, rest)
 
     def nothing():
-        """A branch's outputs, all zero: (stash, tape, dys, message, chunk grads, rest grads, loss)."""
+        """A branch's outputs, all zero: (stash, tape, dys, message, chunk grads, rest grads, loss, statistics)."""
         return (zeros(stash_ref), zeros(tape_ref), zeros(dys_ref), zeros(msg_ref), zeros(chunk_a), zeros(rest),
-                zeros(loss_ref))
+                zeros(loss_ref), zeros(stats_ref))
 
     def forward(g, params_r, inbox):
         j = g["micro"]
         x = jax.lax.cond(g["first"] == 1, lambda: like(embed_fn(rest, tokens[j]), msg_ref),
                          lambda: like(inbox[g["x_slot"]], msg_ref))
-        y, vjp_fn, inputs, known_f = chunk_vjp(params_r, x)
+        y, vjp_fn, inputs, stats, known_f = chunk_vjp(params_r, x)
         _, kinds_f, leaves = _split_residuals(vjp_fn, known_f, leaves_a)
         if [k[0] for k in kinds_f] != [k[0] for k in kinds]:
             raise AssertionError("the chunk's vjp closure changed shape between traces")
@@ -434,12 +438,13 @@ def execute(program: Program, chunk_fn: Callable, layers, rest, tokens: Array, t
             return like(jnp.zeros((), loss_ref.dtype), loss_ref), zeros(rest), like(y, msg_ref)
 
         loss, d_rest, msg = jax.lax.cond(g["last"] == 1, head, no_head, y)
-        _, _, dys, _, d_chunk, _, _ = nothing()
-        return stash, [like(a, r) for a, r in zip(jax.tree.leaves(inputs), tape_ref)], dys, msg, d_chunk, d_rest, loss
+        _, _, dys, _, d_chunk, _, _, _ = nothing()
+        return (stash, [like(a, r) for a, r in zip(jax.tree.leaves(inputs), tape_ref)], dys, msg, d_chunk, d_rest,
+                loss, jax.tree.map(like, stats, stats_ref))
 
     def input_grads(g, params_r, inbox, stash_buf):
         """B: from the stash and the output gradient in the inbox."""
-        stash, tape, _, _, d_chunk, _, loss = nothing()
+        stash, tape, _, _, d_chunk, _, loss, stats = nothing()
         d_others, dx, d_probes = rebuild(params_r, [b[g["stash"]] for b in stash_buf])(inbox[g["x_slot"]])
         dys = [like(d, r) for d, r in zip(jax.tree.leaves(d_probes), dys_ref)]
         d_chunk = jax.tree.map(like, join(part(d_chunk, True), d_others), chunk_a)
@@ -450,11 +455,11 @@ def execute(program: Program, chunk_fn: Callable, layers, rest, tokens: Array, t
             return typed_rest(vjp_e(like(dx, x0))[0])
 
         d_rest = jax.lax.cond(g["first"] == 1, embed_grad, lambda dx: zeros(rest), dx)
-        return stash, tape, dys, like(dx, msg_ref), d_chunk, d_rest, loss
+        return stash, tape, dys, like(dx, msg_ref), d_chunk, d_rest, loss, stats
 
     def weight_grads(g, params_r, tape_buf, dys_buf):
         """W: Σ xᵀ·dy over the chunk's matmuls, each group replayed on its stashed input."""
-        stash, tape, dys, msg, d_chunk, d_rest, loss = nothing()
+        stash, tape, dys, msg, d_chunk, d_rest, loss, stats = nothing()
         others = part(params_r, False)
 
         def replay(weights):
@@ -464,7 +469,7 @@ def execute(program: Program, chunk_fn: Callable, layers, rest, tokens: Array, t
         _, vjp_w = jax.vjp(replay, part(params_r, True))
         (d_weights,) = vjp_w(jax.tree.unflatten(dys_def, [b[g["dys"]] for b in dys_buf]))
         d_chunk = jax.tree.map(like, join(d_weights, part(d_chunk, False)), chunk_a)
-        return stash, tape, dys, msg, d_chunk, d_rest, loss
+        return stash, tape, dys, msg, d_chunk, d_rest, loss, stats
 
     sends = program.sends()
     to_next = [(i, (i + 1) % p) for i in range(p)]
@@ -474,7 +479,7 @@ def execute(program: Program, chunk_fn: Callable, layers, rest, tokens: Array, t
         return [b.at[write].set(x) for b, x in zip(bufs, values)]
 
     def tick(carry, row):
-        inbox, stash_buf, tape_buf, dys_buf, down, up, grads, d_rest_sum, loss_sum = carry
+        inbox, stash_buf, tape_buf, dys_buf, down, up, grads, d_rest_sum, loss_sum, stats_sum = carry
         g = {k: v[s] for k, v in row.items()}
         if sends["down"]:
             inbox = inbox.at[g["recv_down"]].set(down)
@@ -487,7 +492,7 @@ def execute(program: Program, chunk_fn: Callable, layers, rest, tokens: Array, t
             lambda: input_grads(g, params_r, inbox, stash_buf),
             lambda: weight_grads(g, params_r, tape_buf, dys_buf),
         ]
-        stash, tape, dys, msg, d_chunk, d_rest, loss = jax.lax.switch(
+        stash, tape, dys, msg, d_chunk, d_rest, loss, stats = jax.lax.switch(
             g["kind"], [lambda _, b=b: b() for b in branches], None)
         # Slots that are not this tick's target are the scratch slot (the last): the writes need no select.
         stash_buf = keep(stash_buf, stash, jnp.where(g["kind"] == DO_F, g["stash"], program.n_stash))
@@ -496,19 +501,20 @@ def execute(program: Program, chunk_fn: Callable, layers, rest, tokens: Array, t
         inbox = inbox.at[g["local_slot"]].set(msg)
         grads = jax.tree.map(lambda acc, d: acc.at[g["local"]].add(d), grads, d_chunk)
         d_rest_sum = jax.tree.map(jnp.add, d_rest_sum, d_rest)
+        stats_sum = jax.tree.map(jnp.add, stats_sum, stats)
         # Both directions carry this tick's message; a receiver keeps it only where the table says it is its own.
         if sends["down"]:
             down = jax.lax.ppermute(msg, axis, to_next)
         if sends["up"]:
             up = jax.lax.ppermute(msg, axis, to_prev)
-        return (inbox, stash_buf, tape_buf, dys_buf, down, up, grads, d_rest_sum, loss_sum + loss), None
+        return (inbox, stash_buf, tape_buf, dys_buf, down, up, grads, d_rest_sum, loss_sum + loss, stats_sum), None
 
     def buffer(refs, n):
         return [jnp.broadcast_to(zeros(r), (n + 1, *r.shape)) for r in refs]
 
     carry = (buffer([msg_ref], program.n_inbox)[0], buffer(stash_ref, program.n_stash),
              buffer(tape_ref, program.n_tape), buffer(dys_ref, program.n_dys), zeros(msg_ref), zeros(msg_ref),
-             zeros(layers), zeros(rest), zeros(loss_ref))
+             zeros(layers), zeros(rest), zeros(loss_ref), zeros(stats_ref))
     rows = {k: jnp.asarray(v) for k, v in program.arrays().items()}
-    (_, _, _, _, _, _, grads, d_rest, loss), _ = jax.lax.scan(tick, carry, rows)
-    return loss, grads, d_rest
+    (_, _, _, _, _, _, grads, d_rest, loss, stats), _ = jax.lax.scan(tick, carry, rows)
+    return loss, grads, d_rest, stats

@@ -21,6 +21,7 @@ bench/tp.py).
 
 from __future__ import annotations
 
+import functools
 from typing import Callable
 
 import jax
@@ -100,9 +101,10 @@ def pipeline_loss(model, batch: jax.Array, pipe: Pipeline, remat: str, par: Para
 
 
 def scheduled_loss_and_grads(graphdef: nnx.GraphDef, params: nnx.State, batch: jax.Array, pipe: Pipeline,
-                             remat: str, par: Parallel) -> tuple[jax.Array, nnx.State]:
-    """This stage's share of (loss, gradients) under a schedule table (`pipeline.execute`): the table, not autodiff
-    of a loop, decides when each microbatch's backward runs and what stays alive.
+                             remat: str, par: Parallel) -> tuple[jax.Array, nnx.State, dict]:
+    """This stage's share of (loss, gradients, its layers' MoE statistics over every row) under a schedule table
+    (`pipeline.execute`): the table, not autodiff of a loop, decides when each microbatch's backward runs and what
+    stays alive.
 
     Every stage gathers the step's token rows over `pipe` (4 bytes a token): microbatch j is rows j·mb … of them,
     embedded by the stage that holds chunk 0 and scored by the one that holds the last chunk. The loss and the
@@ -122,12 +124,13 @@ def scheduled_loss_and_grads(graphdef: nnx.GraphDef, params: nnx.State, batch: j
 
     def chunk_fn(chunk: nnx.State, x: jax.Array, tape=None):
         stacked = {stack: {name: var[...] for name, var in chunk[stack].items()} for stack in stack_names}
-        if tape is None or tape.mode != RECORD or not cfg.moe.enabled:
+        if tape is None or tape.mode != RECORD:
             return run_layers(stacked, x, positions, mask, cfg, remat=remat, par=par, tape=tape)
-        # F of an MoE chunk: its layers' aux losses over this microbatch join the objective like its loss (1/m)
         y, collected, stats = run_layers(stacked, x, positions, mask, cfg, remat=remat, par=par, tape=tape,
                                          stats=True)
-        return pipeline.add_to_objective(y, moe_objective(stats, cfg, x.shape[0]), 1.0 / m), collected
+        if stats:  # F of an MoE chunk: its layers' aux losses over this microbatch join the objective like its loss
+            y = pipeline.add_to_objective(y, moe_objective(stats, cfg, x.shape[0]), 1.0 / m)
+        return y, (collected, stats)  # the statistics are summed over the F ticks (logged, not differentiated)
 
     def embed_fn(r: nnx.State, tokens: jax.Array) -> jax.Array:
         return nnx.merge(graphdef, r, blocks).embed_tokens(tokens, positions, par)
@@ -135,11 +138,11 @@ def scheduled_loss_and_grads(graphdef: nnx.GraphDef, params: nnx.State, batch: j
     def head_loss_fn(r: nnx.State, y: jax.Array, targets: jax.Array) -> jax.Array:
         return par.cross_entropy(nnx.merge(graphdef, r, blocks).logits(y, par), targets).mean()
 
-    loss, layer_grads, rest_grads = pipeline.execute(pipe.program, chunk_fn, layers, rest, tokens.reshape(m, mb, T),
-                                                     targets.reshape(m, mb, T), embed_fn, head_loss_fn, axis=PIPE,
-                                                     operand=lambda w: par.dot.operand(w, cfg.dtype))
+    loss, layer_grads, rest_grads, stats = pipeline.execute(
+        pipe.program, chunk_fn, layers, rest, tokens.reshape(m, mb, T), targets.reshape(m, mb, T), embed_fn,
+        head_loss_fn, axis=PIPE, operand=lambda w: par.dot.operand(w, cfg.dtype))
     block_grads = jax.tree.map(lambda a: a.reshape(a.shape[0] * a.shape[1], *a.shape[2:]), layer_grads)
-    return loss, _merge_state(rest_grads, block_grads)
+    return loss, _merge_state(rest_grads, block_grads), stats
 
 
 def loss_and_grads(graphdef: nnx.GraphDef, *, grad_accum: int = 1, remat: str = "none",
@@ -186,8 +189,8 @@ def loss_and_grads(graphdef: nnx.GraphDef, *, grad_accum: int = 1, remat: str = 
         (_, (loss, sums)), grads = differentiate(p, b)
         return loss, grads, sums
 
-    if pipe is not None and pipe.schedule != "circular":  # (the tables report no MoE statistics: {})
-        grad_fn = lambda p, b: (*scheduled_loss_and_grads(graphdef, p, b, pipe, remat, par), {})  # noqa: E731
+    if pipe is not None and pipe.schedule != "circular":
+        grad_fn = functools.partial(scheduled_loss_and_grads, graphdef, pipe=pipe, remat=remat, par=par)
 
     batch_axes = tuple(grad_axes) + ((PIPE,) if pipe is not None else ())
 
