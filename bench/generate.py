@@ -3,7 +3,8 @@
     python bench/generate.py [--quick] [--tensor 1 2 4] [--json out.json]
 
 For tensor ∈ {1, 2, 4} (a (data=1, pipe=1, tensor=t) mesh on the first t simulated devices, parameters placed by
-the rules table, GSPMD partitioning the computation) it prints two tables.
+the rules table, GSPMD partitioning the computation — and, in table 1, the same weights under the explicit
+tensor-parallel shard_map with the vocab-parallel sampler, `decode.generate(..., plan=)`) it prints two tables.
 
 1. End to end: B prompts of P tokens extended by N greedy tokens with `jaxpar.infer.decode.generate` (prefill, then
    a `lax.while_loop` of one-token steps reading a KV cache, all in one jit) and with
@@ -99,16 +100,16 @@ def seconds(fn: Callable[[], object], repeats: int, stat: Callable[[list[float]]
     return stat(times)
 
 
-def place_model(cfg: ModelConfig, params: nnx.State, tensor: int
-                ) -> tuple[jax.sharding.Mesh, nnx.GraphDef, nnx.State]:
+def place_model(cfg: ModelConfig, params: nnx.State, tensor: int):
     """`params` on a mesh of the first `tensor` devices (data 1, tensor `tensor`), sharded by the rules table with the vocab
     padded to a multiple of tensor: the layout `jaxpar.infer.text.load` gives a trained model. Every degree
-    gets the same weights (initialised once: compiling the init costs more than a quick run's measurements)."""
+    gets the same weights (initialised once: compiling the init costs more than a quick run's measurements).
+    → (mesh, graphdef, params, the explicit plan of the same layout: `decode.generate(..., plan=)` runs it)."""
     parallel = ParallelConfig(data=1, pipe=1, tensor=tensor)
     plan = make_plan(cfg, parallel, jax.devices()[:tensor], explicit=False)  # GSPMD inserts the collectives
     graphdef, abstract = abstract_model(cfg, plan.padded_vocab)
     placed = jax.device_put(plan.from_canonical(params), param_shardings(abstract, plan.mesh, plan.rules))
-    return plan.mesh, graphdef, placed
+    return plan.mesh, graphdef, placed, make_plan(cfg, parallel, plan.mesh)
 
 
 def make_forward(graphdef: nnx.GraphDef) -> Callable:
@@ -133,8 +134,9 @@ def make_cached_step(graphdef: nnx.GraphDef) -> Callable:
     return step
 
 
-def end_to_end(sizes: Sizes, mesh, graphdef, params, rng: np.random.Generator) -> dict:
-    """Tokens/s of KV-cache generate vs cache-free generate for the same greedy workload."""
+def end_to_end(sizes: Sizes, mesh, graphdef, params, explicit, rng: np.random.Generator) -> dict:
+    """Tokens/s of KV-cache generate (GSPMD, and explicit TP with `explicit`, the plan) vs cache-free generate for
+    the same greedy workload."""
     B, Pn, N = sizes.batch, sizes.prompt, sizes.new_tokens
     prompts = rng.integers(0, sizes.model.vocab_size, (B, Pn)).astype(np.int32)
     model = nnx.merge(graphdef, params)
@@ -146,11 +148,15 @@ def end_to_end(sizes: Sizes, mesh, graphdef, params, rng: np.random.Generator) -
             return sampling.generate_uncached(forward, prompts, max_new_tokens=N, max_len=Pn + N,
                                               rng=jax.random.key(0), temperature=0.0)
 
+    explicit_tp = functools.partial(decode.generate, model, prompts, max_new_tokens=N, plan=explicit,
+                                    return_prompt=False)
     kv_s = seconds(cached, sizes.repeats)
+    explicit_s = seconds(explicit_tp, sizes.repeats)
     free_s = seconds(cache_free, sizes.repeats)
     agree = float((cached() == cache_free()).mean())
     return {"kv_tokens_per_s": B * N / kv_s, "free_tokens_per_s": B * N / free_s, "speedup": free_s / kv_s,
-            "agree": agree}
+            "agree": agree, "explicit_tokens_per_s": B * N / explicit_s,
+            "explicit_agree": float((explicit_tp() == cached()).mean())}
 
 
 class CachedStep:
@@ -219,19 +225,21 @@ def main() -> None:
                          "d_model": m.d_model, "n_layers": m.n_layers}, "tensor": {}}
     weights = nnx.state(Transformer(m, rngs=nnx.Rngs(0)), nnx.Param)  # eager, on the first device
     for t in args.tensor:
-        mesh, graphdef, params = place_model(m, weights, t)
+        mesh, graphdef, params, explicit = place_model(m, weights, t)
         rng = np.random.default_rng(0)
-        results["tensor"][t] = {"end_to_end": end_to_end(sizes, mesh, graphdef, params, rng),
+        results["tensor"][t] = {"end_to_end": end_to_end(sizes, mesh, graphdef, params, explicit, rng),
                                 "per_step": per_step(sizes, mesh, graphdef, params, rng)}
 
     print(f"1. end to end: {sizes.batch} prompts x {sizes.prompt} tokens + {sizes.new_tokens} new (greedy); "
           f"median of {sizes.repeats}")
-    head = f"{'t':>2} | {'KV cache tok/s':>14} {'no cache tok/s':>14} {'speed-up':>8} | {'same tokens':>11}"
+    head = (f"{'t':>2} | {'KV cache tok/s':>14} {'no cache tok/s':>14} {'speed-up':>8} | {'same tokens':>11} | "
+            f"{'explicit TP tok/s':>17} {'/GSPMD':>6} {'same':>5}")
     print(head + "\n" + "-" * len(head))
     for t, r in results["tensor"].items():
         e = r["end_to_end"]
         print(f"{t:>2} | {e['kv_tokens_per_s']:>14.0f} {e['free_tokens_per_s']:>14.0f} {e['speedup']:>7.1f}x | "
-              f"{e['agree']:>11.0%}")
+              f"{e['agree']:>11.0%} | {e['explicit_tokens_per_s']:>17.0f} "
+              f"{e['explicit_tokens_per_s'] / e['kv_tokens_per_s']:>6.2f} {e['explicit_agree']:>5.0%}")
 
     S = max(sizes.contexts)
     print(f"\n2. one step (one token per row, batch {sizes.batch}) against the context c. KV: a cache of {S} slots "

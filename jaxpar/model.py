@@ -230,7 +230,8 @@ def run_layers(stacks: Stacks, x: Array, positions: Array, mask: Array | None, c
 
 
 def run_layers_cached(stacks: Stacks, x: Array, positions: Array, mask: Array, cfg: ModelConfig,
-                      k_cache: Array, v_cache: Array, slot: Array) -> tuple[Array, Array, Array]:
+                      k_cache: Array, v_cache: Array, slot: Array, par: Parallel = SINGLE_DEVICE
+                      ) -> tuple[Array, Array, Array]:
     """`run_layers` for decoding: model layer l also writes its new keys/values into k_cache[l], v_cache[l]
     [L, B, S, K, E] at slots slot … slot+T-1 and attends over the whole cache. Returns (x, k_cache, v_cache).
 
@@ -238,7 +239,7 @@ def run_layers_cached(stacks: Stacks, x: Array, positions: Array, mask: Array, c
     `dynamic_update_slice`): scanning them as inputs/outputs instead would copy every layer's whole cache out and
     back in on every decode step.
     """
-    T = x.shape[1]
+    T = positions.shape[1]  # new tokens a row (x holds T/t of them under sequence parallelism)
     offsets = dict.fromkeys(stacks, 0)
     first = 0  # the model layer the group starts at
     for period, count in layer_groups(cfg.layer_pattern):
@@ -258,7 +259,7 @@ def run_layers_cached(stacks: Stacks, x: Array, positions: Array, mask: Array, c
                 seen[name] += 1
                 l = first + i * len(period) + j  # noqa: E741 — the model layer
                 k, v = k_all[l], v_all[l]  # [B, S, K, E]: this layer's cache, read by its attention
-                x, (k, v), _ = block(layer, x, positions, mask, cfg, kv_cache=(k, v, slot))
+                x, (k, v), _ = block(layer, x, positions, mask, cfg, par, kv_cache=(k, v, slot))
                 new_k = jax.lax.dynamic_slice_in_dim(k, slot, T, axis=1)[None]  # [1, B, T, K, E]: just the new slots
                 new_v = jax.lax.dynamic_slice_in_dim(v, slot, T, axis=1)[None]
                 k_all = jax.lax.dynamic_update_slice(k_all, new_k, (l, 0, slot, 0, 0))
@@ -288,8 +289,10 @@ class KVCache:
     end: Array
 
     @classmethod
-    def empty(cls, cfg: ModelConfig, batch: int, slots: int, start: Array) -> "KVCache":
-        shape = (cfg.n_layers, batch, slots, cfg.n_kv_heads, cfg.head_dim)
+    def empty(cls, cfg: ModelConfig, batch: int, slots: int, start: Array, kv_heads: int | None = None) -> "KVCache":
+        """Zeros for `batch` rows of `slots` slots; kv_heads: the heads this device keeps (a tensor-parallel rank's
+        share, `Parallel.kv_heads`; default all of them)."""
+        shape = (cfg.n_layers, batch, slots, kv_heads or cfg.n_kv_heads, cfg.head_dim)
         zeros = jnp.zeros(shape, cfg.dtype)
         return cls(zeros, zeros, jnp.asarray(start, jnp.int32), jnp.zeros((), jnp.int32))
 
@@ -336,10 +339,11 @@ class Transformer(nnx.Module):
         x, layer_stats = run_layers(self.stacks(), x, positions, mask, self.cfg, remat=remat, par=par, stats=True)
         return (self.logits(x, par), layer_stats) if stats else self.logits(x, par)
 
-    def decode(self, tokens: Array, cache: KVCache) -> tuple[Array, KVCache]:
+    def decode(self, tokens: Array, cache: KVCache, par: Parallel = SINGLE_DEVICE) -> tuple[Array, KVCache]:
         """Run the next T tokens of every row (prefill: the left-padded prompts; decode: T = 1) against `cache`.
 
-        tokens int [B, T] go to slots end … end+T-1. Returns float32 logits [B, T, V] and the cache with their keys
+        tokens int [B, T] go to slots end … end+T-1. Returns float32 logits [B, T, V] (V_local: this rank's vocab
+        shard under tensor parallelism, `par`, whose cache holds its local kv heads) and the cache with their keys
         and values written. Each step's matmuls cost O(T), independent of how full the cache is; attention reads the
         whole cache, masked to the row's real, earlier slots (and the sliding window).
         """
@@ -352,10 +356,10 @@ class Transformer(nnx.Module):
         if self.cfg.sliding_window:
             mask &= q - k < self.cfg.sliding_window
         mask |= k == q  # a padding query attends to itself: no all-masked softmax rows (their output is unused)
-        x = self.embed_tokens(tokens, positions)
+        x = self.embed_tokens(tokens, positions, par)
         x, k_cache, v_cache = run_layers_cached(self.stacks(), x, positions, mask[:, None], self.cfg, cache.k,
-                                                cache.v, cache.end)
-        return self.logits(x), KVCache(k_cache, v_cache, cache.start, cache.end + T)
+                                                cache.v, cache.end, par)
+        return self.logits(x, par), KVCache(k_cache, v_cache, cache.start, cache.end + T)
 
     def stacks(self) -> Stacks:
         """The layer stacks' parameters by stack name (`ModelConfig.layer_stacks`), each [n, …]."""

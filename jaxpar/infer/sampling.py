@@ -208,3 +208,99 @@ def generate_uncached(
     if not out:
         return np.zeros((B, 0), np.int32)
     return np.asarray(jnp.stack(out, axis=1))  # [B, n_new]
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The vocab-parallel sampler: each tensor rank holds V/t of a row's logits, and only per-row scalars (or the t·k
+# top-k candidates) cross the tensor group — never the full-vocab logits.
+
+_BISECT_STEPS = 48  # float32 has a 24-bit mantissa: enough halvings to reach adjacent logits from any range
+
+
+def _reduce(x: jax.Array, op, axis: str | None) -> jax.Array:
+    return x if axis is None else op(x, axis)
+
+
+def _global_argmax(scores: jax.Array, ids: jax.Array, axis: str | None) -> jax.Array:
+    """The id of the largest score of each row over every rank (ties: the smallest id, as jnp.argmax).
+    scores [B, n] float32, ids [B, n] or [n] int32 (their global ids) → int32 [B]. Two all-reduces of [B]."""
+    best = _reduce(scores.max(-1), jax.lax.pmax, axis)  # [B]
+    ids = jnp.broadcast_to(ids, scores.shape)
+    mine = jnp.where(scores == best[:, None], ids, jnp.iinfo(jnp.int32).max).min(-1)
+    return _reduce(mine, jax.lax.pmin, axis).astype(jnp.int32)
+
+
+def sample_sharded(logits: jax.Array, rng: jax.Array, *, vocab_size: int, axis: str | None = None,
+                   temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0, first_row=0) -> jax.Array:
+    """`sample_logits` for vocab-parallel logits, inside shard_map: logits [B, V_local] float32, this rank's columns
+    r·V_local … of the (padded) vocab, padding at ids ≥ vocab_size; axis the tensor axis (None: one device holds
+    the whole row); first_row: the global index of row 0 (rows split over `data`). → token ids int32 [B], the same
+    on every rank of the group, and the same for every layout (row i's noise is drawn from fold_in(rng, i) for the
+    whole true vocab, and each rank takes its columns).
+
+    - greedy: the global argmax (a pmax of the row maxima, a pmin of the ids that reach it).
+    - sampling is Gumbel-max — argmax(z/T + g), g ~ Gumbel(0, 1) per token — which draws from softmax(z/T):
+      without truncation that is the global argmax again; top_k gathers each rank's k best (t·k candidates a row,
+      not V) and keeps the k best of them, then top-p on those k as `sample_logits` does; top_p alone finds the
+      nucleus threshold θ — the largest logit whose tokens at or above it hold ≥ top_p of the mass — by bisection,
+      each step one all-reduce of [B] masses, and keeps z ≥ θ (HF's nucleus, ties at θ included).
+    """
+    check_sampling_args(temperature, top_k, top_p)
+    B, Vl = logits.shape
+    r = 0 if axis is None else jax.lax.axis_index(axis)
+    ids = r * Vl + jnp.arange(Vl, dtype=jnp.int32)  # [Vl] global ids of this rank's columns
+    z = jnp.where(ids < vocab_size, logits.astype(jnp.float32), -jnp.inf)
+    if temperature == 0:
+        return _global_argmax(z, ids, axis)
+    z = z / temperature
+    t = 1 if axis is None else jax.lax.axis_size(axis)
+    rows = first_row + jnp.arange(B)  # the whole row's noise, drawn alike on every rank
+    noise = jax.vmap(lambda i: jax.random.gumbel(jax.random.fold_in(rng, i), (vocab_size,), jnp.float32))(rows)
+    noise = jnp.pad(noise, ((0, 0), (0, Vl * t - vocab_size)))
+    if 0 < top_k < vocab_size:
+        k = min(top_k, Vl)
+        vals, local = jax.lax.top_k(z, k)  # [B, k] each: this rank's best
+        cand, cand_ids = vals, ids[local]
+        if axis is not None:
+            cand = jax.lax.all_gather(vals, axis, axis=1, tiled=True)  # [B, t·k]
+            cand_ids = jax.lax.all_gather(cand_ids, axis, axis=1, tiled=True)
+        vals, pick = jax.lax.top_k(cand, top_k)  # the k best of the row; ties: the lower rank's first
+        kept_ids = jnp.take_along_axis(cand_ids, pick, axis=-1)  # [B, top_k]
+        if top_p < 1.0:
+            vals = _mask_top_p(vals, top_p)
+        scores = vals + jnp.take_along_axis(noise, kept_ids, axis=-1)
+        token = jnp.take_along_axis(kept_ids, jnp.argmax(scores, axis=-1)[:, None], axis=-1)[:, 0]
+        # Every rank picked the same token from the same candidates, but an all-gather's result is typed as
+        # varying over the axis: a pmax of equal values (one all-reduce of [B]) makes it invariant.
+        return _reduce(token, jax.lax.pmax, axis)
+    if top_p < 1.0:
+        z = jnp.where(z >= _nucleus_threshold(z, top_p, axis)[:, None], z, -jnp.inf)
+    return _global_argmax(z + jax.lax.dynamic_slice_in_dim(noise, r * Vl, Vl, axis=1), ids, axis)
+
+
+def _nucleus_threshold(z: jax.Array, p: float, axis: str | None) -> jax.Array:
+    """θ [B]: the largest logit such that the tokens with z ≥ θ hold ≥ p of the row's probability mass (within
+    `_TOP_P_TOL`), by bisection on [min z, max z]; the mass above a threshold is a psum of [B] partial sums."""
+    finite = jnp.isfinite(z)
+    m = _reduce(jnp.where(finite, z, -jnp.inf).max(-1), jax.lax.pmax, axis)  # [B]
+    e = jnp.where(finite, jnp.exp(z - m[:, None]), 0.0)
+    total = _reduce(e.sum(-1), jax.lax.psum, axis)
+
+    def mass(theta):
+        return _reduce(jnp.where(z >= theta[:, None], e, 0.0).sum(-1), jax.lax.psum, axis) / total
+
+    lo = _reduce(jnp.where(finite, z, jnp.inf).min(-1), jax.lax.pmin, axis)  # mass(lo) = 1 ≥ p
+    hi = m
+
+    def step(_, bounds):
+        lo, hi = bounds
+        mid = lo + (hi - lo) / 2
+        enough = mass(mid) >= p - _TOP_P_TOL
+        return jnp.where(enough, mid, lo), jnp.where(enough, hi, mid)
+
+    lo, hi = jax.lax.fori_loop(0, _BISECT_STEPS, step, (lo, hi))
+    top_enough = mass(m) >= p - _TOP_P_TOL  # the top token(s) alone reach p
+    # lo is just below the logit of the last token kept: snap to it (the smallest logit ≥ lo), so a token whose
+    # logit equals θ is in.
+    snapped = _reduce(jnp.where(z >= lo[:, None], z, jnp.inf).min(-1), jax.lax.pmin, axis)
+    return jnp.where(top_enough, m, snapped)

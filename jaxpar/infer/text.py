@@ -3,7 +3,8 @@ and generate: token ids in and out (`LoadedModel.generate`, shaped like Hugging 
 tokenizer (`generate_text`, the `jaxpar generate` command).
 
 Inference uses `data` for independent prompts and `tensor` for the Megatron split of each layer; there is no
-pipeline (pipe = 1). Parameters are placed straight onto that layout (checkpoints and HF files are layout-free).
+pipeline (pipe = 1). Parameters are placed straight onto that layout (checkpoints and HF files are layout-free), and
+generation runs under the same explicit collectives as training (`explicit=False`: GSPMD, for comparison).
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from jaxpar.infer import decode
 from jaxpar.infer.sampling import check_sampling_args
 from jaxpar.interop import hf
 from jaxpar.model import abstract_model
-from jaxpar.parallel.plan import make_plan
+from jaxpar.parallel.plan import Plan, make_plan
 from jaxpar.sharding import param_shardings
 from jaxpar.store import checkpoint
 
@@ -40,18 +41,24 @@ class LoadedModel:
     step: int | None  # the checkpoint step (None for a Hugging Face directory)
     eos_token_id: tuple[int, ...] = ()  # the default stop tokens
     hf_config: dict | None = None  # the imported config.json, kept for export
+    plan: Plan | None = None  # the layout; explicit: generation runs its shard_map (else GSPMD partitions)
 
     def generate(self, input_ids: Sequence[Sequence[int]] | np.ndarray, **kwargs) -> np.ndarray:
         """`jaxpar.infer.decode.generate` on this model and mesh; eos_token_id defaults to the model's."""
         kwargs.setdefault("eos_token_id", self.eos_token_id or None)
-        return decode.generate(self.model, input_ids, mesh=self.mesh, **kwargs)
+        return decode.generate(self.model, input_ids, mesh=self.mesh, plan=self.plan, **kwargs)
 
 
 def load(path: str | pathlib.Path, *, data: int = 1, tensor: int | None = None, devices: list | None = None,
-         step: int | None = None, dtype: str | None = None) -> LoadedModel:
+         step: int | None = None, dtype: str | None = None, explicit: bool = True, sequence_parallel: bool = False,
+         overlap: str = "none") -> LoadedModel:
     """Load a `jaxpar train` workdir (checkpoint `step`, default latest) or a Hugging Face model directory onto a
     (data, pipe=1, tensor) mesh of the first data·tensor `devices`. tensor=None: the training run's tensor degree
     (1 for an HF directory) when there are devices for it. dtype: compute and parameter dtype (default: as saved).
+    explicit: generate under the training step's explicit collectives (shard_map, the vocab-parallel sampler);
+    False leaves the partitioning to GSPMD (the comparison baseline). sequence_parallel, overlap: the prefill's
+    layout, as `parallel.sequence_parallel` / `parallel.overlap` ('collective_matmul') in training; decode steps
+    (one token a row) run plain tensor parallelism.
     A layout the model cannot take (heads not divisible by tensor, …) is a ConfigError naming the field.
     """
     path = pathlib.Path(path)
@@ -83,11 +90,11 @@ def load(path: str | pathlib.Path, *, data: int = 1, tensor: int | None = None, 
         name, value = ("parallel.data", data) if data > len(devices) else ("parallel.tensor", tensor)
         raise ConfigError(name, value, f"data*tensor = {data}*{tensor} needs more than the "
                           f"{len(devices)} available devices", f"use data*tensor <= {len(devices)}")
-    parallel = ParallelConfig(data=data, pipe=1, tensor=tensor)
+    parallel = ParallelConfig(data=data, pipe=1, tensor=tensor, sequence_parallel=sequence_parallel, overlap=overlap)
     train = dataclasses.replace(saved.train, batch_size=data, grad_accum=1,
                                 seq_len=min(saved.train.seq_len, model_cfg.max_seq_len))
     config = Config(model=model_cfg, parallel=parallel, train=train, data=saved.data)  # validates the layout
-    plan = make_plan(model_cfg, parallel, devices[:data * tensor], explicit=False)  # GSPMD partitions inference
+    plan = make_plan(model_cfg, parallel, devices[:data * tensor], explicit=explicit)
     mesh = plan.mesh
     graphdef, abstract = abstract_model(plan.model, plan.padded_vocab)  # attention resolved for these devices
     shardings = param_shardings(abstract, mesh, plan.rules)
@@ -97,7 +104,7 @@ def load(path: str | pathlib.Path, *, data: int = 1, tensor: int | None = None, 
         params, at_step = checkpoint.restore_params(path, abstract, plan, model_cfg.vocab_size, shardings, step=step)
     tokenizer = data_lib.make_tokenizer(config.data.tokenizer) if config.data.tokenizer else None
     return LoadedModel(config, nnx.merge(graphdef, params), mesh, tokenizer, at_step, _stop_ids(path, hf_cfg, tokenizer),
-                       hf_cfg)
+                       hf_cfg, plan)
 
 
 def _stop_ids(path: pathlib.Path, hf_cfg: dict | None, tokenizer) -> tuple[int, ...]:
