@@ -59,16 +59,15 @@ def test_explicit_prefill_equals_the_single_device_model(family):
 
 
 def test_explicit_decoding_greedy_equals_one_device_and_sampling_is_layout_free():
-    """Greedy tokens at tensor 2 and 4 (and 4 with an SP + collective-matmul prefill) equal the single-device
-    greedy tokens; sampling with top-k, top-p (the bisection nucleus) or temperature alone draws the same tokens at
-    every one of those layouts as at tensor 1."""
+    """Greedy tokens at tensor 2 (data 2) and 4 (data 2, an SP + collective-matmul prefill) equal the
+    single-device greedy tokens; sampling with top-k, or top-p (the bisection nucleus) at a temperature, draws the
+    same tokens at those layouts as at tensor 1."""
     cfg = FAMILIES["llama"]
     model = Transformer(cfg, rngs=nnx.Rngs(0))
     want = decode.generate(model, PROMPTS, max_new_tokens=10)
-    settings = [dict(do_sample=True, top_k=7, seed=3), dict(do_sample=True, top_p=0.7, seed=4),
-                dict(do_sample=True, temperature=0.8, seed=5)]
+    settings = [dict(do_sample=True, top_k=7, seed=3), dict(do_sample=True, top_p=0.7, temperature=0.8, seed=4)]
     sampled = {}
-    layouts = ((1, 1, False), (2, 2, False), (4, 1, False), (4, 2, True))
+    layouts = ((1, 1, False), (2, 2, False), (4, 2, True))
     for layout in layouts:
         m, plan = placed(cfg, *layout)
         if layout[0] > 1:

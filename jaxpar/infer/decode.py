@@ -10,9 +10,11 @@ trip per token, and it stops early once every row has emitted a stop token.
 Per step the matmuls see one token per row — their cost does not grow with the context; attention reads the whole
 cache buffer of `P + max_new_tokens` slots (masked), a cost fixed at compile time.
 
-On a mesh the parameters keep their tensor-parallel sharding and GSPMD partitions the computation: the cache is laid
-out like the activations that fill it — batch over `data`, kv heads over `tensor` (replicated when there are fewer
-kv heads than tensor ranks, as the weights are).
+On a mesh the parameters keep their tensor-parallel sharding. With an explicit plan (what `jaxpar.infer.text.load`
+gives) the whole loop runs inside one `shard_map` with the training step's collectives and a vocab-parallel sampler
+(`_explicit_parts`); without one GSPMD partitions the computation (the comparison baseline). Either way the cache is
+laid out like the activations that fill it — batch over `data`, kv heads over `tensor` (one head a rank when there
+are fewer kv heads than tensor ranks, as the weights are replicated then).
 """
 
 from __future__ import annotations
@@ -298,11 +300,10 @@ def _generate_on_plan(graphdef, params, plan, tokens: np.ndarray, start: np.ndar
     if extra:
         tokens = np.concatenate([tokens, np.full((extra, tokens.shape[1]), settings["pad_token_id"], np.int32)])
         start = np.concatenate([start, np.full((extra,), tokens.shape[1] - 1, np.int32)])
-    specs = _param_specs(params, plan)
     # (what the program depends on: not the plan's id, which a later plan may reuse)
     key = (graphdef, plan.mesh, plan.rules, plan.parallel, plan.model, tuple(sorted(settings.items())))
     if key not in _EXPLICIT_CACHE:
-        _EXPLICIT_CACHE[key] = _explicit_generate(graphdef, plan, specs, **settings)
+        _EXPLICIT_CACHE[key] = _explicit_generate(graphdef, plan, _param_specs(params, plan), **settings)
     rows = jax.sharding.NamedSharding(plan.mesh, P("data"))
     new, n = _EXPLICIT_CACHE[key](params, jax.device_put(tokens, rows), jax.device_put(start, rows), rng)
     return np.asarray(new)[:B, :int(n)]
