@@ -2,7 +2,8 @@
 
     jaxpar train    --config FILE [--workdir DIR] [--config.section.field=VALUE ...]
     jaxpar generate --workdir DIR|HF_DIR --prompt TEXT [--max-new-tokens N] [--temperature T] [--top-k K]
-                    [--top-p P] [--greedy] [--data D] [--tensor T]
+                    [--top-p P] [--greedy] [--data D] [--tensor T] [--gspmd | --sequence-parallel
+                    [--overlap collective_matmul]]
     jaxpar analyze  --config FILE [--format json|table] [--config.section.field=VALUE ...]
     jaxpar schedule [--schedule NAME] --pipe P --microbatches M [--chunks V] [--png FILE]
     jaxpar convert  --from DIR | --from-hf HF_DIR   --to DIR2 | --to-hf HF_DIR2   [--step N] [--dtype bfloat16]
@@ -103,7 +104,8 @@ def _generate(args, overrides: list[str]) -> int:
             raise GenerateError(f"{flag} {value}: must be >= 1")
     if not 0 <= args.seed < 2**32:
         raise GenerateError(f"--seed {args.seed}: must lie in [0, 2**32)")
-    loaded = load(args.workdir, step=args.step, data=args.data, tensor=args.tensor)
+    loaded = load(args.workdir, step=args.step, data=args.data, tensor=args.tensor, explicit=not args.gspmd,
+                  sequence_parallel=args.sequence_parallel, overlap=args.overlap)
     temperature = 0.0 if args.greedy else args.temperature
     for text in generate_text(loaded, [args.prompt] * args.num_samples, max_new_tokens=args.max_new_tokens,
                               seed=args.seed, temperature=temperature, top_k=args.top_k, top_p=args.top_p):
@@ -220,6 +222,11 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--num-samples", type=int, default=1)
     gen.add_argument("--seed", type=int, default=0)
     gen.add_argument("--step", type=int, default=None, help="checkpoint step (default: latest)")
+    gen.add_argument("--gspmd", action="store_true", help="leave tensor parallelism to GSPMD (the comparison "
+                     "baseline) instead of the explicit shard_map collectives")
+    gen.add_argument("--sequence-parallel", action="store_true", help="prefill with sequence parallelism")
+    gen.add_argument("--overlap", default="none", help="prefill collectives: none or collective_matmul (with "
+                     "--sequence-parallel)")
     gen.set_defaults(run=_generate)
     ana = sub.add_parser("analyze", help="compile the train step and compare collectives, FLOPs and memory with "
                                          "the analytic formulas")

@@ -170,7 +170,8 @@ def _gen_api(path, **kwargs):
         from jaxpar.infer.text import generate_text, load
 
         step = kwargs.pop("step", None)
-        loaded = load(path(c), step=step, data=kwargs.pop("data", 1), tensor=kwargs.pop("tensor", None))
+        layout = {k: kwargs.pop(k) for k in ("explicit", "sequence_parallel", "overlap") if k in kwargs}
+        loaded = load(path(c), step=step, data=kwargs.pop("data", 1), tensor=kwargs.pop("tensor", None), **layout)
         return generate_text(loaded, kwargs.pop("prompts", ["def "]), max_new_tokens=kwargs.pop("n", 4), **kwargs)
     return call
 
@@ -348,6 +349,14 @@ CASES = [
          _gen_api(lambda c: c.workdir, top_k=-1)),
     Case("generate-tensor-vs-heads", "generate --workdir {workdir} --max-new-tokens 4 --tensor 3", "parallel.tensor",
          _gen_api(lambda c: c.workdir, tensor=3)),
+    Case("generate-overlap-unknown", "generate --workdir {workdir} --max-new-tokens 4 --overlap async",
+         "parallel.overlap", _gen_api(lambda c: c.workdir, overlap="async")),
+    Case("generate-overlap-without-sp", "generate --workdir {workdir} --max-new-tokens 4 --overlap collective_matmul",
+         "parallel.overlap", _gen_api(lambda c: c.workdir, overlap="collective_matmul")),
+    Case("generate-sp-on-one-rank", "generate --workdir {workdir} --max-new-tokens 4 --tensor 1 --sequence-parallel",
+         "parallel.sequence_parallel", _gen_api(lambda c: c.workdir, tensor=1, sequence_parallel=True)),
+    Case("generate-sp-with-gspmd", "generate --workdir {workdir} --max-new-tokens 4 --gspmd --sequence-parallel",
+         "parallel.sequence_parallel", _gen_api(lambda c: c.workdir, explicit=False, sequence_parallel=True)),
     Case("generate-zero-data", "generate --workdir {workdir} --max-new-tokens 4 --data 0", "parallel.data",
          _gen_api(lambda c: c.workdir, data=0)),
     Case("generate-too-many-devices", "generate --workdir {workdir} --max-new-tokens 4 --data 64", "devices",

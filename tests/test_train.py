@@ -108,6 +108,19 @@ def test_generate_produces_requested_number_of_tokens(trained):
     assert text == bytes(greedy.tolist()).decode("utf-8", errors="replace")  # the byte tokenizer has no stop token
 
 
+def test_generate_cli_layouts_agree(trained, capsys):
+    """`jaxpar generate --greedy` on the trained workdir (tensor 2) prints the same text with the explicit collectives
+    (the default), with a sequence-parallel collective-matmul prefill, and under GSPMD."""
+    from jaxpar.cli import main
+
+    workdir, _ = trained
+    texts = []
+    for flags in ([], ["--sequence-parallel", "--overlap", "collective_matmul"], ["--gspmd"]):
+        assert main(["generate", "--workdir", str(workdir), "--greedy", "--max-new-tokens", "23", *flags]) == 0
+        texts.append(capsys.readouterr().out)
+    assert texts[0].startswith("def ") and texts[1] == texts[0] and texts[2] == texts[0]
+
+
 def test_rerun_continues_from_checkpoint(trained, tmp_path):
     """Running fit again on a finished workdir restores the final state instead of starting over."""
     workdir, result = trained
