@@ -118,11 +118,8 @@ def _explicit_parts(graphdef: nnx.GraphDef, plan, *, temperature: float, top_k: 
                               top_k=top_k, top_p=top_p, first_row=jax.lax.axis_index("data") * logits.shape[0])
 
     def prefill(params, tokens, start, slots, key):
-        model = nnx.merge(graphdef, params)
-        cache = KVCache.empty(cfg, tokens.shape[0], slots, start, kv_heads(plan))
-        heads = ("data",) + (("tensor",) if axis else ())  # what the keys and values the cache takes vary over
-        cache = KVCache(vary(cache.k, heads), vary(cache.v, heads), cache.start, cache.end)
-        logits, cache = model.decode(tokens, cache, par)  # [B, P, V/t]
+        cache = _local_cache(plan, tokens.shape[0], slots, start)
+        logits, cache = nnx.merge(graphdef, params).decode(tokens, cache, par)  # [B, P, V/t]
         return sample(logits[:, -1], key), cache  # [B], the same on every tensor rank
 
     def step(params, tok, cache, key):
@@ -130,6 +127,14 @@ def _explicit_parts(graphdef: nnx.GraphDef, plan, *, temperature: float, top_k: 
         return sample(logits[:, 0], key), cache
 
     return prefill, step
+
+
+def _local_cache(plan, batch: int, slots: int, start: jax.Array) -> KVCache:
+    """An empty cache of this rank's rows and kv heads, inside the plan's shard_map, typed as varying over what the
+    keys and values written into it vary over (data, and tensor when the heads are split)."""
+    cache = KVCache.empty(plan.model, batch, slots, start, kv_heads(plan))
+    heads = ("data",) + (("tensor",) if plan.parallel.tensor is not None else ())
+    return KVCache(vary(cache.k, heads), vary(cache.v, heads), cache.start, cache.end)
 
 
 def kv_heads(plan) -> int:
@@ -174,9 +179,7 @@ def explicit_prefill_logits(model: nnx.Module, plan, tokens: np.ndarray, start: 
     cfg, par = plan.model, plan.parallel
 
     def run(params, tokens, start):
-        cache = KVCache.empty(cfg, tokens.shape[0], tokens.shape[1], start, kv_heads(plan))
-        heads = ("data",) + (("tensor",) if par.tensor is not None else ())
-        cache = KVCache(vary(cache.k, heads), vary(cache.v, heads), cache.start, cache.end)
+        cache = _local_cache(plan, tokens.shape[0], tokens.shape[1], start)
         return nnx.merge(graphdef, params).decode(tokens, cache, par)[0]  # [B, P, V/t]
 
     vocab = "tensor" if plan.degrees["tensor"] > 1 else None
