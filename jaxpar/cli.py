@@ -105,7 +105,8 @@ def _generate(args, overrides: list[str]) -> int:
     if not 0 <= args.seed < 2**32:
         raise GenerateError(f"--seed {args.seed}: must lie in [0, 2**32)")
     loaded = load(args.workdir, step=args.step, data=args.data, tensor=args.tensor, explicit=not args.gspmd,
-                  sequence_parallel=args.sequence_parallel, overlap=args.overlap)
+                  sequence_parallel=args.sequence_parallel, overlap=args.overlap, quantize=args.quantize,
+                  group_size=args.group_size)
     temperature = 0.0 if args.greedy else args.temperature
     for text in generate_text(loaded, [args.prompt] * args.num_samples, max_new_tokens=args.max_new_tokens,
                               seed=args.seed, temperature=temperature, top_k=args.top_k, top_p=args.top_p):
@@ -158,8 +159,14 @@ def _convert(args, overrides: list[str]) -> int:
                           "pass a new directory (nothing was overwritten)")
     if args.src_hf is not None and args.step is not None:
         raise UsageError(f"--step {args.step}: a Hugging Face directory has no steps; drop --step with --from-hf")
+    if args.dst_hf is not None and (args.quantize or args.group_size is not None):
+        raise UsageError(f"--quantize/--group-size with --to-hf {args.dst_hf}: the export writes float weights; "
+                         "quantize into a workdir (--to DIR)")
+    if args.group_size is not None and args.quantize != "int4":
+        raise UsageError(f"--group-size {args.group_size}: groups are int4's; add --quantize int4")
+    quant = dict(quantize=args.quantize, group_size=args.group_size)
     if args.src_hf is not None and args.dst is not None:
-        hf.import_to_workdir(args.src_hf, args.dst, dtype=args.dtype)
+        hf.import_to_workdir(args.src_hf, args.dst, dtype=args.dtype, **quant)
         print(f"imported {args.src_hf} into {args.dst} (params-only workdir, step 0: `jaxpar generate --model {args.dst}`)")
     elif args.src is not None and args.dst_hf is not None:
         step = hf.export_workdir(args.src, args.dst_hf, step=args.step, dtype=args.dtype)
@@ -169,7 +176,7 @@ def _convert(args, overrides: list[str]) -> int:
     else:
         from jaxpar.store.checkpoint import convert
 
-        step = convert(args.src, args.dst, step=args.step, dtype=args.dtype)
+        step = convert(args.src, args.dst, step=args.step, dtype=args.dtype, **quant)
         print(f"exported step {step} of {args.src} to {args.dst} (params only, canonical layout)")
     return 0
 
@@ -227,6 +234,10 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--sequence-parallel", action="store_true", help="prefill with sequence parallelism")
     gen.add_argument("--overlap", default="none", help="prefill collectives: none or collective_matmul (with "
                      "--sequence-parallel)")
+    gen.add_argument("--quantize", choices=("int8", "int4"), default=None,
+                     help="weight-only quantization of the layers' matrices at load (a quantized workdir loads as "
+                          "stored)")
+    gen.add_argument("--group-size", type=int, default=None, help="int4: inputs per scale (default 128)")
     gen.set_defaults(run=_generate)
     ana = sub.add_parser("analyze", help="compile the train step and compare collectives, FLOPs and memory with "
                                          "the analytic formulas")
@@ -253,6 +264,10 @@ def build_parser() -> argparse.ArgumentParser:
     conv.add_argument("--to-hf", dest="dst_hf", help="the new Hugging Face model directory")
     conv.add_argument("--step", type=int, default=None, help="checkpoint step (default: latest)")
     conv.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None)
+    conv.add_argument("--quantize", choices=("int8", "int4"), default=None,
+                      help="store the layers' weight matrices quantized (--to only): int8 per output channel, int4 "
+                           "per --group-size inputs")
+    conv.add_argument("--group-size", type=int, default=None, help="int4: inputs per scale (default 128)")
     conv.set_defaults(run=_convert)
     lau = sub.add_parser("launch", help="run a command as N local JAX processes (CPU devices, gloo collectives)")
     lau.add_argument("--processes", type=int, required=True, help="number of local processes")

@@ -38,6 +38,7 @@ def _f(default: Any, help: str) -> Any:
 
 
 DTYPES = ("float32", "bfloat16", "float16")
+WEIGHT_FORMATS = ("float", "int8", "int4")  # jaxpar.matmul.Quantized
 REMAT_POLICIES = ("none", "full", "dots")
 ATTENTION_IMPLS = ("auto", "xla", "cudnn")
 ROPE_SCALINGS = ("none", "linear", "llama3")
@@ -129,6 +130,13 @@ class ModelConfig:
     init_std: float = _f(0.02, "std of the normal init; output projections get init_std/sqrt(2*n_layers)")
     dtype: str = _f("float32", "compute dtype of matmuls ('bfloat16' on GPUs); softmax and loss always run in float32")
     param_dtype: str = _f("float32", "dtype of the master parameters and optimizer state")
+    weights: str = _f("float", "how the layers' weight matrices are stored: 'float' (param_dtype: what trains), or "
+                      "quantized for inference, dequantized inside the matmul — 'int8' (symmetric, a scale per "
+                      "output channel) or 'int4' (symmetric, a scale per weight_group inputs of each output "
+                      "channel). Embeddings, the LM head and the MoE router stay float. Made by `jaxpar convert "
+                      "--quantize` or `load(..., quantize=)`")
+    weight_group: int = _f(128, "int4: consecutive inputs of an output channel sharing one scale; must divide "
+                           "every quantized matrix's input width (d_model, heads*head_dim, d_ff)")
     # The `moe` section is part of the model's shape, so it rides inside ModelConfig (everything that builds a model
     # from a ModelConfig — the plan, checkpoints, Hugging Face import — gets it for free); on the command line, in
     # config files and in config.json it is its own section `moe.*` (config_from_dict / Config.to_dict move it).
@@ -193,6 +201,34 @@ class ModelConfig:
                                   self.moe.sparse_step if self.moe.sparse_step > 1 else list(self.moe.dense_layers),
                                   f"leaves none of the {self.n_layers} layers an MoE layer",
                                   "set moe.n_experts=0 for a dense model, or make some layer MoE")
+        _check_choice("model.weights", self.weights, WEIGHT_FORMATS)
+        _check_positive("model.weight_group", self.weight_group)
+        if self.weights == "int4":
+            self._check_groups()
+
+    def quantized_params(self, moe: bool) -> dict:
+        """The matrices of one layer (of kind `moe`) that `weights` stores quantized: {name: family Param}."""
+        if self.weights == "float":
+            return {}
+        return {k: p for k, p in FAMILIES[self.family].layer_params(self, moe).items() if p.contract}
+
+    def scale_param(self, spec):
+        """The scale Param of a quantized matrix (families.base.Param.scale): per output channel for int8, in
+        groups of weight_group inputs for int4."""
+        return spec.scale(self.weight_group if self.weights == "int4" else None)
+
+    def _check_groups(self):
+        """Every int4 matrix must split into whole groups of weight_group inputs (AWQ / GPTQ's rule)."""
+        specs = {k: p for moe in set(self.layer_kinds) for k, p in self.quantized_params(moe).items()}
+        for name, spec in specs.items():
+            try:
+                self.scale_param(spec)
+            except ValueError as e:
+                ok = [g for g in (256, 128, 64, 32, 16, 8) if all(_tiles(p, g) for p in specs.values())]
+                raise ConfigError("model.weight_group", self.weight_group,
+                                  f"cannot group {name} {list(spec.shape)} ({e})",
+                                  f"use model.weight_group among {ok}" if ok else "use model.weights=int8 "
+                                  "(a scale per output channel)") from None
 
     @property
     def layer_kinds(self) -> tuple[bool, ...]:
@@ -224,6 +260,14 @@ class ModelConfig:
     def moe_layer_count(self) -> int:
         """How many layers are MoE layers."""
         return sum(self.layer_kinds)
+
+
+def _tiles(spec, group: int) -> bool:
+    try:
+        spec.scale(group)
+        return True
+    except ValueError:
+        return False
 
 
 def resolve_attention(cfg: ModelConfig, device: Any) -> ModelConfig:

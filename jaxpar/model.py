@@ -40,6 +40,7 @@ from flax import nnx
 
 from jaxpar.config import ModelConfig
 from jaxpar.families import Param, family
+from jaxpar.matmul import QUANT_DTYPES, Quantized, quantize
 from jaxpar.parallel.context import SINGLE_DEVICE, Parallel
 from jaxpar.parallel.tensor import NEG_INF
 from jaxpar.parallel.weightgrad import MEASURE, RECORD, Tape
@@ -54,10 +55,11 @@ REMAT_POLICIES = {
 
 
 def _param(rngs: nnx.Rngs, spec: Param, cfg: ModelConfig, *, layers: int | None = None,
-           pad: tuple[tuple[int, int], ...] | None = None) -> nnx.Param:
-    """A parameter from its family spec: stacked on a leading `layers` axis when given, then zero `pad`; its logical
-    axes and weight-decay flag ride along as metadata. Only the normal initialisers draw from `rngs`, so the draws
-    (and the values a seed gives) follow the order the family lists its parameters in."""
+           pad: tuple[tuple[int, int], ...] | None = None, dtype=None) -> nnx.Param:
+    """A parameter from its family spec: stacked on a leading `layers` axis when given, then zero `pad`, in `dtype`
+    (default `param_dtype`); its logical axes and weight-decay flag ride along as metadata. Only the normal
+    initialisers draw from `rngs`, so the draws (and the values a seed gives) follow the order the family lists its
+    parameters in."""
     shape, axes = spec.shape, spec.axes
     if layers is not None:
         shape, axes = (layers, *shape), ("layers", *axes)
@@ -68,24 +70,39 @@ def _param(rngs: nnx.Rngs, spec: Param, cfg: ModelConfig, *, layers: int | None 
         value = jnp.full(shape, 1.0 if spec.init == "ones" else 0.0, jnp.float32)
     if pad is not None:
         value = jnp.pad(value, pad)
-    return nnx.Param(value.astype(jnp.dtype(cfg.param_dtype)), logical_axes=axes, weight_decay=spec.decay)
+    return nnx.Param(value.astype(jnp.dtype(dtype or cfg.param_dtype)), logical_axes=axes, weight_decay=spec.decay)
 
 
 class Blocks(nnx.Module):
     """A stack of transformer blocks of one kind: the family's layer parameters (jaxpar.families), each stacked on a
     leading `layers` axis — e.g. llama's wq [n, D, H, E], w_gate [n, D, F]; gpt2's b_up [n, F]. A model holds one
     stack (`blocks`: all L layers), or two when its layers mix dense MLPs and mixtures of experts
-    (`ModelConfig.layer_stacks`: `blocks` the MoE layers, `dense_blocks` the dense ones)."""
+    (`ModelConfig.layer_stacks`: `blocks` the MoE layers, `dense_blocks` the dense ones).
+
+    A quantized model (`cfg.weights` int8 / int4) stores each matrix the family marks as contracted (`Param.contract`)
+    as integers `name` [n, …] with float32 scales `name_scale` [n, …] (`ModelConfig.scale_param`), zeros here: the
+    values come from `quantize_model`, a checkpoint or an import."""
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, moe: bool | None = None, layers: int | None = None):
         moe = cfg.moe.enabled if moe is None else moe
+        layers = cfg.n_layers if layers is None else layers
+        quantized = cfg.quantized_params(moe)
         for name, spec in family(cfg).layer_params(cfg, moe).items():
-            setattr(self, name, _param(rngs, spec, cfg, layers=cfg.n_layers if layers is None else layers))
+            if name in quantized:
+                setattr(self, name, _param(rngs, dataclasses.replace(spec, init="zeros"), cfg, layers=layers,
+                                           dtype=QUANT_DTYPES[cfg.weights][0]))
+                setattr(self, name + "_scale", _param(rngs, cfg.scale_param(spec), cfg, layers=layers,
+                                                      dtype=jnp.float32))
+            else:
+                setattr(self, name, _param(rngs, spec, cfg, layers=layers))
         self.cfg = cfg
 
     def stacked(self) -> dict[str, Array]:
-        """The stacked parameters by name, each [n, …] (the local share of the stack inside shard_map)."""
-        return {name: v[...] for name, v in vars(self).items() if isinstance(v, nnx.Param)}
+        """The stacked parameters by name, each [n, …] (the local share of the stack inside shard_map); a quantized
+        matrix as one `Quantized(name, name_scale)`."""
+        values = {name: v[...] for name, v in vars(self).items() if isinstance(v, nnx.Param)}
+        return {name: Quantized(a, values[name + "_scale"]) if name + "_scale" in values else a
+                for name, a in values.items() if not name.endswith("_scale")}
 
 
 Stacks = dict[str, dict[str, Array]]  # stack name (`ModelConfig.layer_stacks`) → its stacked parameters [n, …]
@@ -123,20 +140,45 @@ def layer_groups(pattern: tuple[str, ...], single: bool = False) -> list[tuple[t
     return groups
 
 
-def _periods(a: Array, start: int, count: int, n: int) -> Array:
+def _periods(a, start: int, count: int, n: int):
     """Entries start … start + count·n of stack a [N, …] as the scan's input: [count, n, …] (n per period), or
     [count, …] as it is when a period holds one layer of the stack — a uniform stack scans its own array, as it
     did before stacks were grouped: the reshape would cost the backward pass a copy of the gradients per layer
     (XLA:CPU, measured with `activation_bytes_per_layer`)."""
-    a = a[start:start + count * n]
-    return a if n == 1 else a.reshape(count, n, *a.shape[1:])
+    def cut(a):
+        a = a[start:start + count * n]
+        return a if n == 1 else a.reshape(count, n, *a.shape[1:])
+
+    return jax.tree.map(cut, a)  # a `Quantized` matrix: its integers and scales alike
 
 
 def _whole_layers(period: tuple[str, ...]):
     """take(stack, array, j) for a scan body over `_periods` slices: the array itself where the period holds one
     layer of the stack, else its entry j."""
     single = {name for name in period if period.count(name) == 1}
-    return lambda name, a, j: a if name in single else a[j]
+    return lambda name, a, j: a if name in single else jax.tree.map(lambda x: x[j], a)
+
+
+def _group_inputs(stacks: Stacks, groups):
+    """Per group of `layer_groups`: (period, count, its first layer's index in the run, its scan input — each stack's
+    entries of the group as `_periods` gives them: {stack: {param: [count(, n), …]}})."""
+    offsets, first = dict.fromkeys(stacks, 0), 0
+    for period, count in groups:
+        per = {name: period.count(name) for name in stacks if name in period}
+        xs = {name: {k: _periods(a, offsets[name], count, n) for k, a in stacks[name].items()}
+              for name, n in per.items()}
+        for name, n in per.items():
+            offsets[name] += count * n
+        yield period, count, first, xs
+        first += count * len(period)
+
+
+def _period_layers(period: tuple[str, ...], layers: dict, take):
+    """A period's layers in order, one parameter dict each: the j-th layer of a stack is take(stack, array, j)."""
+    seen = dict.fromkeys(layers, 0)
+    for name in period:
+        yield {k: take(name, a, seen[name]) for k, a in layers[name].items()}
+        seen[name] += 1
 
 
 def _add_stats(a: dict, b: dict) -> dict:
@@ -181,10 +223,8 @@ def run_layers(stacks: Stacks, x: Array, positions: Array, mask: Array | None, c
         one_layer = lambda layer, x: block(layer, x, positions, mask, cfg, par)  # noqa: E731
         if per_layer_remat:
             one_layer = jax.checkpoint(one_layer, policy=REMAT_POLICIES[remat], prevent_cse=False)
-        seen, total = dict.fromkeys(layers, 0), {}
-        for name in period:
-            layer = {k: take(name, a, seen[name]) for k, a in layers[name].items()}
-            seen[name] += 1
+        total = {}
+        for layer in _period_layers(period, layers, take):
             x, _, layer_stats = one_layer(layer, x)
             total = _add_stats(total, layer_stats)
         return x, total
@@ -194,14 +234,8 @@ def run_layers(stacks: Stacks, x: Array, positions: Array, mask: Array | None, c
         tape.steps = count  # the group starts every stack: its first period holds entries 0, 1, … of each
         return run_period(period, stacks, x, par.with_tape(tape), take=lambda _, a, j: tape.derive(a[j], a))[0]
 
-    offsets = dict.fromkeys(sizes, 0)
     summed, collected = {}, None
-    for period, count in groups:
-        per = {name: period.count(name) for name in sizes if name in period}
-        xs = {name: {k: _periods(a, offsets[name], count, n) for k, a in stacks[name].items()}
-              for name, n in per.items()}
-        for name, n in per.items():
-            offsets[name] += count * n
+    for period, count, _, xs in _group_inputs(stacks, groups):
         whole = _whole_layers(period)
 
         def body(x, layers, period=period, take=whole):
@@ -240,23 +274,12 @@ def run_layers_cached(stacks: Stacks, x: Array, positions: Array, mask: Array, c
     back in on every decode step.
     """
     T = positions.shape[1]  # new tokens a row (x holds T/t of them under sequence parallelism)
-    offsets = dict.fromkeys(stacks, 0)
-    first = 0  # the model layer the group starts at
-    for period, count in layer_groups(cfg.layer_pattern):
-        per = {name: period.count(name) for name in stacks if name in period}
-        xs = {name: {k: _periods(a, offsets[name], count, n) for k, a in stacks[name].items()}
-              for name, n in per.items()}
-        for name, n in per.items():
-            offsets[name] += count * n
-        take = _whole_layers(period)
+    for period, count, first, xs in _group_inputs(stacks, layer_groups(cfg.layer_pattern)):
 
-        def body(carry, xs, period=period, first=first, take=take):
+        def body(carry, xs, period=period, first=first):
             x, k_all, v_all = carry
             layers, i = xs
-            seen = dict.fromkeys(layers, 0)
-            for j, name in enumerate(period):
-                layer = {k: take(name, a, seen[name]) for k, a in layers[name].items()}
-                seen[name] += 1
+            for j, layer in enumerate(_period_layers(period, layers, _whole_layers(period))):
                 l = first + i * len(period) + j  # noqa: E741 — the model layer
                 k, v = k_all[l], v_all[l]  # [B, S, K, E]: this layer's cache, read by its attention
                 x, (k, v), _ = block(layer, x, positions, mask, cfg, par, kv_cache=(k, v, slot))
@@ -267,7 +290,6 @@ def run_layers_cached(stacks: Stacks, x: Array, positions: Array, mask: Array, c
             return (x, k_all, v_all), None
 
         (x, k_cache, v_cache), _ = jax.lax.scan(body, (x, k_cache, v_cache), (xs, jnp.arange(count)))
-        first += count * len(period)
     return x, k_cache, v_cache
 
 
@@ -590,6 +612,34 @@ def attention_mask(T: int, segment_ids: Array | None, window: int = 0) -> Array 
     causal = (s <= t) & ((t - s < window) if window else True)  # [T, S]
     same = segment_ids[:, :, None] == segment_ids[:, None, :]  # [B, T, S]
     return (causal & same)[:, None]
+
+
+def quantize_params(params: dict, cfg: ModelConfig) -> dict:
+    """Float parameters (a pure dict of a float model's state, any layout) → those of the model `cfg` describes
+    (`cfg.weights` int8 / int4): each matrix the family marks as contracted becomes `name` (integers) and
+    `name_scale` (`jaxpar.matmul.quantize`, groups from `ModelConfig.scale_param`); the rest is unchanged. Jit it
+    with the quantized model's shardings and every device quantizes its own share."""
+    out = dict(params)
+    for stack in cfg.layer_stacks:
+        layers, moe = dict(params[stack]), cfg.moe.enabled and stack == "blocks"
+        for name, spec in cfg.quantized_params(moe).items():
+            w = layers[name]
+            qw = quantize(w, (w.shape[0], *cfg.scale_param(spec).shape), cfg.weights)
+            layers[name], layers[name + "_scale"] = qw.q, qw.scale
+        out[stack] = layers
+    return out
+
+
+def quantize_state(params: nnx.State, cfg: ModelConfig, shardings: nnx.State | None = None) -> nnx.State:
+    """A float model's params (State; any layout, vocab padded or not) → the quantized model `cfg`'s State
+    (`quantize_params`), computed where the arrays are and placed with `shardings` (the quantized model's; None:
+    where jit puts them)."""
+    pure = nnx.to_pure_dict(params)
+    _, like = abstract_model(cfg, pure["embed"].shape[0])
+    out = jax.tree.map(lambda x: x, like)  # the State structure and metadata; values replaced next
+    placed = None if shardings is None else nnx.to_pure_dict(shardings)
+    nnx.replace_by_pure_dict(out, jax.jit(functools.partial(quantize_params, cfg=cfg), out_shardings=placed)(pure))
+    return out
 
 
 def abstract_model(cfg: ModelConfig, padded_vocab: int | None = None) -> tuple[nnx.GraphDef, nnx.State]:

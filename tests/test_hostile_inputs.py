@@ -52,6 +52,8 @@ class Paths:
             progress=False)
         self.export = root / "export"  # its params-only export
         assert main(["convert", "--from", str(self.workdir), "--to", str(self.export)]) == 0
+        self.int8 = root / "int8"  # its export with int8 weights
+        assert main(["convert", "--from", str(self.workdir), "--to", str(self.int8), "--quantize", "int8"]) == 0
         self.broken = root / "broken"  # the same run, its config.json cut short by hand
         shutil.copytree(self.workdir, self.broken)
         (self.broken / "config.json").write_text('{"model": {"d_model": ')
@@ -149,7 +151,7 @@ def ctx(tmp_path_factory) -> Paths:
 
 @dataclasses.dataclass(frozen=True)
 class Case:
-    """argv (with {workdir}, {export}, {file}, {empty}, {full}, {configs}, {hf_KIND}, {tmp} filled in), the text the
+    """argv (with {workdir}, {export}, {int8}, {file}, {empty}, {full}, {configs}, {hf_KIND}, {tmp} filled in), the text the
     one stderr line must contain, and the API call that must raise a typed JaxparError (None: CLI-only input)."""
 
     id: str
@@ -170,7 +172,8 @@ def _gen_api(path, **kwargs):
         from jaxpar.infer.text import generate_text, load
 
         step = kwargs.pop("step", None)
-        layout = {k: kwargs.pop(k) for k in ("explicit", "sequence_parallel", "overlap") if k in kwargs}
+        layout = {k: kwargs.pop(k) for k in ("explicit", "sequence_parallel", "overlap", "quantize", "group_size")
+                  if k in kwargs}
         loaded = load(path(c), step=step, data=kwargs.pop("data", 1), tensor=kwargs.pop("tensor", None), **layout)
         return generate_text(loaded, kwargs.pop("prompts", ["def "]), max_new_tokens=kwargs.pop("n", 4), **kwargs)
     return call
@@ -373,6 +376,33 @@ CASES = [
          _gen_api(lambda c: c.hf["config_list"])),
     Case("generate-hf-zero-heads", "generate --model {hf_zero_heads} --max-new-tokens 4", "num_attention_heads",
          _gen_api(lambda c: c.hf["zero_heads"])),
+    # quantized weights (ONE's widths: d_model 40, heads*head_dim 40, d_ff 128)
+    Case("train-weights-unknown", TRAIN + "--config.model.weights=int3", "model.weights",
+         lambda c, t: load_config("configs/tiny.py", ["model.weights=int3"])),
+    Case("train-weights-int8", TRAIN + SMALL + " --config.model.weights=int8", "model.weights",
+         _train_api("model.weights=int8")),
+    Case("train-weight-group-zero", TRAIN + "--config.model.weights=int4 --config.model.weight_group=0",
+         "model.weight_group", lambda c, t: load_config("configs/tiny.py", ["model.weights=int4",
+                                                                             "model.weight_group=0"])),
+    Case("train-weight-group-not-dividing", TRAIN + "--config.model.weights=int4", "w_down",
+         lambda c, t: load_config("configs/tiny.py", ["model.weights=int4"])),
+    Case("generate-quantize-unknown", "generate --workdir {workdir} --max-new-tokens 4 --quantize int3", "--quantize",
+         _gen_api(lambda c: c.workdir, quantize="int3")),
+    Case("generate-int4-group-not-dividing", "generate --workdir {workdir} --max-new-tokens 4 --quantize int4",
+         "model.weight_group", _gen_api(lambda c: c.workdir, quantize="int4")),
+    Case("generate-int4-group-split-by-tensor", f"generate --model {FIXTURES / 'llama'} --max-new-tokens 4 "
+         "--tensor 4 --quantize int4 --group-size 16", "tensor = 4",
+         _gen_api(lambda c: FIXTURES / "llama", tensor=4, quantize="int4", group_size=16)),
+    Case("generate-quantized-as-another-format", "generate --workdir {int8} --max-new-tokens 4 --quantize int4 "
+         "--group-size 8", "stored quantized as int8", _gen_api(lambda c: c.int8, quantize="int4", group_size=8)),
+    Case("convert-quantize-to-hf", "convert --from {workdir} --to-hf {tmp}/hf --quantize int8", "--quantize"),
+    Case("convert-group-without-int4", "convert --from {workdir} --to {tmp}/out --group-size 8", "--group-size"),
+    Case("convert-int4-group-not-dividing", "convert --from {workdir} --to {tmp}/out --quantize int4",
+         "model.weight_group", lambda c, t: checkpoint.convert(c.workdir, t / "out", quantize="int4")),
+    Case("convert-quantize-twice", "convert --from {int8} --to {tmp}/out --quantize int8", "quantized already",
+         lambda c, t: checkpoint.convert(c.int8, t / "out", quantize="int8")),
+    Case("convert-quantized-to-hf", "convert --from {int8} --to-hf {tmp}/hf", "model.weights",
+         lambda c, t: __import__("jaxpar.interop.hf").interop.hf.export_workdir(c.int8, t / "hf")),
     # convert
     Case("convert-missing-source", "convert --from {tmp}/nothing --to {tmp}/out", "does not exist",
          lambda c, t: checkpoint.convert(t / "nothing", t / "out")),
@@ -425,7 +455,7 @@ CASES = [
 
 
 def _argv(case: Case, c: Paths, tmp: pathlib.Path) -> list[str]:
-    fill = {"workdir": c.workdir, "export": c.export, "broken": c.broken, "gutted": c.gutted, "fifo": c.fifo, "file": c.file, "empty": c.empty, "full": c.full,
+    fill = {"workdir": c.workdir, "export": c.export, "int8": c.int8, "broken": c.broken, "gutted": c.gutted, "fifo": c.fifo, "file": c.file, "empty": c.empty, "full": c.full,
             "configs": c.configs, "tmp": tmp, **{f"hf_{k}": v for k, v in c.hf.items()}}
     return [a.format(**fill) for a in case.argv.split()]
 

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from jaxpar.config import load_config
-from jaxpar.infer.text import generate_text, generate_tokens, load
+from jaxpar.infer.text import generate_text, generate_tokens, held_out_loss, load
 from jaxpar.train import build_trainer, fit
 
 # Heads, kv heads, d_ff and vocab divide 8 (every layout below shards them); the rest are odd or prime.
@@ -119,6 +119,27 @@ def test_generate_cli_layouts_agree(trained, capsys):
         assert main(["generate", "--workdir", str(workdir), "--greedy", "--max-new-tokens", "23", *flags]) == 0
         texts.append(capsys.readouterr().out)
     assert texts[0].startswith("def ") and texts[1] == texts[0] and texts[2] == texts[0]
+
+
+def test_quantized_model_keeps_held_out_loss_and_greedy_text(trained):
+    """The trained workdir in bf16, int8 and int4 (groups of 32) at tensor 2: held-out loss (16 windows of 64) within
+    1 % (int8) and 3 % (int4) of bf16's, and ≥ 90 % of 200 greedy tokens the same as bf16's (int8)."""
+    from jaxpar.data import load_tokens, make_tokenizer
+
+    workdir, result = trained
+    stream = load_tokens(result.config.data, make_tokenizer("bytes"), "eval", seq_len=64)
+    windows = np.asarray(stream[:16 * 65]).reshape(16, 65)
+    prompt = np.array([list(b"def ")], np.int32)
+    got = {}
+    for fmt, group in ((None, None), ("int8", None), ("int4", 32)):
+        loaded = load(workdir, dtype="bfloat16", quantize=fmt, group_size=group)
+        got[fmt] = held_out_loss(loaded, windows), generate_tokens(loaded, prompt, max_new_tokens=200,
+                                                                  temperature=0.0)[0]
+    (base, text), (int8, text8), (int4, text4) = got.values()
+    print(f"held-out loss bf16 {base:.4f} int8 {int8:.4f} int4 {int4:.4f}; greedy tokens equal to bf16's: int8 "
+          f"{(text8 == text).mean():.3f} int4 {(text4 == text).mean():.3f}")
+    assert abs(int8 / base - 1) <= 0.01 and abs(int4 / base - 1) <= 0.03
+    assert len(text8) == 200 and (text8 == text).mean() >= 0.9
 
 
 def test_rerun_continues_from_checkpoint(trained, tmp_path):

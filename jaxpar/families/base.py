@@ -27,12 +27,49 @@ class Param:
     stream (GPT-2 / Megatron); 'half' N(0, init_std/2) (GPT-2's position table); 'ones'; 'zeros'.
     decay: whether weight decay applies — carried onto the nnx.Param as metadata, which the optimizer reads
     (GPT-2 / Megatron practice: not on norm scales or biases).
+    contract: for a weight matrix the model contracts through the matmul seam, the dims its input contracts
+    (consecutive: wq [D, H, E] → (0,), wo [H, E, D] → (0, 1)); its other dims are output channels. Empty: not a
+    matmul weight, or one kept in float (the router). These are the matrices weight-only quantization stores as
+    integers (`quantized`).
     """
 
     shape: tuple[int, ...]
     axes: tuple[str | None, ...]
     init: str
     decay: bool = True  # AdamW weight decay applies (matrices, embeddings); False for norm scales and biases
+    contract: tuple[int, ...] = ()
+
+    def scale(self, group: int | None) -> "Param":
+        """The scale of this matrix quantized in groups of `group` consecutive input elements (row-major over the
+        contracted dims; None: one group per output channel, the whole contracted width) → its Param: the matrix's
+        shape with each contracted dim cut to its number of groups, the matrix's logical axis where a dim keeps
+        more than one group (the scale then shards with its weight), None where it keeps one (replicated: every
+        rank's share of that group reads the same scale).
+
+        E.g. wo [H=4, E=64, D] in groups of 128: two heads a group → scale [2, 1, D], axes ("heads", None, "embed").
+        ValueError (the message names the width and the group sizes that work) when the groups do not tile the
+        contracted dims: a group must divide the contracted width and be a multiple or divisor of each dim it
+        spans."""
+        dims = [self.shape[i] for i in self.contract]
+        width = 1
+        for d in dims:
+            width *= d
+        group = width if group is None else group
+        if group < 1 or width % group:
+            raise ValueError(f"a group of {group} does not divide the contracted width {width}")
+        shape, axes, rest = list(self.shape), list(self.axes), group
+        for i in reversed(self.contract):  # the innermost contracted dim first: groups run along it
+            d = self.shape[i]
+            if rest >= d:
+                if rest % d:
+                    raise ValueError(f"a group of {group} spans {rest / d:g} rows of {d}: it must be a multiple or a "
+                                     f"divisor of {d}")
+                shape[i], axes[i], rest = 1, None, rest // d
+            else:
+                if d % rest:
+                    raise ValueError(f"a group of {rest} elements does not divide a dim of {d}")
+                shape[i], rest = d // rest, 1
+        return Param(tuple(shape), tuple(axes), "ones", decay=False)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -113,10 +150,10 @@ def attention_params(cfg, *, norm_bias: bool) -> dict[str, Param]:
     D, H, K, E = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
     params = {
         "attn_norm": Param((D,), ("norm",), "ones", decay=False),
-        "wq": Param((D, H, E), ("embed", "heads", "head_dim"), "normal"),
-        "wk": Param((D, K, E), ("embed", "kv_heads", "head_dim"), "normal"),
-        "wv": Param((D, K, E), ("embed", "kv_heads", "head_dim"), "normal"),
-        "wo": Param((H, E, D), ("heads", "head_dim", "embed"), "out"),
+        "wq": Param((D, H, E), ("embed", "heads", "head_dim"), "normal", contract=(0,)),
+        "wk": Param((D, K, E), ("embed", "kv_heads", "head_dim"), "normal", contract=(0,)),
+        "wv": Param((D, K, E), ("embed", "kv_heads", "head_dim"), "normal", contract=(0,)),
+        "wo": Param((H, E, D), ("heads", "head_dim", "embed"), "out", contract=(0, 1)),
         "mlp_norm": Param((D,), ("norm",), "ones", decay=False),
     }
     if norm_bias:
@@ -136,14 +173,14 @@ def moe_params(cfg) -> dict[str, Param]:
     """
     D, X, F = cfg.d_model, cfg.moe.n_experts, cfg.moe.d_ff
     params = {"router": Param((D, X), ("embed", None), "normal"),
-              "we_gate": Param((X, D, F), ("experts", "embed", "mlp"), "normal"),
-              "we_up": Param((X, D, F), ("experts", "embed", "mlp"), "normal"),
-              "we_down": Param((X, F, D), ("experts", "mlp", "embed"), "out")}
+              "we_gate": Param((X, D, F), ("experts", "embed", "mlp"), "normal", contract=(1,)),
+              "we_up": Param((X, D, F), ("experts", "embed", "mlp"), "normal", contract=(1,)),
+              "we_down": Param((X, F, D), ("experts", "mlp", "embed"), "out", contract=(1,))}
     if cfg.moe.shared_d_ff:
         Fs = cfg.moe.shared_d_ff
-        params.update(ws_gate=Param((D, Fs), ("embed", "mlp"), "normal"),
-                      ws_up=Param((D, Fs), ("embed", "mlp"), "normal"),
-                      ws_down=Param((Fs, D), ("mlp", "embed"), "out"))
+        params.update(ws_gate=Param((D, Fs), ("embed", "mlp"), "normal", contract=(0,)),
+                      ws_up=Param((D, Fs), ("embed", "mlp"), "normal", contract=(0,)),
+                      ws_down=Param((Fs, D), ("mlp", "embed"), "out", contract=(0,)))
         if cfg.moe.shared_gate:
             params["ws_score"] = Param((D,), ("embed",), "normal")
     return params

@@ -19,12 +19,12 @@ import numpy as np
 from flax import nnx
 
 from jaxpar import data as data_lib
-from jaxpar.config import Config, ConfigError, DataConfig, ParallelConfig
+from jaxpar.config import Config, ConfigError, DataConfig, ModelConfig, ParallelConfig
 from jaxpar.errors import GenerateError, InputNotFound
 from jaxpar.infer import decode
 from jaxpar.infer.sampling import check_sampling_args
 from jaxpar.interop import hf
-from jaxpar.model import abstract_model
+from jaxpar.model import abstract_model, quantize_state
 from jaxpar.parallel.plan import Plan, make_plan
 from jaxpar.sharding import param_shardings
 from jaxpar.store import checkpoint
@@ -51,7 +51,7 @@ class LoadedModel:
 
 def load(path: str | pathlib.Path, *, data: int = 1, tensor: int | None = None, devices: list | None = None,
          step: int | None = None, dtype: str | None = None, explicit: bool = True, sequence_parallel: bool = False,
-         overlap: str = "none") -> LoadedModel:
+         overlap: str = "none", quantize: str | None = None, group_size: int | None = None) -> LoadedModel:
     """Load a `jaxpar train` workdir (checkpoint `step`, default latest) or a Hugging Face model directory onto a
     (data, pipe=1, tensor) mesh of the first data·tensor `devices`. tensor=None: the training run's tensor degree
     (1 for an HF directory) when there are devices for it. dtype: compute and parameter dtype (default: as saved).
@@ -59,7 +59,11 @@ def load(path: str | pathlib.Path, *, data: int = 1, tensor: int | None = None, 
     False leaves the partitioning to GSPMD (the comparison baseline). sequence_parallel, overlap: the prefill's
     layout, as `parallel.sequence_parallel` / `parallel.overlap` ('collective_matmul') in training; decode steps
     (one token a row) run plain tensor parallelism.
-    A layout the model cannot take (heads not divisible by tensor, …) is a ConfigError naming the field.
+    quantize: 'int8' or 'int4' — store the layers' weight matrices quantized (`ModelConfig.weights`; int4 in groups
+    of `group_size`, default 128), quantized on the devices after loading; a workdir written by `jaxpar convert
+    --quantize` loads as it is stored (asking it for another format is a ConfigError: it would quantize twice).
+    A layout the model cannot take (heads not divisible by tensor, int4 groups a tensor rank would split, …) is a
+    ConfigError naming the field.
     """
     path = pathlib.Path(path)
     devices = list(jax.devices() if devices is None else devices)
@@ -81,6 +85,8 @@ def load(path: str | pathlib.Path, *, data: int = 1, tensor: int | None = None, 
             saved = dataclasses.replace(saved, model=dataclasses.replace(saved.model, dtype=dtype, param_dtype=dtype))
         model_cfg = saved.model
         default_tensor = saved.parallel.tensor
+    stored = model_cfg
+    model_cfg = _quantized(model_cfg, quantize, group_size)
     if tensor is None:
         tensor = default_tensor if len(devices) >= data * default_tensor else 1
     for name, value in (("data", data), ("tensor", tensor)):
@@ -98,13 +104,39 @@ def load(path: str | pathlib.Path, *, data: int = 1, tensor: int | None = None, 
     mesh = plan.mesh
     graphdef, abstract = abstract_model(plan.model, plan.padded_vocab)  # attention resolved for these devices
     shardings = param_shardings(abstract, mesh, plan.rules)
-    if hf_cfg is not None:
-        params, at_step = hf.load_params(path, model_cfg, abstract, plan, shardings), None
+    if model_cfg != stored:  # quantized here: read the float weights onto the mesh, then quantize each shard
+        read_as = dataclasses.replace(plan.model, weights=stored.weights, weight_group=stored.weight_group)
+        _, read_like = abstract_model(read_as, plan.padded_vocab)
+        read_shardings = param_shardings(read_like, mesh, plan.rules)
     else:
-        params, at_step = checkpoint.restore_params(path, abstract, plan, model_cfg.vocab_size, shardings, step=step)
+        read_as, read_like, read_shardings = plan.model, abstract, shardings
+    if hf_cfg is not None:
+        params, at_step = hf.load_params(path, stored, read_like, plan, read_shardings), None
+    else:
+        params, at_step = checkpoint.restore_params(path, read_like, plan, model_cfg.vocab_size, read_shardings,
+                                                    step=step)
+    if read_as is not plan.model:
+        params = quantize_state(params, plan.model, shardings)
     tokenizer = data_lib.make_tokenizer(config.data.tokenizer) if config.data.tokenizer else None
     return LoadedModel(config, nnx.merge(graphdef, params), mesh, tokenizer, at_step, _stop_ids(path, hf_cfg, tokenizer),
                        hf_cfg, plan)
+
+
+def _quantized(cfg: ModelConfig, quantize: str | None, group_size: int | None) -> ModelConfig:
+    """The model config to run: `cfg` as stored, or quantized to `quantize` (validated: ConfigError)."""
+    if quantize is None and group_size is None:
+        return cfg
+    if quantize not in ("int8", "int4"):
+        raise ConfigError("quantize", quantize, "must be 'int8' or 'int4' (group_size needs one of them)",
+                          "pass quantize='int8' (a scale per output channel) or 'int4' (per group_size inputs)")
+    if cfg.weights == "float":
+        return checkpoint.quantize_config(cfg, quantize, group_size)
+    if (quantize, group_size) not in ((cfg.weights, None), (cfg.weights, cfg.weight_group)):
+        stored = cfg.weights + (f" in groups of {cfg.weight_group}" if cfg.weights == "int4" else "")
+        raise ConfigError("quantize", quantize + (f" in groups of {group_size}" if group_size else ""),
+                          f"this model is stored quantized as {stored}: quantizing it again would compound the "
+                          "rounding", "load it as stored (no quantize), or quantize the float model it came from")
+    return cfg
 
 
 def _stop_ids(path: pathlib.Path, hf_cfg: dict | None, tokenizer) -> tuple[int, ...]:
@@ -149,6 +181,26 @@ def generate_text(loaded: LoadedModel, prompts: list[str], *, max_new_tokens: in
         cut = next((i for i, t in enumerate(row) if t in stop_ids), len(row))
         texts.append(loaded.tokenizer.decode(row[:cut]))
     return texts
+
+
+def held_out_loss(loaded: LoadedModel, windows: np.ndarray, *, batch: int = 8) -> float:
+    """Mean next-token loss in nats of `windows` int [N, T+1] (e.g. held-out text) under the loaded model and
+    layout: the prefill logits of windows[:, :-1], `batch` rows at a time (a multiple of the data degree), against
+    windows[:, 1:], the log-softmax in float64 on the host. How quantized weights are judged against float ones."""
+    windows = np.asarray(windows)
+    data = loaded.plan.degrees["data"]
+    if windows.ndim != 2 or windows.shape[1] < 2 or len(windows) % data or batch % data:
+        raise GenerateError(f"windows of shape {windows.shape} and batch {batch}: need [N, T+1] with T >= 1 and N, "
+                            f"batch multiples of the data degree {data}")
+    total = 0.0
+    for i in range(0, len(windows), batch):
+        rows = windows[i:i + batch]
+        logits = decode.explicit_prefill_logits(loaded.model, loaded.plan, rows[:, :-1].astype(np.int32),
+                                                np.zeros(len(rows), np.int32)).astype(np.float64)
+        top = logits.max(-1, keepdims=True)
+        lse = np.log(np.exp(logits - top).sum(-1)) + top[..., 0]
+        total += float((lse - np.take_along_axis(logits, rows[:, 1:, None], -1)[..., 0]).sum())
+    return total / (windows.shape[0] * (windows.shape[1] - 1))
 
 
 def generate_tokens(loaded: LoadedModel, prompt: np.ndarray, *, max_new_tokens: int, seed: int = 0,

@@ -570,6 +570,9 @@ def save_params(params: nnx.State, cfg: ModelConfig, path: str | pathlib.Path, *
     into place when complete, so a crash never leaves a half-written model under `path`. With a Qwen2-MoE
     `base_config`, pass its `names` too: they tell Qwen2-MoE's tensor names for a model Mixtral could also hold."""
     path = pathlib.Path(path)
+    if cfg.weights != "float":
+        raise ConfigError("model.weights", cfg.weights, "the model's weights are quantized, and a Hugging Face "
+                          "export writes float tensors", "export the float model (workdir) it was quantized from")
     if dtype is not None and dtype not in _DTYPES:
         raise HFError(f"{path}: dtype {dtype!r} cannot be exported; use one of {sorted(_DTYPES)}")
     if path.exists() and not path.is_dir():
@@ -701,12 +704,16 @@ def check_matches(cfg: ModelConfig, path: str | pathlib.Path) -> None:
                               "use `jaxpar train --init-from-hf DIR`, which takes the model section from DIR")
 
 
-def import_to_workdir(src: str | pathlib.Path, dst: str | pathlib.Path, *, dtype: str | None = None) -> pathlib.Path:
+def import_to_workdir(src: str | pathlib.Path, dst: str | pathlib.Path, *, dtype: str | None = None,
+                      quantize: str | None = None, group_size: int | None = None) -> pathlib.Path:
     """Write the Hugging Face model `src` as a params-only jaxpar workdir `dst` (step 0): config.json, the
-    checkpoint, its tokenizer.json, and hf_source.json (so that export reproduces the original names and config)."""
+    checkpoint, its tokenizer.json, and hf_source.json (so that export reproduces the original names and config).
+    quantize: store the layers' matrices as 'int8' / 'int4' (`checkpoint.cast_and_quantize`)."""
     src, dst = pathlib.Path(src), pathlib.Path(dst)
     hf_cfg = read_config(src)
     cfg = model_config(hf_cfg, src, **({"dtype": dtype, "param_dtype": dtype} if dtype else {}))
+    if quantize is not None:
+        checkpoint.quantize_config(cfg, quantize, group_size)  # a bad group size fails before anything is read
     _, abstract = abstract_model(cfg)
     params = load_params(src, cfg, abstract)
     files = {SOURCE: json.dumps({"config": hf_cfg, "tensor_names": sorted(checkpoint_names(src))}, indent=1).encode()}
@@ -716,6 +723,7 @@ def import_to_workdir(src: str | pathlib.Path, dst: str | pathlib.Path, *, dtype
         tokenizer = str(dst.absolute() / "tokenizer.json")
     config = Config(model=cfg, data=DataConfig(tokenizer=tokenizer))
     config = dataclasses.replace(config, train=dataclasses.replace(config.train, seq_len=min(128, cfg.max_seq_len)))
+    params, config = checkpoint.cast_and_quantize(params, config, None, quantize, group_size)
     # Everything is written under the workdir's lock, after the check that dst holds no checkpoints yet.
     checkpoint.write_params_only(dst, config, params, step=0, files=files)
     return dst

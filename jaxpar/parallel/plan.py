@@ -184,6 +184,7 @@ def make_plan(model: ModelConfig, parallel: ParallelConfig | None = None, device
     elif model.n_kv_heads % t:  # GQA with K < t: kv heads replicated, rank r uses kv head r // (t/K)
         rules = tuple((name, None if name == "kv_heads" else axis) for name, axis in rules)
         kv_replicas = t // model.n_kv_heads
+    _check_scales(model, dict(rules), degrees)
     # At tensor = 1 the model runs the single-device context: a psum over a one-device axis is not free on every
     # backend (XLA:CPU keeps it as an all-reduce, with its rendezvous, in every layer, forward and backward).
     tensor = None
@@ -206,6 +207,25 @@ def make_plan(model: ModelConfig, parallel: ParallelConfig | None = None, device
     expert = ExpertParallel(EXPERT if degrees[EXPERT] > 1 else None, degrees[EXPERT])
     return Plan(mesh, degrees, rules, math.ceil(model.vocab_size / t) * t, tensor, pipeline, parallel.zero, explicit,
                 runs, context, expert)
+
+
+def _check_scales(model: ModelConfig, rules: dict, degrees: dict[str, int]) -> None:
+    """A quantized matrix's scale shards with its weight: where a dim keeps n groups (1 < n < the dim, int4 groups
+    spanning several heads), each rank must hold whole groups, so the mesh axes splitting that dim must divide n."""
+    for moe in set(model.layer_kinds):
+        for name, spec in model.quantized_params(moe).items():
+            scale = model.scale_param(spec)
+            for n, d, axis in zip(scale.shape, spec.shape, spec.axes):
+                mesh_axes = rules.get(axis) or ()
+                mesh_axes = (mesh_axes,) if isinstance(mesh_axes, str) else mesh_axes
+                split = math.prod(degrees[a] for a in mesh_axes)
+                if 1 < n < d and n % split:
+                    raise ConfigError("model.weight_group", model.weight_group,
+                                      f"{name}'s groups span {d // n} of its {d} '{axis}' entries, and "
+                                      f"{'*'.join(mesh_axes)} = {split} splits those {d} into shares of "
+                                      f"{d // split}: a rank would hold part of a group",
+                                      f"use a {'*'.join(mesh_axes)} degree dividing {n}, or quantize with a smaller "
+                                      "model.weight_group (or int8)")
 
 
 def _validate(parallel: ParallelConfig, degrees: dict[str, int], explicit: bool) -> None:

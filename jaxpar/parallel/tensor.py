@@ -191,7 +191,8 @@ class TensorParallel:
         if self.kv_replicas == 1:
             return w
         head = jax.lax.axis_index(self.axis) // self.kv_replicas
-        return jax.lax.dynamic_slice_in_dim(copy_to_tensor(w, self.axis), head, 1, axis=-2)
+        # tree.map: a quantized weight (jaxpar.matmul.Quantized) slices its integers and its scales alike
+        return jax.tree.map(lambda a: jax.lax.dynamic_slice_in_dim(copy_to_tensor(a, self.axis), head, 1, axis=-2), w)
 
     def embed(self, table: Array, tokens: Array) -> Array:
         """Vocab-parallel lookup. table [V/t, D] (compute dtype), tokens [B, T] (full sequence) → float32

@@ -34,14 +34,15 @@ import warnings
 from typing import Any, Callable, Protocol
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from jaxpar.config import Config, ConfigError, config_from_dict
+from jaxpar.config import Config, ConfigError, ModelConfig, config_from_dict
 from jaxpar.errors import CheckpointError, InputNotFound
-from jaxpar.model import abstract_model
+from jaxpar.model import abstract_model, quantize_state
 from jaxpar.parallel.plan import Plan, make_plan
 from jaxpar.sharding import vocab_dim
 from jaxpar.store.fingerprint import fingerprints, leaf_path
@@ -445,14 +446,40 @@ def write_params_only(workdir: str | pathlib.Path, config: Config, params: nnx.S
 
 
 def convert(src: str | pathlib.Path, dst: str | pathlib.Path, *, step: int | None = None,
-            dtype: str | None = None) -> int:
+            dtype: str | None = None, quantize: str | None = None, group_size: int | None = None) -> int:
     """Write a params-only export of checkpoint `step` (default: latest) of workdir `src` as workdir `dst`:
-    canonical params, optionally cast to `dtype`, and its config.json. A layout change needs no conversion — any
-    layout restores these — so this is for handing a model on (to `jaxpar generate`, to a finetune). Returns the
-    step exported."""
+    canonical params, optionally cast to `dtype` and quantized (`quantize` 'int8' / 'int4', `quantize_config`), and
+    its config.json. A layout change needs no conversion — any layout restores these — so this is for handing a
+    model on (to `jaxpar generate`, to a finetune). Returns the step exported."""
     config, params, step = read_canonical(src, step)
-    if dtype is not None:
-        params = jax.tree.map(lambda x: x.astype(dtype), params)
-        config = dataclasses.replace(config, model=dataclasses.replace(config.model, param_dtype=dtype))
+    params, config = cast_and_quantize(params, config, dtype, quantize, group_size)
     write_params_only(dst, config, params, step)
     return step
+
+
+def quantize_config(model: ModelConfig, quantize: str | None, group_size: int | None) -> ModelConfig:
+    """`model` stored quantized as `quantize` ('int8', or 'int4' in groups of `group_size`, default 128): a
+    ConfigError for a model that is quantized already (rounding twice compounds the error) or groups it cannot
+    take."""
+    if model.weights != "float":
+        raise ConfigError("quantize", quantize, f"the model is stored quantized already (model.weights = "
+                          f"{model.weights})", "quantize the float workdir it came from")
+    group = {} if group_size is None else {"weight_group": group_size}
+    return dataclasses.replace(model, weights=quantize, **group)  # validates: ConfigError names the field
+
+
+def cast_and_quantize(params: nnx.State, config: Config, dtype: str | None, quantize: str | None,
+                      group_size: int | None) -> tuple[nnx.State, Config]:
+    """Canonical float params and their config → cast to `dtype` (the float arrays), then quantized."""
+    model = config.model
+    if dtype is not None:
+        def cast(path, x):  # integers and quantization scales keep their dtypes
+            keep = not jnp.issubdtype(x.dtype, jnp.floating) or "_scale" in jax.tree_util.keystr(path)
+            return x if keep else x.astype(dtype)
+
+        params = jax.tree_util.tree_map_with_path(cast, params)
+        model = dataclasses.replace(model, param_dtype=dtype)
+    if quantize is not None:
+        model = quantize_config(model, quantize, group_size)
+        params = quantize_state(params, model)
+    return params, dataclasses.replace(config, model=model)

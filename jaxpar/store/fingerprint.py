@@ -42,6 +42,8 @@ def _bits(x: jax.Array) -> jax.Array:
     """The raw bits of every element as uint32, same shape as x."""
     if x.dtype == jnp.bool_:
         return x.astype(jnp.uint32)
+    if jnp.issubdtype(x.dtype, jnp.integer) and jnp.iinfo(x.dtype).bits < 8:  # int4: its bits, from its value
+        return (x.astype(jnp.int32) & ((1 << jnp.iinfo(x.dtype).bits) - 1)).astype(jnp.uint32)
     size = jnp.dtype(x.dtype).itemsize
     if size == 4:
         return jax.lax.bitcast_convert_type(x, jnp.uint32)

@@ -18,7 +18,7 @@ from jaxpar import data as data_lib
 from jaxpar import flops, perf
 from jaxpar.config import Config
 from jaxpar.distributed import batch_rows
-from jaxpar.errors import CheckpointError, OutputError
+from jaxpar.errors import CheckpointError, ConfigError, OutputError
 from jaxpar.interop import hf
 from jaxpar.mesh import describe_mesh
 from jaxpar.store import checkpoint
@@ -60,6 +60,14 @@ class Trainer:
         return self.put(rows.astype(np.int32))
 
 
+def _check_trainable(model) -> None:
+    """Integers have no gradient: quantization is applied to a trained model, for inference."""
+    if model.weights != "float":
+        raise ConfigError("model.weights", model.weights, "is an inference format: quantized weights cannot train",
+                          "train with model.weights=float, then quantize with `jaxpar convert --quantize "
+                          f"{model.weights}` or load(..., quantize='{model.weights}')")
+
+
 def build_trainer(config: Config, devices: list | Mesh | None, *, explicit: bool = True,
                   abstract: bool = False) -> Trainer:
     """Optimizer, born-sharded state and the compiled steps for `config` on `devices` (a list, or a mesh built for
@@ -69,6 +77,7 @@ def build_trainer(config: Config, devices: list | Mesh | None, *, explicit: bool
     abstract=True makes `state` shapes only (to lower and analyse the step without allocating it).
     """
     model, parallel = config.model, config.parallel
+    _check_trainable(model)
     plan = make_plan(model, parallel, devices, explicit)
     tx = make_optimizer(config.train)
     graphdef, state, shardings = create_state(plan.model, tx, config.train.seed, plan, abstract=abstract)
@@ -127,6 +136,7 @@ def fit(config: Config, workdir: str | pathlib.Path, *, devices: list | None = N
     checkpoints under `workdir`. If `workdir` already holds a checkpoint, training continues from it (parameters,
     optimizer state, step and data order) — provided `config` is compatible with the one that wrote it
     (`checkpoint.check_resumable`). The workdir is locked for the run: a second writer gets `WorkdirLocked`."""
+    _check_trainable(config.model)
     perf.retain_host_memory()  # (a no-op if `jaxpar train` already did it, before the backend started)
     devices = list(jax.devices() if devices is None else devices)
     config = config.resolve_for_devices(len(devices))
