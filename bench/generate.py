@@ -1,6 +1,6 @@
 """Benchmark: decoding with the KV cache vs the cache-free reference, side by side in one run.
 
-    python bench/generate.py [--quick] [--tensor 1 2 4] [--json out.json]
+    python bench/generate.py [--quick] [--tensor 1 2 4] [--tables 1 2 3] [--json out.json]
 
 For tensor ∈ {1, 2, 4} (a (data=1, pipe=1, tensor=t) mesh on the first t simulated devices, parameters placed by
 the rules table, GSPMD partitioning the computation — and, in table 1, the same weights under the explicit
@@ -19,6 +19,14 @@ tensor-parallel shard_map with the vocab-parallel sampler, `decode.generate(...,
    P + N = c); and one cache-free step (the full forward over c tokens: what producing token c + 1 costs without a
    cache). The fastest of a few calls in ms (each step emits one token per row), the ratio no-cache / KV, and each
    step's matmul MFLOP per device counted from the compiled HLO (`dot_flops`).
+
+3. Weight formats: the same weights in fp32, bf16 (compute and parameters), and bf16 compute with the layers'
+   matrices stored int8 (a scale per output channel) or int4 (a scale per group of g inputs, g the largest of 128,
+   64, 32 that every tensor degree of the run can split), decoded by the explicit TP path (`decode.generate(...,
+   plan=)`) at each tensor degree: end-to-end tokens/s (the workload of table 1), one compiled decode step's time
+   (`decode.explicit_decode_step`, fastest of a few calls), the parameter MB a device holds (from the arrays' dtypes:
+   int4 packs two a byte, as XLA stores it), tokens/s relative to fp32 at the same degree, and the fraction of
+   greedy tokens equal to fp32's. The model here has d_ff = 4·d_model, so every width splits into groups of 2^k.
 
 How to read it: KV stays flat in c — the same executable with the same FLOPs whatever c is, since attention reads
 the whole buffer, masked. Its cost is set by the buffer, not by how much of it is filled: KV fit grows with c
@@ -59,7 +67,8 @@ from jaxpar.analysis import dot_flops  # noqa: E402
 from jaxpar.config import ModelConfig, ParallelConfig  # noqa: E402
 from jaxpar.infer import decode, sampling  # noqa: E402
 from jaxpar.infer.decode import CACHE_AXES  # noqa: E402
-from jaxpar.model import KVCache, Transformer, abstract_model  # noqa: E402
+from jaxpar.config import ConfigError  # noqa: E402
+from jaxpar.model import KVCache, Transformer, abstract_model, quantize_state  # noqa: E402
 from jaxpar.parallel.plan import make_plan  # noqa: E402
 from jaxpar.sharding import constrain, param_shardings  # noqa: E402
 
@@ -210,10 +219,74 @@ def per_step(sizes: Sizes, mesh, graphdef, params, rng: np.random.Generator) -> 
     return rows
 
 
+FORMATS = ("fp32", "bf16", "int8", "int4")
+
+
+def format_config(cfg: ModelConfig, fmt: str, group: int) -> ModelConfig:
+    """The model config of weight format `fmt` (table 3): fp32, or bf16 compute with bf16 / int8 / int4 weights."""
+    if fmt == "fp32":
+        return cfg
+    cfg = dataclasses.replace(cfg, dtype="bfloat16", param_dtype="bfloat16")
+    return cfg if fmt == "bf16" else dataclasses.replace(cfg, weights=fmt, weight_group=group)
+
+
+def int4_group(cfg: ModelConfig, tensors: list[int]) -> int:
+    """The largest int4 group size in (128, 64, 32, 16) whose groups every tensor degree in `tensors` can split."""
+    for group in (128, 64, 32, 16):
+        try:
+            for t in tensors:
+                make_plan(format_config(cfg, "int4", group), ParallelConfig(data=1, tensor=t), jax.devices()[:t])
+            return group
+        except ConfigError:
+            continue
+    raise SystemExit(f"no int4 group size fits d_model {cfg.d_model} at tensor {tensors}")
+
+
+def param_megabytes(params: nnx.State) -> float:
+    """MB of parameters one device holds (int4 packed two a byte)."""
+    total = 0
+    for a in jax.tree.leaves(params):
+        bits = (jnp.iinfo if jnp.issubdtype(a.dtype, jnp.integer) else jnp.finfo)(a.dtype).bits
+        total += a.addressable_shards[0].data.size * bits // 8
+    return total / 1e6
+
+
+def weight_formats(sizes: Sizes, tensors: list[int], rng: np.random.Generator) -> dict:
+    """Table 3: decode speed and weight bytes of every format at every tensor degree (explicit TP)."""
+    cfg = dataclasses.replace(sizes.model, d_ff=4 * sizes.model.d_model)
+    group = int4_group(cfg, tensors)
+    B, Pn, N = sizes.batch, sizes.prompt, sizes.new_tokens
+    prompts = rng.integers(0, cfg.vocab_size, (B, Pn)).astype(np.int32)
+    weights = nnx.state(Transformer(cfg, rngs=nnx.Rngs(0)), nnx.Param)
+    rows = {}
+    for t in tensors:
+        reference = None
+        for fmt in FORMATS:
+            fcfg = format_config(cfg, fmt, group)
+            plan = make_plan(fcfg, ParallelConfig(data=1, tensor=t), jax.devices()[:t])
+            state = weights if fmt == "fp32" else jax.tree.map(lambda a: a.astype(jnp.bfloat16), weights)
+            if fcfg.weights != "float":
+                state = quantize_state(state, fcfg)
+            graphdef, abstract = abstract_model(fcfg, plan.padded_vocab)
+            params = jax.device_put(plan.from_canonical(state), param_shardings(abstract, plan.mesh, plan.rules))
+            model = nnx.merge(graphdef, params)
+            run = functools.partial(decode.generate, model, prompts, max_new_tokens=N, plan=plan, return_prompt=False)
+            total = seconds(run, sizes.repeats)
+            tokens = run()
+            reference = tokens if reference is None else reference
+            step, example = decode.explicit_decode_step(model, plan, B, Pn + N, temperature=0.0, top_k=0, top_p=1.0)
+            step_s = seconds(functools.partial(step, *example), sizes.step_repeats, min)
+            rows[(t, fmt)] = {"tensor": t, "format": fmt, "tokens_per_s": B * N / total, "step_ms": step_s * 1e3,
+                              "param_mb": param_megabytes(params), "same_as_fp32": float((tokens == reference).mean())}
+    return {"group": group, "d_ff": cfg.d_ff, "rows": list(rows.values())}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="a smaller model and workload (under a minute)")
     parser.add_argument("--tensor", type=int, nargs="+", default=[1, 2, 4], help="tensor degrees to run")
+    parser.add_argument("--tables", type=int, nargs="+", default=[1, 2, 3],
+                        help="which tables to run (1 and 2 are measured together)")
     parser.add_argument("--json", help="also write the measurements to this file")
     args = parser.parse_args()
     sizes = QUICK if args.quick else DEFAULT
@@ -224,12 +297,37 @@ def main() -> None:
     results = {"sizes": {"batch": sizes.batch, "prompt": sizes.prompt, "new_tokens": sizes.new_tokens,
                          "d_model": m.d_model, "n_layers": m.n_layers}, "tensor": {}}
     weights = nnx.state(Transformer(m, rngs=nnx.Rngs(0)), nnx.Param)  # eager, on the first device
-    for t in args.tensor:
+    for t in args.tensor if {1, 2} & set(args.tables) else ():
         mesh, graphdef, params, explicit = place_model(m, weights, t)
         rng = np.random.default_rng(0)
         results["tensor"][t] = {"end_to_end": end_to_end(sizes, mesh, graphdef, params, explicit, rng),
                                 "per_step": per_step(sizes, mesh, graphdef, params, rng)}
+    if 3 in args.tables:
+        results["formats"] = weight_formats(sizes, args.tensor, np.random.default_rng(0))
+    print_tables(sizes, results)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=1, default=str)
 
+
+def print_tables(sizes: Sizes, results: dict) -> None:
+    """Tables 1 and 2 (measured together) when run, then table 3 when run."""
+    if results["tensor"]:
+        print_step_tables(sizes, results)
+    if "formats" in results:
+        f = results["formats"]
+        print(f"\n3. weight formats, explicit TP decoding (d_ff {f['d_ff']}, int4 groups of {f['group']}): the table 1 "
+              "workload; step = one compiled decode step, fastest call")
+        head = f"{'t':>2} {'format':>6} | {'tok/s':>7} {'/fp32':>6} | {'step ms':>7} | {'param MB/dev':>12} | {'same':>5}"
+        print(head + "\n" + "-" * len(head))
+        base = {r["tensor"]: r for r in f["rows"] if r["format"] == "fp32"}
+        for r in f["rows"]:
+            print(f"{r['tensor']:>2} {r['format']:>6} | {r['tokens_per_s']:>7.0f} "
+                  f"{r['tokens_per_s'] / base[r['tensor']]['tokens_per_s']:>6.2f} | {r['step_ms']:>7.2f} | "
+                  f"{r['param_mb']:>12.3f} | {r['same_as_fp32']:>5.0%}")
+
+
+def print_step_tables(sizes: Sizes, results: dict) -> None:
     print(f"1. end to end: {sizes.batch} prompts x {sizes.prompt} tokens + {sizes.new_tokens} new (greedy); "
           f"median of {sizes.repeats}")
     head = (f"{'t':>2} | {'KV cache tok/s':>14} {'no cache tok/s':>14} {'speed-up':>8} | {'same tokens':>11} | "
@@ -253,9 +351,6 @@ def main() -> None:
             print(f"{t:>2} {s['context']:>5} | {s['kv_ms']:>7.2f} {s['kv_fitted_ms']:>9.2f} {s['free_ms']:>11.2f} "
                   f"{s['ratio']:>6.1f} | {s['kv_mflop']:>8.1f} {s['kv_fitted_mflop']:>12.1f} "
                   f"{s['free_mflop']:>14.1f}")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(results, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -8,6 +8,10 @@
    random tokens, data-parallel over the local GPUs; per-step wall times after the compiling step. Printed:
    tokens/s, model TFLOP/s per device (`jaxpar.flops`, causal attention pairs, no recomputation), MFU
    against the datasheet peak and against the measured ceiling, HFU, and peak device memory.
+4. Decoding the same model's shape (random bf16 weights, one device): 8 prompts of 128 tokens + 128 greedy tokens
+   with the explicit path (`decode.generate(..., plan=)`), the layers' matrices bf16, int8 and int4 (groups of 128):
+   tokens/s and the parameter GB each holds. One GPU has no tensor axis, so collective-matmul overlap cannot show
+   here (it needs tensor > 1 on several GPUs).
 `--dry-run`: the same path on CPU with a tiny model and a 512 matmul (a CI test runs it), so the script cannot rot.
 The last line is `GPU-RESULT {json}` with every figure, for bench/RESULTS.md. Being a one-shot run on lent time, it
 retries rather than stops: out of memory halves the sequences per device, a cuDNN attention failure falls back to
@@ -48,6 +52,46 @@ def matmul_ceiling(n: int, dtype, rounds: int = 3, calls: int = 10) -> float:
         jax.block_until_ready(out)
         best = max(best, 2 * n**3 * calls / (time.perf_counter() - start))
     return best
+
+
+def decode_speed(model, devices, dry: bool) -> dict:
+    """Table 4 of the docstring: {format: {tokens_per_s, param_gb, same_as_bf16}} for bf16, int8 and int4 weights."""
+    import dataclasses
+
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from flax import nnx
+
+    from jaxpar.config import ParallelConfig
+    from jaxpar.infer import decode
+    from jaxpar.model import Transformer, abstract_model, quantize_state
+    from jaxpar.parallel.plan import make_plan
+
+    cfg = dataclasses.replace(model, dtype="bfloat16", param_dtype="bfloat16", attention="xla")  # masked decoding
+    B, P, N = (2, 16, 8) if dry else (8, 128, 128)
+    prompts = np.random.default_rng(0).integers(0, cfg.vocab_size, (B, P)).astype(np.int32)
+    weights = jax.jit(lambda: nnx.state(Transformer(cfg, rngs=nnx.Rngs(0)), nnx.Param))()
+    out, reference = {}, None
+    for fmt in ("bf16", "int8", "int4"):
+        fcfg = cfg if fmt == "bf16" else dataclasses.replace(cfg, weights=fmt, weight_group=16 if dry else 128)
+        plan = make_plan(fcfg, ParallelConfig(data=1, tensor=1), devices[:1])
+        state = weights if fmt == "bf16" else quantize_state(weights, fcfg)
+        graphdef, _ = abstract_model(plan.model, plan.padded_vocab)
+        model_f = nnx.merge(graphdef, plan.from_canonical(state))
+        tokens = decode.generate(model_f, prompts, max_new_tokens=N, plan=plan, return_prompt=False)  # compiles
+        start = time.perf_counter()
+        tokens = decode.generate(model_f, prompts, max_new_tokens=N, plan=plan, return_prompt=False)
+        seconds = time.perf_counter() - start
+        reference = tokens if reference is None else reference
+        bits = lambda a: (jnp.iinfo if jnp.issubdtype(a.dtype, jnp.integer) else jnp.finfo)(a.dtype).bits  # noqa
+        gb = sum(a.size * bits(a) // 8 for a in jax.tree.leaves(state)) / 1e9
+        out[fmt] = {"tokens_per_s": B * N / seconds, "param_gb": gb,
+                    "same_as_bf16": float((np.asarray(tokens) == np.asarray(reference)).mean())}
+        del state, model_f
+        print(f"decode {fmt}: {out[fmt]['tokens_per_s']:,.0f} tokens/s ({B} rows x {N} new after {P}), "
+              f"params {gb:.2f} GB, tokens equal to bf16's {out[fmt]['same_as_bf16']:.0%}", flush=True)
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -157,6 +201,12 @@ def main(argv: list[str] | None = None) -> int:
           f"memory per device: the compiled step needs {result['step_memory_gb']:.2f} GB"
           + (f"; device peak in use {result['peak_memory_gb']:.2f} GB of {result['memory_limit_gb']:.1f} GB"
              if result["peak_memory_gb"] is not None and result["memory_limit_gb"] else ""))
+    del step  # the training executable; the decode section builds its own model
+    try:
+        result["decode"] = decode_speed(m, devices, args.dry_run)
+    except Exception as e:  # noqa: BLE001 — one shot on a lent GPU: keep the training figures whatever happens here
+        result["decode"] = f"failed: {' '.join(str(e).split())[:300]}"
+        print(f"decode section failed: {result['decode']}", flush=True)
     print("GPU-RESULT " + json.dumps(result))
     return 0
 
