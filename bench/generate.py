@@ -1,6 +1,7 @@
 """Benchmark: decoding with the KV cache vs the cache-free reference, side by side in one run.
 
     python bench/generate.py [--quick] [--tensor 1 2 4] [--tables 1 2 3] [--json out.json]
+    python bench/generate.py --accuracy WORKDIR [--group-size 32] [--tensor 2]     (table 4 only)
 
 For tensor ∈ {1, 2, 4} (a (data=1, pipe=1, tensor=t) mesh on the first t simulated devices, parameters placed by
 the rules table, GSPMD partitioning the computation — and, in table 1, the same weights under the explicit
@@ -27,6 +28,11 @@ tensor-parallel shard_map with the vocab-parallel sampler, `decode.generate(...,
    (`decode.explicit_decode_step`, fastest of a few calls), the parameter MB a device holds (from the arrays' dtypes:
    int4 packs two a byte, as XLA stores it), tokens/s relative to fp32 at the same degree, and the fraction of
    greedy tokens equal to fp32's. The model here has d_ff = 4·d_model, so every width splits into groups of 2^k.
+
+4. `--accuracy WORKDIR` (a trained model, e.g. `make demo`'s runs/demo): bf16, int8 and int4 (groups of
+   `--group-size`) at the first `--tensor` degree — held-out loss over 32 windows of the run's sequence length from
+   the held-out split (`infer.text.held_out_loss`), its change against bf16, and the fraction of 200 greedy tokens
+   after "def " equal to bf16's.
 
 How to read it: KV stays flat in c — the same executable with the same FLOPs whatever c is, since attention reads
 the whole buffer, masked. Its cost is set by the buffer, not by how much of it is filled: KV fit grows with c
@@ -281,6 +287,25 @@ def weight_formats(sizes: Sizes, tensors: list[int], rng: np.random.Generator) -
     return {"group": group, "d_ff": cfg.d_ff, "rows": list(rows.values())}
 
 
+def accuracy(workdir: str, group: int, tensor: int) -> list[dict]:
+    """Table 4: held-out loss and greedy agreement of the trained `workdir` in bf16, int8 and int4."""
+    from jaxpar.data import load_tokens
+    from jaxpar.infer.text import generate_tokens, held_out_loss, load
+
+    rows, base = [], None
+    for fmt, g in (("bf16", None), ("int8", None), ("int4", group)):
+        loaded = load(workdir, tensor=tensor, dtype="bfloat16", quantize=None if fmt == "bf16" else fmt, group_size=g)
+        T = loaded.config.train.seq_len
+        stream = load_tokens(loaded.config.data, loaded.tokenizer, "eval", seq_len=T)
+        windows = np.asarray(stream[:32 * (T + 1)]).reshape(32, T + 1)
+        loss = held_out_loss(loaded, windows)
+        text = generate_tokens(loaded, np.array([list(b"def ")], np.int32), max_new_tokens=200, temperature=0.0)[0]
+        base = base or (loss, text)
+        rows.append({"format": fmt, "loss": loss, "change": loss / base[0] - 1,
+                     "same_greedy": float((text == base[1]).mean())})
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="a smaller model and workload (under a minute)")
@@ -288,7 +313,18 @@ def main() -> None:
     parser.add_argument("--tables", type=int, nargs="+", default=[1, 2, 3],
                         help="which tables to run (1 and 2 are measured together)")
     parser.add_argument("--json", help="also write the measurements to this file")
+    parser.add_argument("--accuracy", metavar="WORKDIR", help="table 4 only: quantized accuracy of a trained run")
+    parser.add_argument("--group-size", type=int, default=32, help="int4 group size for --accuracy")
     args = parser.parse_args()
+    if args.accuracy:
+        t = args.tensor[0] if args.tensor != [1, 2, 4] else 2
+        rows = accuracy(args.accuracy, args.group_size, t)
+        print(f"4. {args.accuracy} at tensor {t}, bf16 compute: held-out loss (32 windows) and 200 greedy tokens")
+        head = f"{'format':>6} | {'loss':>7} {'change':>8} | {'same greedy':>11}"
+        print(head + "\n" + "-" * len(head))
+        for r in rows:
+            print(f"{r['format']:>6} | {r['loss']:>7.4f} {r['change']:>+8.3%} | {r['same_greedy']:>11.0%}")
+        return
     sizes = QUICK if args.quick else DEFAULT
     m = sizes.model
     print(f"model: llama, d_model {m.d_model}, {m.n_layers} layers, {m.n_heads} heads ({m.n_kv_heads} kv), vocab "
