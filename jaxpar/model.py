@@ -81,7 +81,7 @@ class Blocks(nnx.Module):
 
     A quantized model (`cfg.weights` int8 / int4) stores each matrix the family marks as contracted (`Param.contract`)
     as integers `name` [n, …] with float32 scales `name_scale` [n, …] (`ModelConfig.scale_param`), zeros here: the
-    values come from `quantize_model`, a checkpoint or an import."""
+    values come from `quantize_state`, a checkpoint or an import."""
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, moe: bool | None = None, layers: int | None = None):
         moe = cfg.moe.enabled if moe is None else moe
@@ -217,12 +217,14 @@ def run_layers(stacks: Stacks, x: Array, positions: Array, mask: Array | None, c
     groups = layer_groups(pattern, single=tape is not None)
     per_layer_remat = remat != "none" and tape is None
 
-    def run_period(period, layers, x, par, take):
+    def run_period(period, layers, x, par, take, one_trip=False):
         """The period's layers in order → (x, their statistics summed). layers: {stack: {param: [per, …]}}; the
-        j-th layer of a stack in the period is take(stack, its array, j)."""
+        j-th layer of a stack in the period is take(stack, its array, j). one_trip: the scan runs a single
+        iteration, which XLA inlines — then the backward's recomputation sits beside the forward it repeats, and
+        without CSE barriers XLA merges the two and keeps every activation alive (remat would do nothing)."""
         one_layer = lambda layer, x: block(layer, x, positions, mask, cfg, par)  # noqa: E731
         if per_layer_remat:
-            one_layer = jax.checkpoint(one_layer, policy=REMAT_POLICIES[remat], prevent_cse=False)
+            one_layer = jax.checkpoint(one_layer, policy=REMAT_POLICIES[remat], prevent_cse=one_trip)
         total = {}
         for layer in _period_layers(period, layers, take):
             x, _, layer_stats = one_layer(layer, x)
@@ -238,8 +240,10 @@ def run_layers(stacks: Stacks, x: Array, positions: Array, mask: Array | None, c
     for period, count, _, xs in _group_inputs(stacks, groups):
         whole = _whole_layers(period)
 
-        def body(x, layers, period=period, take=whole):
-            x, period_stats = run_period(period, layers, x, par, take)
+        unroll = max(1, min(cfg.scan_unroll // len(period), count))
+
+        def body(x, layers, period=period, take=whole, one_trip=unroll == count):
+            x, period_stats = run_period(period, layers, x, par, take, one_trip)
             return x, period_stats if stats else None
 
         def tapped(x, xs, period=period, take=whole):
@@ -251,8 +255,7 @@ def run_layers(stacks: Stacks, x: Array, positions: Array, mask: Array | None, c
         if tape is not None:
             body, xs = tapped, (xs, tape.feed)
             if remat != "none" and tape.mode == RECORD:
-                body = jax.checkpoint(body, policy=REMAT_POLICIES[remat], prevent_cse=False)
-        unroll = max(1, min(cfg.scan_unroll // len(period), count))
+                body = jax.checkpoint(body, policy=REMAT_POLICIES[remat], prevent_cse=unroll == count)
         x, out = jax.lax.scan(body, x, xs, unroll=unroll)
         if tape is not None:
             collected, out = out
@@ -614,31 +617,29 @@ def attention_mask(T: int, segment_ids: Array | None, window: int = 0) -> Array 
     return (causal & same)[:, None]
 
 
-def quantize_params(params: dict, cfg: ModelConfig) -> dict:
-    """Float parameters (a pure dict of a float model's state, any layout) → those of the model `cfg` describes
-    (`cfg.weights` int8 / int4): each matrix the family marks as contracted becomes `name` (integers) and
-    `name_scale` (`jaxpar.matmul.quantize`, groups from `ModelConfig.scale_param`); the rest is unchanged. Jit it
-    with the quantized model's shardings and every device quantizes its own share."""
-    out = dict(params)
-    for stack in cfg.layer_stacks:
-        layers, moe = dict(params[stack]), cfg.moe.enabled and stack == "blocks"
-        for name, spec in cfg.quantized_params(moe).items():
-            w = layers[name]
-            qw = quantize(w, (w.shape[0], *cfg.scale_param(spec).shape), cfg.weights)
-            layers[name], layers[name + "_scale"] = qw.q, qw.scale
-        out[stack] = layers
-    return out
-
-
 def quantize_state(params: nnx.State, cfg: ModelConfig, shardings: nnx.State | None = None) -> nnx.State:
-    """A float model's params (State; any layout, vocab padded or not) → the quantized model `cfg`'s State
-    (`quantize_params`), computed where the arrays are and placed with `shardings` (the quantized model's; None:
-    where jit puts them)."""
+    """A float model's params (State; any layout, vocab padded or not) → the State of the quantized model `cfg`
+    describes (`cfg.weights` int8 / int4): every matrix that model stores with a `name_scale` becomes `name`
+    (integers) and `name_scale` (`jaxpar.matmul.quantize`, in the groups the scale's shape gives); the rest is
+    unchanged. Computed where the arrays are and placed with `shardings` (the quantized model's; None: where jit
+    puts them), so every device quantizes its own share."""
     pure = nnx.to_pure_dict(params)
     _, like = abstract_model(cfg, pure["embed"].shape[0])
     out = jax.tree.map(lambda x: x, like)  # the State structure and metadata; values replaced next
+    scales = {stack: {name[:-len("_scale")]: v.shape for name, v in layers.items() if name.endswith("_scale")}
+              for stack, layers in nnx.to_pure_dict(like).items() if stack in cfg.layer_stacks}
+
+    def quantized(pure):
+        out = dict(pure)
+        for stack, shapes in scales.items():
+            out[stack] = dict(pure[stack])
+            for name, shape in shapes.items():
+                w = quantize(pure[stack][name], shape, cfg.weights)
+                out[stack][name], out[stack][name + "_scale"] = w.q, w.scale
+        return out
+
     placed = None if shardings is None else nnx.to_pure_dict(shardings)
-    nnx.replace_by_pure_dict(out, jax.jit(functools.partial(quantize_params, cfg=cfg), out_shardings=placed)(pure))
+    nnx.replace_by_pure_dict(out, jax.jit(quantized, out_shardings=placed)(pure))
     return out
 
 

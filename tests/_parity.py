@@ -26,14 +26,20 @@ def single_device(cfg, batch):
     return params, loss, grads
 
 
+def lay_out(cfg, params, plan):
+    """Canonical params (one device's model) → (graphdef, params) for `plan`: vocab padded, layers in its order,
+    placed by its rules (ZeRO-3 split if it asks)."""
+    graphdef = nnx.graphdef(Transformer(cfg, rngs=nnx.Rngs(0), padded_vocab=plan.padded_vocab))
+    laid_out = plan.from_canonical(params)
+    return graphdef, jax.device_put(laid_out, param_shardings(laid_out, plan.mesh, plan.rules, plan.param_zero_data))
+
+
 def on_layout(cfg, params, batch, parallel, *, remat: str = "none", grad_accum: int = 1, stats: bool = False):
     """The same parameters laid out for `parallel` (a ParallelConfig) on all devices — vocab padded, layers in the
     plan's order, ZeRO-3 split if asked — through `sharded_loss_and_grads` → (loss, gradients in model order), and
     with `stats` the MoE statistics summed over the step third."""
     plan = make_plan(cfg, parallel, jax.devices())
-    graphdef = nnx.graphdef(Transformer(cfg, rngs=nnx.Rngs(0), padded_vocab=plan.padded_vocab))
-    laid_out = plan.from_canonical(params)
-    laid_out = jax.device_put(laid_out, param_shardings(laid_out, plan.mesh, plan.rules, plan.param_zero_data))
+    graphdef, laid_out = lay_out(cfg, params, plan)
     specs = param_specs(laid_out, plan.rules, plan.param_zero_data)
     fn = sharded_loss_and_grads(graphdef, plan, param_specs=specs, remat=remat, grad_accum=grad_accum, stats=stats)
     loss, grads, *sums = jax.jit(fn)(laid_out, jax.device_put(batch, plan.batch_sharding))

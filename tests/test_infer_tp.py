@@ -9,12 +9,12 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from _parity import lay_out
 from jaxpar.analysis import collectives
 from jaxpar.config import ModelConfig, MoEConfig, ParallelConfig
 from jaxpar.infer import decode
 from jaxpar.model import KVCache, Transformer
 from jaxpar.parallel.plan import make_plan
-from jaxpar.sharding import param_shardings
 
 # Prime vocab (padded at every tensor degree), GQA with 2 kv heads (replicated at tensor 4), odd-ish widths.
 BASE = dict(vocab_size=263, d_model=24, n_layers=3, n_heads=4, n_kv_heads=2, head_dim=6, d_ff=40, max_seq_len=64,
@@ -35,11 +35,7 @@ def placed(cfg: ModelConfig, tensor: int, data: int = 1, overlap: bool = False):
     parallel = ParallelConfig(data=data, tensor=tensor, sequence_parallel=overlap,
                               overlap="collective_matmul" if overlap else "none")
     plan = make_plan(cfg, parallel, jax.devices()[:data * tensor])
-    model = Transformer(cfg, rngs=nnx.Rngs(0))
-    params = plan.from_canonical(nnx.state(model, nnx.Param))
-    graphdef = nnx.graphdef(Transformer(cfg, rngs=nnx.Rngs(0), padded_vocab=plan.padded_vocab))
-    params = jax.device_put(params, param_shardings(params, plan.mesh, plan.rules))
-    return nnx.merge(graphdef, params), plan
+    return nnx.merge(*lay_out(cfg, nnx.state(Transformer(cfg, rngs=nnx.Rngs(0)), nnx.Param), plan)), plan
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))

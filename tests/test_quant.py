@@ -12,16 +12,16 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from _parity import lay_out
 from jaxpar.cli import main
 from jaxpar.config import ConfigError, ModelConfig, MoEConfig, ParallelConfig
 from jaxpar.data import load_tokens
 from jaxpar.families import Param
 from jaxpar.infer import decode
-from jaxpar.infer.text import load
+from jaxpar.infer.text import held_out_loss, load
 from jaxpar.matmul import Quantized, quantize
 from jaxpar.model import KVCache, Transformer, quantize_state
 from jaxpar.parallel.plan import make_plan
-from jaxpar.sharding import param_shardings
 
 # Widths every int4 group of 8 tiles: d_model 32, heads*head_dim 4*8 (a group is one head of wo), d_ff 48 (6 groups:
 # tensor 2 splits them, tensor 4 cannot — the hostile case), experts' d_ff 16. Prime vocab, GQA (2 kv heads).
@@ -69,10 +69,7 @@ def _quantized(cfg: ModelConfig, fmt: str):
 def _placed(qcfg: ModelConfig, single: nnx.Module, tensor: int, data: int = 2):
     """The single-device model's params laid out for (data, tensor) (vocab padded), and the plan."""
     plan = make_plan(qcfg, ParallelConfig(data=data, tensor=tensor), jax.devices()[:data * tensor])
-    params = plan.from_canonical(nnx.state(single, nnx.Param))
-    graphdef = nnx.graphdef(Transformer(qcfg, rngs=nnx.Rngs(0), padded_vocab=plan.padded_vocab))
-    params = jax.device_put(params, param_shardings(params, plan.mesh, plan.rules))
-    return nnx.merge(graphdef, params), plan
+    return nnx.merge(*lay_out(qcfg, nnx.state(single, nnx.Param), plan)), plan
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))
@@ -100,14 +97,6 @@ def test_quantized_prefill_equals_the_single_device_quantized_model(family):
                                                                   return_prompt=False))
     with pytest.raises(ConfigError, match="model.weight_group"):  # 6 groups of d_ff cannot split over tensor 4
         make_plan(dataclasses.replace(cfg, weights="int4"), ParallelConfig(data=2, tensor=4), jax.devices())
-
-
-def _nll(logits: np.ndarray, targets: np.ndarray) -> float:
-    """Mean next-token loss (nats) of float logits [B, T, V] against targets [B, T], in float64."""
-    logits = logits.astype(np.float64)
-    top = logits.max(-1, keepdims=True)
-    lse = np.log(np.exp(logits - top).sum(-1)) + top[..., 0]
-    return float((lse - np.take_along_axis(logits, targets[..., None], -1)[..., 0]).mean())
 
 
 def _logits(model, cfg, tokens, start):
@@ -173,7 +162,7 @@ def test_quantized_fixture_loss_stays_near_bf16(fixture):
             windows = np.asarray(stream[:8 * 65]).reshape(8, 65) % loaded.config.model.vocab_size
         logits = decode.explicit_prefill_logits(loaded.model, loaded.plan, windows[:, :-1].astype(np.int32),
                                                 np.zeros(8, np.int32))
-        results[fmt] = _nll(logits, windows[:, 1:]), logits.argmax(-1)
+        results[fmt] = held_out_loss(loaded, windows), logits.argmax(-1)  # (the same compiled prefill)
     (base, top), (int8, top8), (int4, _) = results.values()
     print(f"{fixture}: held-out loss bf16 {base:.4f} int8 {int8:.4f} int4 {int4:.4f}; "
           f"int8 next-token agreement {(top8 == top).mean():.3f}")

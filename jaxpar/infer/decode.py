@@ -129,6 +129,9 @@ def _explicit_parts(graphdef: nnx.GraphDef, plan, *, temperature: float, top_k: 
     return prefill, step
 
 
+_EXPLICIT_CACHE: dict = {}  # compiled explicit programs, by what they depend on (never the plan id)
+
+
 def _local_cache(plan, batch: int, slots: int, start: jax.Array) -> KVCache:
     """An empty cache of this rank's rows and kv heads, inside the plan's shard_map, typed as varying over what the
     keys and values written into it vary over (data, and tensor when the heads are split)."""
@@ -176,18 +179,21 @@ def explicit_prefill_logits(model: nnx.Module, plan, tokens: np.ndarray, start: 
     (`left_pad`) → float32 [B, P, vocab_size], each tensor rank's vocab shard put together on the host (the sampler
     never does that)."""
     graphdef, params = nnx.split(model)
-    cfg, par = plan.model, plan.parallel
+    key = ("prefill", graphdef, plan.mesh, plan.rules, plan.parallel, plan.model)  # as in _generate_on_plan
+    if key not in _EXPLICIT_CACHE:  # built once: callers (held_out_loss) run it batch after batch
 
-    def run(params, tokens, start):
-        cache = _local_cache(plan, tokens.shape[0], tokens.shape[1], start)
-        return nnx.merge(graphdef, params).decode(tokens, cache, par)[0]  # [B, P, V/t]
+        def run(params, tokens, start):
+            cache = _local_cache(plan, tokens.shape[0], tokens.shape[1], start)
+            return nnx.merge(graphdef, params).decode(tokens, cache, plan.parallel)[0]  # [B, P, V/t]
 
-    vocab = "tensor" if plan.degrees["tensor"] > 1 else None
-    fn = jax.jit(jax.shard_map(run, mesh=plan.mesh, in_specs=(_param_specs(params, plan), P("data"), P("data")),
-                               out_specs=P("data", None, vocab), check_vma=True))
+        vocab = "tensor" if plan.degrees["tensor"] > 1 else None
+        _EXPLICIT_CACHE[key] = jax.jit(jax.shard_map(
+            run, mesh=plan.mesh, in_specs=(_param_specs(params, plan), P("data"), P("data")),
+            out_specs=P("data", None, vocab), check_vma=True))
     rows = jax.sharding.NamedSharding(plan.mesh, P("data"))
-    logits = fn(params, jax.device_put(jnp.asarray(tokens), rows), jax.device_put(jnp.asarray(start), rows))
-    return np.asarray(logits)[..., :cfg.vocab_size]
+    logits = _EXPLICIT_CACHE[key](params, jax.device_put(jnp.asarray(tokens), rows),
+                                  jax.device_put(jnp.asarray(start), rows))
+    return np.asarray(logits)[..., :plan.model.vocab_size]
 
 
 def _explicit_generate(graphdef: nnx.GraphDef, plan, specs, *, max_new_tokens: int, temperature: float, top_k: int,
@@ -290,8 +296,6 @@ def generate(model: nnx.Module, input_ids: Sequence[Sequence[int]] | np.ndarray,
     return np.concatenate([tokens, new], axis=1) if return_prompt else new
 
 
-
-_EXPLICIT_CACHE: dict = {}
 
 
 def _generate_on_plan(graphdef, params, plan, tokens: np.ndarray, start: np.ndarray, rng, **settings) -> np.ndarray:

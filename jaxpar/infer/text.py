@@ -104,18 +104,17 @@ def load(path: str | pathlib.Path, *, data: int = 1, tensor: int | None = None, 
     mesh = plan.mesh
     graphdef, abstract = abstract_model(plan.model, plan.padded_vocab)  # attention resolved for these devices
     shardings = param_shardings(abstract, mesh, plan.rules)
-    if model_cfg != stored:  # quantized here: read the float weights onto the mesh, then quantize each shard
-        read_as = dataclasses.replace(plan.model, weights=stored.weights, weight_group=stored.weight_group)
-        _, read_like = abstract_model(read_as, plan.padded_vocab)
+    quantizing = model_cfg != stored  # here: read the float weights onto the mesh, then quantize each shard
+    read_like, read_shardings = abstract, shardings
+    if quantizing:
+        _, read_like = abstract_model(dataclasses.replace(plan.model, weights=stored.weights), plan.padded_vocab)
         read_shardings = param_shardings(read_like, mesh, plan.rules)
-    else:
-        read_as, read_like, read_shardings = plan.model, abstract, shardings
     if hf_cfg is not None:
         params, at_step = hf.load_params(path, stored, read_like, plan, read_shardings), None
     else:
         params, at_step = checkpoint.restore_params(path, read_like, plan, model_cfg.vocab_size, read_shardings,
                                                     step=step)
-    if read_as is not plan.model:
+    if quantizing:
         params = quantize_state(params, plan.model, shardings)
     tokenizer = data_lib.make_tokenizer(config.data.tokenizer) if config.data.tokenizer else None
     return LoadedModel(config, nnx.merge(graphdef, params), mesh, tokenizer, at_step, _stop_ids(path, hf_cfg, tokenizer),
