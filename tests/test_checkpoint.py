@@ -67,22 +67,30 @@ def assert_states_equal(got: dict, want: dict) -> None:
 PAIRS = [("(2,2,2) v=2", "(1,2,4) v=1"), ("(2,2,2) v=2", "single device"), ("(2,2,2) v=2", "(4,1,2) zero=3"),
          ("single device", "(2,2,2) v=2 zero=1 SP"), ("single device", "(8,1,1)"),
          ("(4,1,2) zero=3", "(2,2,2) v=2"), ("(4,1,2) zero=3", "(2,2,2) v=2 zero=1 SP")]
+# Pairs that also train on from the restored state (a compile of the target's step each): a pipelined layout to one
+# device, and ZeRO-3 shards to a pipelined layout. The bitwise restore of every pair already shows the state whole.
+TRAIN_ON = {("(2,2,2) v=2", "single device"), ("(4,1,2) zero=3", "(2,2,2) v=2")}
 
 
 @pytest.fixture(scope="module")
 def written(tmp_path_factory):
-    """source -> (workdir, its final state on the host, canonical, the source's own fourth loss): three steps at the
-    source layout, checkpointed, then a fourth from that checkpoint. Written once per source and module (a fixture
-    parametrized by the pairs would be set up again for every pair)."""
-    cache = {}
+    """source -> (workdir, its final state on the host, canonical, a function giving the source's own fourth loss):
+    three steps at the source layout, checkpointed; the fourth, from that checkpoint, runs when first asked for.
+    Written once per source and module (a fixture parametrized by the pairs would be set up again for every pair)."""
+    cache, fourths = {}, {}
+
+    def fourth(source):
+        if source not in fourths:
+            workdir = cache[source][0]
+            shutil.copytree(workdir / "src", workdir / "cont")
+            fourths[source] = run(source, workdir / "cont", 4).history[-1]["loss"]
+        return fourths[source]
 
     def write(source):
         if source not in cache:
             workdir = tmp_path_factory.mktemp("ckpt")
             result = run(source, workdir / "src", 3)
-            shutil.copytree(workdir / "src", workdir / "cont")
-            fourth = run(source, workdir / "cont", 4).history[-1]["loss"]
-            cache[source] = workdir, canonical_state(result.state, result.config, result.mesh), fourth
+            cache[source] = workdir, canonical_state(result.state, result.config, result.mesh), lambda: fourth(source)
         return cache[source]
 
     return write
@@ -91,7 +99,8 @@ def written(tmp_path_factory):
 @pytest.mark.parametrize("source,target", PAIRS)
 def test_restore_onto_another_layout(written, source, target, tmp_path):
     """Parameters, Adam's moments and the step restore bit for bit at the target layout (the training reader and the
-    params-only reader of inference/convert), and training continues there to the source's own fourth loss."""
+    params-only reader of inference/convert), and (TRAIN_ON) training continues there to the source's own fourth
+    loss."""
     workdir, want, fourth = written(source)
     config = config_at(target, 4).resolve_for_devices(LAYOUTS[target][1])
     like = build_trainer(config, jax.devices()[: LAYOUTS[target][1]], abstract=True)  # the target's state layout
@@ -107,10 +116,12 @@ def test_restore_onto_another_layout(written, source, target, tmp_path):
                                              like.shardings.params)
     assert step == 3
     assert_states_equal(canonical_host(params, config, mesh), want["params"])
+    if (source, target) not in TRAIN_ON:
+        return
     shutil.copytree(workdir / "src", tmp_path / "run")
     history = run(target, tmp_path / "run", 4).history
     assert [r["step"] for r in history] == [4]
-    np.testing.assert_allclose(history[0]["loss"], fourth, rtol=1e-5)
+    np.testing.assert_allclose(history[0]["loss"], fourth(), rtol=1e-5)
 
 
 def test_resume_after_a_clean_stop_is_bitwise_equal(tmp_path):
