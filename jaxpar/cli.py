@@ -5,6 +5,8 @@
                     [--top-p P] [--greedy] [--data D] [--tensor T] [--gspmd | --sequence-parallel
                     [--overlap collective_matmul]]
     jaxpar analyze  --config FILE [--format json|table] [--config.section.field=VALUE ...]
+    jaxpar plan     --config FILE --devices N [--hosts H] [--memory-gb M] [--top K] [--format table|json]
+                    [--device-kind KIND | --profile FILE] [--config.parallel.field=VALUE ...]
     jaxpar schedule [--schedule NAME] --pipe P --microbatches M [--chunks V] [--png FILE]
     jaxpar convert  --from DIR | --from-hf HF_DIR   --to DIR2 | --to-hf HF_DIR2   [--step N] [--dtype bfloat16]
     jaxpar launch   --processes N [--devices-per-process K] -- jaxpar train ...
@@ -123,6 +125,25 @@ def _analyze(args, overrides: list[str]) -> int:
 
     report = analyze(config, activations=not args.no_activations)
     print(format_table(report) if args.format == "table" else json.dumps(report, indent=2, default=float))
+    return 0
+
+
+def _plan(args, overrides: list[str]) -> int:
+    import json
+
+    from jaxpar.planner import cost, search
+
+    if args.top < 1:
+        raise UsageError(f"--top {args.top}: show at least one layout")
+    if args.profile and args.device_kind:
+        raise UsageError("--profile and --device-kind both name the machine; pass one")
+    config = load_config(args.config, overrides, args.config_root)
+    profile = cost.load_profile(args.profile) if args.profile else cost.profile_for(args.device_kind or "h100")
+    # A parallel field (or train.grad_accum) set on the command line stays as set; the planner chooses the rest.
+    fixed = {o.partition("=")[0].split(".", 1)[1] for o in overrides
+             if o.startswith("parallel.") or o.startswith("train.grad_accum")}
+    result = search.plan(config, args.devices, profile, hosts=args.hosts, memory_gb=args.memory_gb, fixed=fixed)
+    print(search.format_plan(result, args.top) if args.format == "table" else json.dumps(result, indent=2))
     return 0
 
 
@@ -246,6 +267,19 @@ def build_parser() -> argparse.ArgumentParser:
     ana.add_argument("--format", choices=("json", "table"), default="json")
     ana.add_argument("--no-activations", action="store_true", help="skip the per-layer activation measurement")
     ana.set_defaults(run=_analyze)
+    pla = sub.add_parser("plan", help="predict memory and step time of every layout of a model on N devices, and "
+                                      "rank those that fit; --config.parallel.X=V fixes a field")
+    pla.add_argument("--config", required=True)
+    pla.add_argument("--config-root", **roots)
+    pla.add_argument("--devices", type=int, required=True, help="devices to plan for")
+    pla.add_argument("--hosts", type=int, default=1, help="hosts they are spread over (tensor stays inside one)")
+    pla.add_argument("--memory-gb", type=float, default=None, help="memory budget per device (default: the "
+                                                                    "device's)")
+    pla.add_argument("--top", type=int, default=10, help="layouts to show")
+    pla.add_argument("--format", choices=("table", "json"), default="table")
+    pla.add_argument("--device-kind", default=None, help="h200, h100 or a100: datasheet defaults (default h100)")
+    pla.add_argument("--profile", default=None, help="a machine profile written by `jaxpar probe`")
+    pla.set_defaults(run=_plan)
     sch = sub.add_parser("schedule", help="print (and draw) a pipeline schedule: its F/B/W ticks per stage, tick "
                                           "count, bubble fraction and peak in-flight microbatches")
     sch.add_argument("--schedule", default="circular", help="circular (default), gpipe, 1f1b, interleaved_1f1b, "

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
 import importlib.util
 import json
 import math
@@ -701,7 +702,7 @@ def _apply_override(d: dict, key: str, raw: str) -> None:
     cls = SECTIONS[section]
     fields = {f.name: f for f in dataclasses.fields(cls)}
     _reject_unknown({name: raw}, fields, prefix=f"{section}.")
-    kind = typing.get_type_hints(cls)[name]
+    kind = _type_hints(cls)[name]
     if not isinstance(d.get(section), dict):
         d[section] = {}
     d[section][name] = _parse_scalar(key, raw, kind)
@@ -745,9 +746,15 @@ def _reject_unknown(d: dict, known: dict, prefix: str) -> None:
             raise ConfigError(f"{prefix}{key}", d[key], "unknown key", hint)
 
 
+@functools.cache
+def _type_hints(cls: type) -> dict[str, Any]:
+    """A section's field types (resolved once: every config the planner builds checks its fields)."""
+    return typing.get_type_hints(cls)
+
+
 def _check_fields(obj: Any, section: str) -> None:
     """Strict type check against the annotations: int fields reject bools and floats; float fields accept ints."""
-    hints = typing.get_type_hints(type(obj))
+    hints = _type_hints(type(obj))
     for f in dataclasses.fields(obj):
         value, kind, name = getattr(obj, f.name), hints[f.name], f"{section}.{f.name}"
         if typing.get_origin(kind) is tuple:  # tuple[int, ...]: a list or tuple of ints (JSON, YAML give lists)
@@ -809,7 +816,7 @@ def reference_markdown() -> str:
     for section, cls in SECTIONS.items():
         lines += [f"#### `{section}` — {cls.__doc__.strip().splitlines()[0]}", "",
                   "| field | type | default | meaning |", "|---|---|---|---|"]
-        hints = typing.get_type_hints(cls)
+        hints = _type_hints(cls)
         for f in dataclasses.fields(cls):
             if f.metadata.get("section"):
                 continue

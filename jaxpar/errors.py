@@ -59,6 +59,12 @@ class InputNotFound(JaxparError, FileNotFoundError):
     kind = "not found"
 
 
+class PlanError(JaxparError, ValueError):
+    """No layout of the model fits the devices and memory asked for (jaxpar.planner): the message names what would."""
+
+    kind = "plan error"
+
+
 class UsageError(JaxparError, ValueError):
     """Flags that do not go together (or a flag's value that argparse cannot check)."""
 

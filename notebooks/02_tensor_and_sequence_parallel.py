@@ -198,7 +198,7 @@ assert all(c.sent_bytes == 2 * (T - 1) / T * N * H * 4 for c in mlp_cols)
 # Outside the layers: the vocab-parallel embedding exits through one g, the LM head enters through one f, and the
 # vocab-parallel cross-entropy all-reduces three per-token scalars (max, $\sum e^z$, target logit) — never the logits.
 # `jaxpar.analysis.report.analyze` compiles the real train step for a layout, reads every collective from the HLO
-# (loop trip counts applied), and sets the total beside `jaxpar.analysis.expected.tensor_bytes`.
+# (loop trip counts applied), and sets the total beside `jaxpar.planner.expected.tensor_bytes`.
 #
 # Layout: `configs/tiny.py` shrunk, no pipeline, (data, pipe, tensor) = (2, 1, 4) on the 8 devices.
 

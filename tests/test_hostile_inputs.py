@@ -444,6 +444,25 @@ CASES = [
     Case("schedule-1f1b-chunks", "schedule --schedule 1f1b --pipe 2 --chunks 2 --microbatches 4", "parallel.repeats"),
     Case("schedule-interleaved-microbatches", "schedule --schedule interleaved_1f1b --pipe 4 --chunks 2 "
          "--microbatches 6", "parallel.microbatches"),
+    Case("plan-zero-devices", "plan --config configs/tiny.py --devices 0", "--devices", lambda c, t: _plan(devices=0)),
+    Case("plan-hosts-uneven", "plan --config configs/tiny.py --devices 8 --hosts 3", "--hosts",
+         lambda c, t: _plan(hosts=3)),
+    Case("plan-negative-memory", "plan --config configs/tiny.py --devices 8 --memory-gb -1", "--memory-gb",
+         lambda c, t: _plan(memory_gb=-1.0)),
+    Case("plan-fits-nothing", "plan --config configs/tiny.py --devices 1 --memory-gb 0.005 --config.parallel.pipe=1 "
+         "--config.parallel.repeats=1 --config.parallel.microbatches=1 --config.parallel.context=1", "needs",
+         lambda c, t: _plan(devices=1, memory_gb=0.005, fixed=dict(pipe=1, repeats=1, microbatches=1, context=1))),
+    Case("plan-unknown-device-kind", "plan --config configs/tiny.py --devices 8 --device-kind tpu9",
+         "--device-kind", lambda c, t: __import__("jaxpar.planner.cost").planner.cost.profile_for("tpu9")),
+    Case("plan-missing-profile", "plan --config configs/tiny.py --devices 8 --profile {tmp}/none.json", "--profile",
+         lambda c, t: __import__("jaxpar.planner.cost").planner.cost.load_profile(str(t / "none.json"))),
+    Case("plan-not-a-profile", "plan --config configs/tiny.py --devices 8 --profile {configs}/bad.yaml", "--profile",
+         lambda c, t: __import__("jaxpar.planner.cost").planner.cost.load_profile(str(c.configs / "bad.yaml"))),
+    Case("plan-two-machines", "plan --config configs/tiny.py --devices 8 --profile x.json --device-kind h100",
+         "--profile"),
+    Case("plan-top-zero", "plan --config configs/tiny.py --devices 8 --top 0", "--top"),
+    Case("plan-unknown-field", "plan --config configs/tiny.py --devices 8 --config.parallel.pipes=2",
+         "parallel.pipes"),
     Case("launch-zero-processes", "launch --processes 0 -- jaxpar train --config configs/tiny.py", "--processes",
          lambda c, t: __import__("jaxpar.launch").launch.launch(["jaxpar", "train"], 0, 1)),
     Case("launch-zero-devices", "launch --processes 2 --devices-per-process 0 -- jaxpar train", "--devices-per-process"),
@@ -452,6 +471,15 @@ CASES = [
     Case("no-command", "", "command"),
     Case("unknown-command", "fly", "fly"),
 ]
+
+
+def _plan(devices: int = 8, hosts: int = 1, memory_gb: float | None = None, fixed: dict | None = None):
+    """`jaxpar.planner.search.plan` on the tiny config, with `fixed` parallel fields set and kept."""
+    from jaxpar.planner import cost, search
+
+    config = load_config("configs/tiny.py", [f"parallel.{k}={v}" for k, v in (fixed or {}).items()])
+    return search.plan(config, devices, cost.profile_for("h100"), hosts=hosts, memory_gb=memory_gb,
+                       fixed=set(fixed or ()))
 
 
 def _argv(case: Case, c: Paths, tmp: pathlib.Path) -> list[str]:

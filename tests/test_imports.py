@@ -31,6 +31,8 @@ LAYERS = (
     ("mesh", "sharding"),                                 # devices → mesh; logical axes → specs
     ("model", "flops", "data", "parallel.plan"),          # the transformer; FLOPs of its shape; tokens; the
                                                           # layout planner (it builds meshes and specs)
+    ("planner",),                                         # the analytic model of a step (FLOPs, bytes, memory,
+                                                          # time) and the search over layouts it ranks
     ("store",),                                           # what a workdir holds: checkpoints, checksums, lock
     ("interop",),                                         # Hugging Face directories ↔ workdirs
     ("infer", "train"),                                   # generation and training: neither needs the other

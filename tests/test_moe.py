@@ -194,7 +194,7 @@ def test_expert_bytes_follow_the_formula(layout):
     routing's (the gates' gradient all-reduce; under SP the row statistics and the routing's gathers). `jaxpar
     analyze` reports the same section. The last layout mixes dense and MoE layers (sparse_step 2): only its MoE
     layers' applications count."""
-    from jaxpar.analysis import expected
+    from jaxpar.planner import expected
     from jaxpar.analysis.report import analyze, format_table
     from jaxpar.config import load_config
 

@@ -7,7 +7,7 @@ Sections of the report (the JSON of `jaxpar analyze`, and what notebooks and tes
   once, shown so the difference is visible);
 - `memory`: the step's `memory_analysis` (arguments = params + optimizer state + batch, temp = everything else), and
   the activation memory per layer — see `activation_bytes_per_layer`;
-- `expected`: the formulas of `jaxpar.analysis.expected`;
+- `expected`: the formulas of `jaxpar.planner.expected`;
 - `pipeline` (pipe > 1, the circular loop): iterations, bubble fraction, executed/useful FLOPs, collective-permute
   bytes per iteration; `schedule` instead (a schedule table): ticks, bubble, peak in flight, executed FLOPs per
   stage (branch FLOPs from the program × the table's actions), collective-permute bytes against the formula. (The
@@ -23,7 +23,7 @@ import re
 
 import jax
 import jax.numpy as jnp
-from jaxpar.analysis import expected
+from jaxpar.planner import expected
 from jaxpar.analysis.hlo import (branch_flops, collective_summary, collectives, cost, dot_flops, scalar_bytes,
                                  loop_carried_permutes, memory)
 from jaxpar.config import Config

@@ -48,7 +48,7 @@ dense all-to-all on every backend, so the bytes on the wire are the chunk sizes 
 
     per MoE layer, forward: 2 · (ep − 1) · S · D · β  (dispatch + combine; the backward moves the same again)
 
-which with cf = 1 and T·k/X whole is the DESIGN formula 2·(ep−1)/ep·N·k·D·β (jaxpar.analysis.expected.expert_bytes
+which with cf = 1 and T·k/X whole is the DESIGN formula 2·(ep−1)/ep·N·k·D·β (jaxpar.planner.expected.expert_bytes
 counts it, with the counts, and the tests compare it with the compiled program).
 
 Tensor parallelism inside each expert: experts split their hidden dim over `tensor` like a dense MLP. The routing

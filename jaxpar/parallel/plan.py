@@ -176,14 +176,8 @@ def make_plan(model: ModelConfig, parallel: ParallelConfig | None = None, device
     degrees = {a: int(mesh.shape[a]) for a in AXES}
     _validate(parallel, degrees, explicit)
     t = degrees[TENSOR]
-    rules, kv_replicas = RULES, 1
-    if degrees[EXPERT] == 1:  # experts held whole: their gradients reduce like any replicated parameter's
-        rules = tuple((name, None if axis == EXPERT else axis) for name, axis in rules)
-    if t == 1:  # nothing is split over tensor: the step's values are typed (and run) as not varying over it
-        rules = tuple((name, None if axis == TENSOR else axis) for name, axis in rules)
-    elif model.n_kv_heads % t:  # GQA with K < t: kv heads replicated, rank r uses kv head r // (t/K)
-        rules = tuple((name, None if name == "kv_heads" else axis) for name, axis in rules)
-        kv_replicas = t // model.n_kv_heads
+    rules = plan_rules(model, degrees)
+    kv_replicas = t // model.n_kv_heads if t > 1 and model.n_kv_heads % t else 1
     _check_scales(model, dict(rules), degrees)
     # At tensor = 1 the model runs the single-device context: a psum over a one-device axis is not free on every
     # backend (XLA:CPU keeps it as an all-reduce, with its rendezvous, in every layer, forward and backward).
@@ -207,6 +201,20 @@ def make_plan(model: ModelConfig, parallel: ParallelConfig | None = None, device
     expert = ExpertParallel(EXPERT if degrees[EXPERT] > 1 else None, degrees[EXPERT])
     return Plan(mesh, degrees, rules, math.ceil(model.vocab_size / t) * t, tensor, pipeline, parallel.zero, explicit,
                 runs, context, expert)
+
+
+def plan_rules(model: ModelConfig, degrees: dict[str, int]) -> tuple[tuple[str, MeshAxes], ...]:
+    """The logical → mesh rules of `model` on these degrees: the table's, with a one-rank axis named nowhere (its
+    values are typed, and run, as not varying over it) and GQA's exception — fewer kv heads than tensor ranks
+    replicates them (rank r uses kv head r // (t/K)). Needs no devices: the planner reads it for meshes it has not."""
+    rules = RULES
+    if degrees[EXPERT] == 1:  # experts held whole: their gradients reduce like any replicated parameter's
+        rules = tuple((name, None if axis == EXPERT else axis) for name, axis in rules)
+    if degrees[TENSOR] == 1:  # nothing is split over tensor
+        rules = tuple((name, None if axis == TENSOR else axis) for name, axis in rules)
+    elif model.n_kv_heads % degrees[TENSOR]:
+        rules = tuple((name, None if name == "kv_heads" else axis) for name, axis in rules)
+    return rules
 
 
 def _check_scales(model: ModelConfig, rules: dict, degrees: dict[str, int]) -> None:

@@ -34,6 +34,7 @@ hold is the scaling: with SP everything per layer divides by t.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
@@ -130,6 +131,7 @@ def moe_tensor_bytes(config: Config, d: dict) -> float:
     return shared + stats + (t - 1) / t * N * k * (gathered + 4) - (t - 1) / t * N * d["h"] * d["beta"]
 
 
+@functools.lru_cache(maxsize=64)
 def tensor_replicated_floats(model) -> tuple[float, int]:
     """(per layer, outside the layers): how many floats of the model's parameters no tensor rank splits — read from
     the parameters' logical axes (none of them one that `tensor` splits). Under SP each of them meets sequence

@@ -1,0 +1,235 @@
+"""Step time of a layout, predicted: FLOPs over the achievable rate, plus each mesh axis's bytes over its links.
+
+    step = compute + Σ_axis exposed(bytes_axis / bandwidth_axis + collectives_axis · latency_axis)
+    compute = executed matmul FLOPs per device · (1 + remat's recomputation) / achievable FLOP/s
+              (a schedule table's useful FLOPs / (1 − its bubble); the circular loop executes its bubble iterations,
+              so they are in its executed FLOPs already) + a fixed cost per layer application (kernel launches:
+              what makes many small microbatches or accumulation chunks slower than few large ones)
+
+Bytes per device per step are `jaxpar.planner.expected`'s formulas — the ones `jaxpar analyze` checks against the
+compiled program: tensor (Megatron's all-reduces, SP's gathers), pipe (the stages' permutes), context (K/V
+gathers or the ring), expert (the all-to-alls) and data (the gradient all-reduce, 2(d−1)/d of the gradient shard;
+ZeRO-1 the same volume as a reduce-scatter and an all-gather of the update; ZeRO-3 adds the parameters' gathers in
+the forward and the backward, 2(d−1)/d more).
+
+Links: the mesh is row-major with `tensor` innermost (jaxpar.mesh), so an axis stays inside a host when its degree
+times the degrees of the axes inside it is at most the devices per host — it then runs at the host's link rate
+(NVLink), else at the network's per device.
+
+Overlap, as the step runs today (what to change when the step changes):
+    tensor    exposed: each all-reduce sits between the matmuls that need it; collective_matmul hides it behind the
+              partial matmuls (counted as hidden up to the compute time)
+    pipe      exposed: a permute per iteration, between two stage computations
+    context   all_gather exposed; ring hidden behind each block's attention
+    expert    exposed: the dispatch all-to-all precedes the experts' matmuls, the combine follows them
+    data      exposed: gradients are reduced once, after the backward, before the optimizer
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import pathlib
+
+from jaxpar.config import Config, ConfigError
+from jaxpar import flops
+from jaxpar.parallel import pipeline, schedule
+from jaxpar.parallel.axes import AXES, DATA, EXPERT, TENSOR
+from jaxpar.planner import expected
+from jaxpar.planner.memory import padded_vocab, state_bytes
+
+GB = 1e9
+
+
+@dataclasses.dataclass(frozen=True)
+class Profile:
+    """What the time model knows of a machine: achievable dense matmul FLOP/s per compute dtype, per-device link
+    bandwidth inside a host and across hosts (bytes/s, one direction), and the memory of one device."""
+
+    name: str
+    flops: dict[str, float]
+    intra_host: float
+    inter_host: float
+    memory_gb: float
+    source: str = "datasheet"
+    peak: dict[str, float] = dataclasses.field(default_factory=dict)
+    latency: float = 10e-6  # seconds a collective costs however small (launch, synchronisation), inside a host
+    latency_inter: float = 20e-6  # and across hosts
+    layer_overhead: float = 30e-6  # fixed seconds per layer application (kernel launches, loop bookkeeping)
+
+    def rate(self, dtype: str) -> float:
+        """Achievable matmul FLOP/s for compute `dtype` (float32's where the dtype has no entry)."""
+        return self.flops.get(dtype) or self.flops["float32"]
+
+    def flops_peak(self, dtype: str) -> float | None:
+        """The datasheet peak the MFU column divides by (None for a probed CPU: no datasheet)."""
+        return self.peak.get(dtype) or self.peak.get("float32") if self.peak else None
+
+    def to_json(self) -> str:
+        """The profile as the JSON `load_profile` reads."""
+        return json.dumps(dataclasses.asdict(self), indent=2, sort_keys=True)
+
+
+# Defaults per device kind: the datasheet's dense peak times an achievable fraction (large transformer matmuls reach
+# about 60 % of peak in bf16 on Hopper; fp32 runs on TF32 tensor cores), NVLink per GPU one way at ~80 % of its
+# rate as bus bandwidth, and a 400 Gb/s NIC per GPU across hosts. `jaxpar probe` measures the machine it runs on.
+ACHIEVABLE = 0.6
+
+
+def _gpu(row: str, nvlink: float, memory_gb: float) -> Profile:
+    sheet = flops.PEAK_TFLOPS[row]
+    peak = {"bfloat16": sheet["bfloat16"] * 1e12, "float16": sheet["bfloat16"] * 1e12, "float32": sheet["tf32"] * 1e12}
+    return Profile(row, {k: ACHIEVABLE * v for k, v in peak.items()}, 0.8 * nvlink, 0.8 * 50 * GB, memory_gb,
+                   f"datasheet x {ACHIEVABLE} achievable", peak)
+
+
+PROFILES: dict[str, Profile] = {
+    "h200": _gpu("H200 SXM", 450 * GB, 141),
+    "h100": _gpu("H100 SXM", 450 * GB, 80),
+    "a100": _gpu("A100", 300 * GB, 80),
+}
+
+
+def profile_for(kind: str) -> Profile:
+    """The default profile of a device kind (`h200`, `h100`, `a100`), or a clear error naming the ones known."""
+    key = kind.lower().replace("nvidia", "").strip()
+    for name, prof in PROFILES.items():
+        if name in key:
+            return prof
+    raise ConfigError("--device-kind", kind, f"has no default profile (known: {', '.join(PROFILES)})",
+                      "pick one of those, or measure this machine with `jaxpar probe --out FILE` and pass "
+                      "--profile FILE")
+
+
+def load_profile(path: str) -> Profile:
+    """A profile written by `jaxpar probe`; refused when unreadable or incomplete."""
+    p = pathlib.Path(path)
+    try:
+        d = json.loads(p.read_text())
+        prof = Profile(**d)
+        assert prof.flops.get("float32", 0) > 0 and prof.intra_host > 0 and prof.inter_host > 0
+    except (OSError, ValueError, TypeError, AssertionError) as e:
+        raise ConfigError("--profile", path, f"is not a profile written by `jaxpar probe` ({type(e).__name__})",
+                          "run `jaxpar probe --out FILE` on the machine to plan for") from None
+    return prof
+
+
+@dataclasses.dataclass(frozen=True)
+class Timing:
+    """Predicted seconds of one train step and where they go; `comm` by mesh axis (exposed seconds)."""
+
+    compute: float
+    comm: dict[str, float]
+    bubble: float
+    tokens: int
+    model_flops: float  # per device per step (the MFU numerator)
+    rate: float  # achievable FLOP/s the compute assumed
+
+    @property
+    def step(self) -> float:
+        return self.compute + sum(self.comm.values())
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.step
+
+    @property
+    def comm_share(self) -> float:
+        return sum(self.comm.values()) / self.step
+
+    def mfu(self, peak: float | None) -> float | None:
+        """Model FLOPs utilisation against `peak` FLOP/s (None without a peak)."""
+        return self.model_flops / self.step / peak if peak else None
+
+    def as_dict(self) -> dict:
+        """Seconds by part, tokens/s and the communication share, for JSON."""
+        return {"step_s": self.step, "compute_s": self.compute, "comm_s": self.comm, "bubble": self.bubble,
+                "tokens_per_s": self.tokens_per_s, "comm_share": self.comm_share}
+
+
+def inside_host(config: Config, devices_per_host: int) -> dict[str, bool]:
+    """Per mesh axis: whether its groups stay inside one host (the axis and every axis inside it fit a host)."""
+    out, span = {}, 1
+    for axis in reversed(AXES):
+        span *= getattr(config.parallel, axis)
+        out[axis] = span <= devices_per_host or getattr(config.parallel, axis) == 1
+    return out
+
+
+def axis_collectives(config: Config) -> dict[str, float]:
+    """How many collectives each mesh axis runs per step (each pays the link's latency, however small): Megatron's
+    4 per layer application (6 with SP's gathers and scatters), a permute per pipeline iteration or tick each way,
+    2 per layer for context parallelism's K/V (2(c−1) ring steps), 4 all-to-alls per MoE layer, and one bucketed
+    gradient reduction over data."""
+    p = config.parallel
+    d = expected._dims(config, padded_vocab(config.model, p.tensor))
+    out = {a: 0.0 for a in AXES}
+    if p.tensor > 1:
+        out[TENSOR] = d["layer_execs"] * (6 if p.sequence_parallel else 4)
+    if p.pipe > 1:
+        ticks = (d["iterations"] if p.schedule == "circular" else
+                 schedule.build(p.schedule, p.pipe, p.repeats, p.microbatches).n_ticks * d["A"])
+        out["pipe"] = 2 * ticks
+    if p.context > 1:
+        out["context"] = d["layer_execs"] * (2 * (p.context - 1) if p.context_impl == "ring" else 2)
+    if p.expert > 1:
+        out[EXPERT] = 4 * d["moe_layer_execs"]
+    if p.data > 1:  # ZeRO: reduce-scatter the gradients, all-gather the update (and stage 3 the weights per layer)
+        out[DATA] = (2.0 if p.zero else 1.0) + (2 * d["layer_execs"] if p.zero >= 3 else 0)
+    return out
+
+
+def axis_bytes(config: Config) -> dict[str, float]:
+    """Bytes each device sends per step on each mesh axis (see the module docstring)."""
+    p = config.parallel
+    V = padded_vocab(config.model, p.tensor)
+    out = {a: 0.0 for a in AXES}
+    out[TENSOR] = expected.tensor_bytes(config, V)["total"]
+    if p.pipe > 1:
+        if p.schedule == "circular":
+            out["pipe"] = expected.pipeline_bytes(config)["permute_bytes"]
+        else:
+            table = schedule.build(p.schedule, p.pipe, p.repeats, p.microbatches)
+            sends = pipeline.Pipeline(p.pipe, p.repeats, p.microbatches, config.model.n_layers,
+                                      p.schedule).program.sends()
+            out["pipe"] = expected.schedule_permute_bytes(config, table.n_ticks,
+                                                          (sends["down"] > 0) + (sends["up"] > 0))
+    out["context"] = expected.context_bytes(config)
+    if config.moe.enabled:
+        out[EXPERT] = expected.expert_bytes(config)["total"]
+    d = p.data
+    if d > 1:
+        grads = state_bytes(config)["params"] * (p.data if p.zero >= 3 else 1)  # the unsharded gradient shard
+        out[DATA] = 2 * (d - 1) / d * grads * (2 if p.zero >= 3 else 1)
+    return out
+
+
+def predict_time(config: Config, profile: Profile, devices_per_host: int) -> Timing:
+    """The step time of `config` (resolved for its devices) on `profile`'s machines."""
+    m, p, t = config.model, config.parallel, config.train
+    V = padded_vocab(m, p.tensor)
+    f = expected.step_flops(config, V)
+    recompute = (flops.hardware_flops_per_token(m, t.seq_len, remat=p.remat, full_attention=True)
+                 / flops.hardware_flops_per_token(m, t.seq_len, remat="none", full_attention=True))
+    rate = profile.rate(m.dtype)
+    if p.pipe > 1 and p.schedule != "circular":
+        bubble = schedule.build(p.schedule, p.pipe, p.repeats, p.microbatches).bubble
+        compute = f["useful"] * recompute / rate / (1 - bubble)
+    else:
+        bubble = pipeline.bubble_fraction(p.pipe, p.repeats, p.microbatches) if p.pipe > 1 else 0.0
+        compute = f["executed"] * recompute / rate
+    # Fixed costs per layer application: more microbatches, accumulation chunks or bubble iterations pay them.
+    compute += expected._dims(config, V)["layer_execs"] * profile.layer_overhead
+    inside = inside_host(config, devices_per_host)
+    comm, count = {}, axis_collectives(config)
+    for axis, sent in axis_bytes(config).items():
+        seconds = (sent / (profile.intra_host if inside[axis] else profile.inter_host)
+                   + count[axis] * (profile.latency if inside[axis] else profile.latency_inter))
+        if axis == TENSOR and p.overlap == "collective_matmul":
+            seconds = max(0.0, seconds - compute)
+        if axis == "context" and p.context_impl == "ring":
+            seconds = max(0.0, seconds - compute)
+        comm[axis] = seconds
+    tokens = t.batch_size * t.seq_len
+    return Timing(compute, comm, bubble, tokens, f["model_flops_per_device"], rate)
+

@@ -1,0 +1,236 @@
+"""The search: every valid layout of a model on a device count, the ones that fit, ranked by predicted tokens/s.
+
+A layout is a `ParallelConfig` (data, pipe, expert, context, tensor; schedule, repeats, microbatches; sequence
+parallelism, collective matmul, context impl; ZeRO; remat) and `train.grad_accum`. Valid means the config's own
+checks accept it (every candidate is built through `Config`, so the planner can never propose what `jaxpar train`
+refuses) and `tensor` stays inside a host. Each valid layout gets `memory.predict_memory` and `cost.predict_time`;
+those over the memory budget are dropped, the rest ranked fastest first (less memory breaks ties).
+
+Fields named in `fixed` keep the config's value; the rest are searched.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from typing import Iterable, Iterator
+
+from jaxpar.config import Config, ConfigError, resolve_attention
+from jaxpar.errors import PlanError, UsageError, divisors
+from jaxpar.parallel.schedule import SCHEDULES
+from jaxpar.planner.cost import Profile, Timing, predict_time
+from jaxpar.planner.memory import Memory, predict_memory
+
+# The parallel fields the search chooses (plus train.grad_accum).
+SEARCHED = ("data", "pipe", "expert", "context", "tensor", "schedule", "repeats", "microbatches", "sequence_parallel",
+            "overlap", "context_impl", "zero", "remat")
+REMATS = ("none", "dots", "full")
+
+
+@dataclasses.dataclass(frozen=True)
+class Candidate:
+    config: Config
+    memory: Memory
+    timing: Timing
+
+    def label(self) -> str:
+        """The layout in one line (`describe`)."""
+        return describe(self.config)
+
+
+def describe(config: Config) -> str:
+    """A layout in one short line: the degrees above 1, then what else differs from the defaults."""
+    p, t = config.parallel, config.train
+    parts = [f"{a}{getattr(p, a)}" for a in ("data", "pipe", "expert", "context", "tensor") if getattr(p, a) > 1]
+    parts = ["x".join(parts) or "1 device"]
+    if p.pipe > 1:
+        parts.append(f"{p.schedule} v{p.repeats} m{p.microbatches}")
+    if p.sequence_parallel:
+        parts.append("sp" + ("+cm" if p.overlap == "collective_matmul" else ""))
+    if p.context > 1:
+        parts.append(p.context_impl)
+    if p.zero:
+        parts.append(f"zero{p.zero}")
+    if p.remat != "none":
+        parts.append(f"remat={p.remat}")
+    if t.grad_accum > 1:
+        parts.append(f"accum{t.grad_accum}")
+    return " ".join(parts)
+
+
+def _degrees(config: Config, devices: int, devices_per_host: int, fixed: set[str]) -> Iterator[dict[str, int]]:
+    m, p = config.model, config.parallel
+    choices = {
+        "pipe": divisors(m.n_layers),
+        "expert": divisors(m.moe.n_experts) if m.moe.enabled else [1],
+        "context": [c for c in (1, 2, 4, 8, 16, 32, 64) if c == 1 or not m.moe.enabled],
+        "tensor": [t for t in divisors(m.n_heads) if t <= devices_per_host],
+    }
+    for axis in choices:
+        if axis in fixed:
+            choices[axis] = [getattr(p, axis)]
+    for pipe, expert, context, tensor in itertools.product(*choices.values()):
+        inner = pipe * expert * context * tensor
+        if devices % inner == 0 and ("data" not in fixed or p.data in (-1, devices // inner)):
+            yield {"data": devices // inner, "pipe": pipe, "expert": expert, "context": context, "tensor": tensor}
+
+
+def layouts(config: Config, devices: int, devices_per_host: int, fixed: Iterable[str] = ()) -> Iterator[Config]:
+    """Every valid layout of `config` on `devices` (resolved: data filled in), fixed fields kept."""
+    fixed = set(fixed)
+    base, train = config.parallel, config.train
+    keep = lambda name, values: [getattr(base, name)] if name in fixed else values  # noqa: E731
+    for deg in _degrees(config, devices, devices_per_host, fixed):
+        rows = train.batch_size // (deg["data"] * deg["expert"])
+        if rows == 0 or train.batch_size % (deg["data"] * deg["expert"]):
+            continue
+        accums = [train.grad_accum] if "grad_accum" in fixed else [a for a in (1, 2, 4, 8) if rows % a == 0]
+        pipes = [("circular", 1, 1)]
+        if deg["pipe"] > 1:
+            L = config.model.n_layers
+            pipes = [(s, v, mb) for s in keep("schedule", list(SCHEDULES))
+                     for v in keep("repeats", [r for r in divisors(L // deg["pipe"])])
+                     for mb in keep("microbatches", [deg["pipe"] * k for k in (1, 2, 4, 8)])]
+        sps = keep("sequence_parallel", [False, True] if deg["tensor"] > 1 else [False])
+        zeros = keep("zero", [0, 1, 3] if deg["data"] > 1 else [0])
+        impls = keep("context_impl", ["all_gather", "ring"] if deg["context"] > 1 else ["all_gather"])
+        for (sched, v, mb), sp, zero, impl, remat, accum in itertools.product(
+                pipes, sps, zeros, impls, keep("remat", list(REMATS)), accums):
+            for overlap in keep("overlap", ["none", "collective_matmul"] if sp else ["none"]):
+                try:
+                    par = dataclasses.replace(base, **deg, schedule=sched, repeats=v, microbatches=mb,
+                                              sequence_parallel=sp, overlap=overlap, zero=zero, context_impl=impl,
+                                              remat=remat)
+                    yield dataclasses.replace(config, parallel=par, train=dataclasses.replace(
+                        train, grad_accum=accum)).resolve_for_devices(devices)
+                except ConfigError:
+                    continue
+
+
+def rank(config: Config, devices: int, profile: Profile, *, devices_per_host: int | None = None,
+         memory_gb: float | None = None, fixed: Iterable[str] = ()) -> tuple[list[Candidate], list[Candidate]]:
+    """(those that fit, fastest first; those that do not, smallest first) for `config` on `devices`."""
+    per_host = devices_per_host or devices
+    budget = (memory_gb if memory_gb is not None else profile.memory_gb) * 1e9
+    model = resolve_attention(config.model, _Device(profile))
+    config = dataclasses.replace(config, model=model)
+    fit, over = [], []
+    for layout in layouts(config, devices, per_host, fixed):
+        mem = predict_memory(layout)
+        cand = Candidate(layout, mem, predict_time(layout, profile, per_host))
+        (fit if mem.total <= budget else over).append(cand)
+    fit.sort(key=lambda c: (c.timing.step, c.memory.total))
+    over.sort(key=lambda c: c.memory.total)
+    return fit, over
+
+
+@dataclasses.dataclass(frozen=True)
+class _Device:
+    """What `resolve_attention` reads of a device, for the kind being planned for."""
+
+    profile: Profile
+
+    @property
+    def platform(self) -> str:
+        return "cpu" if self.profile.name.lower().startswith("cpu") else "gpu"
+
+    @property
+    def device_kind(self) -> str:
+        return "cpu" if self.platform == "cpu" else f"NVIDIA {self.profile.name}"
+
+
+def why(winner: Candidate, other: Candidate) -> str:
+    """One sentence on why `winner` beats `other`: the part of the step time that differs most."""
+    a, b = winner.timing, other.timing
+    parts = {"compute": b.compute - a.compute, "bubble": (b.bubble - a.bubble) * b.step}
+    for axis in set(a.comm) | set(b.comm):
+        parts[f"{axis} communication"] = b.comm.get(axis, 0.0) - a.comm.get(axis, 0.0)
+    name, gain = max(parts.items(), key=lambda kv: kv[1])
+    return (f"{winner.label()} beats {other.label()} by {(b.step / a.step - 1) * 100:.1f} % of predicted step time; "
+            f"the largest difference is {name} ({gain * 1e3:.3g} ms less per step)")
+
+
+def smallest_fit(config: Config, profile: Profile, devices: int, devices_per_host: int, memory_gb: float,
+                 fixed: Iterable[str] = ()) -> str:
+    """When nothing fits: the memory per device the leanest layout needs, and the smallest power-of-two device
+    count (up to 4096) on which some layout fits the budget."""
+    _, over = rank(config, devices, profile, devices_per_host=devices_per_host, memory_gb=0.0, fixed=fixed)
+    if not over:
+        return "no valid layout at all: check the parallel fields fixed by the config"
+    need = over[0].memory.total / 1e9
+    n = devices
+    while n < 4096:
+        n *= 2
+        fit, _ = rank(config, n, profile, devices_per_host=min(devices_per_host, n), memory_gb=memory_gb,
+                      fixed=fixed)
+        if fit:
+            return (f"the leanest layout on {devices} devices ({over[0].label()}) needs {need:.2f} GB per device; "
+                    f"{n} devices fit it in {memory_gb:g} GB ({fit[0].label()})")
+    return f"the leanest layout on {devices} devices ({over[0].label()}) needs {need:.2f} GB per device"
+
+
+
+def plan(config: Config, devices: int, profile: Profile, *, hosts: int = 1, memory_gb: float | None = None,
+         fixed: Iterable[str] = ()) -> dict:
+    """The planner's answer for `config` on `devices` split over `hosts` hosts: every layout that fits the memory
+    budget per device (default: the profile's device memory), fastest first, the winner and why. A model that fits
+    no layout raises `PlanError` naming the memory or device count that would fit."""
+    if devices < 1 or hosts < 1 or devices % hosts:
+        raise UsageError(f"--devices {devices} --hosts {hosts}: the devices must split evenly over the hosts "
+                         "(both positive)")
+    budget = profile.memory_gb if memory_gb is None else memory_gb
+    if not budget > 0:
+        raise UsageError(f"--memory-gb {memory_gb}: a memory budget per device must be positive")
+    per_host = devices // hosts
+    fit, over = rank(config, devices, profile, devices_per_host=per_host, memory_gb=budget, fixed=fixed)
+    if not fit:
+        if not over:
+            raise PlanError(f"no valid layout of this model on {devices} devices with the fixed fields "
+                            f"{sorted(fixed)}: every combination is refused by the config's checks")
+        raise PlanError(f"no layout fits {budget:g} GB per device on {devices} devices: "
+                        + smallest_fit(config, profile, devices, per_host, budget, fixed)
+                        + " (raise --memory-gb or --devices)")
+    peak = profile.flops_peak(config.model.dtype)
+    rows = [_row(c, peak) for c in fit]
+    out = {"devices": devices, "hosts": hosts, "memory_gb": budget, "profile": profile.name,
+           "profile_source": profile.source, "layouts": len(fit) + len(over), "fit": len(fit), "ranked": rows,
+           "winner": rows[0]}
+    if len(fit) > 1:
+        runner = next((c for c in fit[1:] if _structure(c.config) != _structure(fit[0].config)), fit[1])
+        out["runner_up"] = _row(runner, peak)
+        out["why"] = why(fit[0], runner)
+    return out
+
+
+def _structure(config: Config) -> tuple:
+    """A layout less what only trades memory for time (ZeRO, remat, accumulation): the runner-up differs in it."""
+    p = config.parallel
+    return (config.mesh_shape, p.schedule, p.repeats, p.microbatches, p.sequence_parallel, p.overlap,
+            p.context_impl)
+
+
+def _row(c: Candidate, peak: float | None) -> dict:
+    parallel = {f: getattr(c.config.parallel, f) for f in SEARCHED}
+    return {"layout": c.label(), "parallel": parallel, "grad_accum": c.config.train.grad_accum,
+            "memory": c.memory.as_dict(), "time": c.timing.as_dict(), "mfu": c.timing.mfu(peak)}
+
+
+def format_plan(result: dict, top: int = 10) -> str:
+    """The plan as a table: the `top` fastest layouts that fit, memory by part (GB per device), step time, MFU,
+    bubble and communication share, then the winner and why."""
+    gb = lambda b: f"{b / 1e9:7.3f}"  # noqa: E731
+    head = (f"{'#':>3} {'layout':52} {'params':>7} {'optim':>7} {'grads':>7} {'activ':>7} {'work':>7} {'total':>7} "
+            f"{'step ms':>9} {'tok/s':>10} {'MFU':>6} {'bubble':>6} {'comm':>6}")
+    lines = [f"{result['fit']} of {result['layouts']} valid layouts fit {result['memory_gb']:g} GB per device on "
+             f"{result['devices']} devices ({result['hosts']} host(s)); profile {result['profile']} "
+             f"({result['profile_source']})", head, "-" * len(head)]
+    for i, r in enumerate(result["ranked"][:top], 1):
+        m, t = r["memory"], r["time"]
+        mfu = f"{r['mfu'] * 100:5.1f}%" if r["mfu"] is not None else "     -"
+        lines.append(f"{i:3d} {r['layout'][:52]:52} {gb(m['params'])} {gb(m['optimizer'])} {gb(m['gradients'])} "
+                     f"{gb(m['activations'])} {gb(m['workspace'])} {gb(m['total'])} {t['step_s'] * 1e3:9.3f} "
+                     f"{t['tokens_per_s']:10.4g} {mfu} {t['bubble'] * 100:5.1f}% {t['comm_share'] * 100:5.1f}%")
+    lines.append(f"winner: {result['winner']['layout']}")
+    if "why" in result:
+        lines.append(f"why: {result['why']}")
+    return "\n".join(lines)
