@@ -22,9 +22,10 @@ new policy, a named checkpoint or an MoE router changes the trace, not this file
     sequence parallel the residual-stream tensors [rows, s, h] split over `tensor` (Korthikanti et al. 2022)
     context parallel  s/c query tokens a rank; all_gather's gathered K/V and [s/c, s] scores are c times the local
                       trace's (the ring keeps its own blocks only)
-Workspace — what the step allocates around those (XLA's temporaries). Measured, not derived: one layer's activations
-without remat (the backward's working set: what a remat policy recomputes comes back for one layer at a time) plus
-the logits' float32 gradient, times a factor fitted on compiled programs (`WORKSPACE`, bench/plan.py measures it).
+Workspace — what the step allocates around those (XLA's temporaries). Measured, not derived: under remat, one layer's
+activations without remat (what the policy recomputes comes back one layer at a time), times a factor fitted on
+compiled programs (`WORKSPACE`, bench/plan.py measures it). `backend='cpu'` adds what XLA:CPU's dense lowering of the
+MoE grouped matmuls holds (`_routed_factor`).
 """
 
 from __future__ import annotations
@@ -46,10 +47,11 @@ from jaxpar.parallel.axes import AXES, BATCH_AXES, DATA, EXPERT, TENSOR
 from jaxpar.parallel.plan import plan_rules
 from jaxpar.sharding import logical_to_spec, zero_spec
 
-# XLA's temporaries beyond the saved activations and gradients, in units of the backward's working set (one layer's
-# activations without remat, plus the float32 logits): fitted on XLA:CPU's buffer assignment over the layouts of
-# bench/plan.py (tiny, MoE, long context); see bench/RESULTS.md for the fit and its spread.
-WORKSPACE = 1.1
+# XLA's temporaries beyond the saved activations and gradients, in units of the backward's working set (under remat:
+# one layer's activations, recomputed; on XLA:CPU also the dense MoE expert buffers): least squares on XLA:CPU's
+# buffer assignment over the 33 layouts of bench/plan.py (tiny, MoE, long context) gave 1.17 with the activations
+# scaled 0.95 — so, activations taken whole, about 1.15. bench/RESULTS.md has the spread.
+WORKSPACE = 1.15
 
 
 @dataclasses.dataclass(frozen=True)
@@ -175,13 +177,17 @@ def residuals(model: ModelConfig, seq: int, remat: str, moe_layer: bool) -> tupl
     return tuple(layer.elements()), tuple((same + (one - same - first)).elements())
 
 
-def _scaled(entries, config: Config, s_local: int) -> float:
-    """Bytes of residual entries once sequence and context parallelism act on them (see the docstring)."""
+def _scaled(entries, config: Config, s_local: int, routed: tuple[float, float] = (1.0, 1.0)) -> float:
+    """Bytes of residual entries once sequence and context parallelism act on them (see the docstring); `routed`
+    multiplies the experts' rows (2-D residuals of s·k routed assignments a sequence; `_routed_factor`: [hidden
+    widths, model width])."""
     m, p = config.model, config.parallel
     t, c = p.tensor, p.context
     total = 0.0
     for shape, nbytes in entries:
         size = math.prod(shape)
+        if len(shape) == 2 and shape[0] == s_local * m.moe.top_k:  # an expert-side [rows·k, n] (MoE layers only)
+            nbytes *= routed[shape[-1] == m.d_model]
         if p.sequence_parallel and shape and shape[-1] == m.d_model and size % (s_local * m.d_model) == 0:
             nbytes /= t  # the residual stream between tensor regions: [rows, s/t, h]
         if c == 1 or p.context_impl == "ring":  # the ring keeps no [s/c, s] score row, only its own blocks
@@ -195,9 +201,24 @@ def _scaled(entries, config: Config, s_local: int) -> float:
     return total
 
 
-def activation_bytes(config: Config) -> dict[str, float]:
+def _routed_factor(config: Config, backend: str) -> tuple[float, float]:
+    """How much larger an MoE layer's expert rows [rows·k, n] are than the trace's, for hidden widths n and for the
+    model width: expert parallelism pads each rank's exchange to the worst case, ep·min(k, X/ep) rows a token
+    instead of k (dropless); and XLA:CPU, which has no grouped matmul, lowers `ragged_dot` densely — every local
+    expert over all rows — and keeps the down projection's [X/ep, rows, h] for the backward (its buffer assignment
+    shows them), X/ep times the model-width rows. A GPU's grouped GEMM keeps the rows once."""
+    moe, ep = config.moe, config.parallel.expert
+    if not moe.enabled:
+        return 1.0, 1.0
+    local = moe.n_experts // ep
+    pad = ep * min(moe.top_k, local) / moe.top_k if not moe.capacity_factor else 1.0
+    return pad, pad * (local if backend == "cpu" else 1)
+
+
+def activation_bytes(config: Config, backend: str = "gpu") -> dict[str, float]:
     """Activations saved for the backward, per device: {'layers', 'outside', 'working_set'} (see the docstring);
-    `working_set` is one layer's activations without remat plus the logits, the unit of `WORKSPACE`."""
+    `working_set` (the unit of `WORKSPACE`) is, under remat, one layer's activations without it, and on 'cpu' the
+    dense MoE expert buffers of one layer."""
     m, p, t = config.model, config.parallel, config.train
     degrees = degrees_of(config)
     local = local_model(m, degrees)
@@ -217,19 +238,26 @@ def activation_bytes(config: Config) -> dict[str, float]:
         layer_rows = outside_rows = b // A
         layers, kinds = 1, m.layer_kinds
     # Traced for one row: every residual is [rows, …] (or [rows·s, …]), so the bytes scale with the rows.
-    per_kind = {k: _scaled(residuals(local, s, p.remat, k)[0], config, s) for k in set(kinds)}
+    routed = _routed_factor(config, backend)
+    per_kind = {k: _scaled(residuals(local, s, p.remat, k)[0], config, s, routed) for k in set(kinds)}
     saved = layers * layer_rows * sum(per_kind[k] for k in kinds)
     outside = outside_rows * _scaled(residuals(local, s, p.remat, kinds[0])[1], config, s)
     # Under remat the backward brings one layer's activations back at a time: its working set on top of the saved.
-    none = 0.0 if p.remat == "none" else layer_rows * max(_scaled(residuals(local, s, "none", k)[0], config, s)
-                                                          for k in set(kinds))
+    none = 0.0 if p.remat == "none" else layer_rows * max(
+        _scaled(residuals(local, s, "none", k)[0], config, s, routed) for k in set(kinds))
+    if backend == "cpu" and any(kinds):
+        # XLA:CPU's dense `ragged_dot`: one MoE layer's backward holds ~7 [X/ep, rows·k, F/t] float32 buffers at once
+        # (gate, up, their product and gradients; counted in the buffer assignment of moe_tiny's step).
+        moe = m.moe
+        none += 7 * (moe.n_experts // p.expert) * layer_rows * s * moe.top_k * routed[0] * (moe.d_ff // p.tensor) * 4
     return {"layers": saved, "outside": outside, "working_set": none}
 
 
-def predict_memory(config: Config) -> Memory:
-    """The step's memory per device for `config` resolved for its devices (`Config.resolve_for_devices`)."""
+def predict_memory(config: Config, backend: str = "gpu") -> Memory:
+    """The step's memory per device for `config` resolved for its devices (`Config.resolve_for_devices`), compiled
+    for `backend` ('gpu', or 'cpu': XLA:CPU's dense lowering of the MoE grouped matmuls, `_routed_factor`)."""
     state = state_bytes(config)
-    act = activation_bytes(config)
+    act = activation_bytes(config, backend)
     return Memory(params=state["params"], optimizer=state["optimizer"], batch=state["batch"],
                   gradients=state["gradients"], activations=act["layers"] + act["outside"],
                   workspace=WORKSPACE * act["working_set"])

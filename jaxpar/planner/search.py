@@ -115,8 +115,9 @@ def rank(config: Config, devices: int, profile: Profile, *, devices_per_host: in
     model = resolve_attention(config.model, _Device(profile))
     config = dataclasses.replace(config, model=model)
     fit, over = [], []
+    backend = _Device(profile).platform
     for layout in layouts(config, devices, per_host, fixed):
-        mem = predict_memory(layout)
+        mem = predict_memory(layout, backend)
         cand = Candidate(layout, mem, predict_time(layout, profile, per_host))
         (fit if mem.total <= budget else over).append(cand)
     fit.sort(key=lambda c: (c.timing.step, c.memory.total))
