@@ -62,7 +62,7 @@ def per_layer(tensor, sequence):
     return activation_bytes_per_layer(config, mesh)["per_layer"]
 
 
-@pytest.mark.parametrize("tensor", [2, 4, 8])
+@pytest.mark.parametrize("tensor", [2, 4])  # two degrees show the 1/t; 8 added 30 s and nothing new
 def test_sequence_parallel_divides_activation_memory_by_tensor(tensor):
     """Korthikanti et al.: TP alone leaves the norm/residual/dropout activations (≈10·s·b·h) replicated; TP+SP
     shards all of a layer's activations, so per device they are 1/t of the single-device figure."""

@@ -196,8 +196,11 @@ def test_remat_matches_no_remat_in_value_and_grads(policy):
     np.testing.assert_allclose(l0, l1, rtol=1e-6)
     assert_grads_match(g1, g0)
     # And it saves memory: the layers fit one scan trip here (n_layers <= scan_unroll), which XLA inlines — the case
-    # where a checkpoint without CSE barriers was merged back into the forward and saved nothing.
+    # where a checkpoint without CSE barriers was merged back into the forward and saved nothing (one policy shows
+    # it: both go through the same checkpoint).
     assert model.cfg.n_layers <= model.cfg.scan_unroll
+    if policy != "full":
+        return
     temp = {r: jax.jit(jax.value_and_grad(loss), static_argnums=1).lower(params, r).compile().memory_analysis()
             .temp_size_in_bytes for r in ("none", policy)}
     assert temp[policy] < 0.8 * temp["none"], temp
