@@ -33,10 +33,10 @@ import pathlib
 
 from jaxpar.config import Config, ConfigError
 from jaxpar import flops
-from jaxpar.parallel import pipeline, schedule
+from jaxpar.parallel import pipeline
 from jaxpar.parallel.axes import AXES, DATA, EXPERT, TENSOR
 from jaxpar.planner import expected
-from jaxpar.planner.memory import padded_vocab, state_bytes
+from jaxpar.planner.memory import padded_vocab, schedule_table, state_bytes
 
 GB = 1e9
 
@@ -168,7 +168,7 @@ def axis_collectives(config: Config) -> dict[str, float]:
         out[TENSOR] = d["layer_execs"] * (6 if p.sequence_parallel else 4)
     if p.pipe > 1:
         ticks = (d["iterations"] if p.schedule == "circular" else
-                 schedule.build(p.schedule, p.pipe, p.repeats, p.microbatches).n_ticks * d["A"])
+                 schedule_table(p.schedule, p.pipe, p.repeats, p.microbatches).n_ticks * d["A"])
         out["pipe"] = 2 * ticks
     if p.context > 1:
         out["context"] = d["layer_execs"] * (2 * (p.context - 1) if p.context_impl == "ring" else 2)
@@ -189,7 +189,7 @@ def axis_bytes(config: Config) -> dict[str, float]:
         if p.schedule == "circular":
             out["pipe"] = expected.pipeline_bytes(config)["permute_bytes"]
         else:
-            table = schedule.build(p.schedule, p.pipe, p.repeats, p.microbatches)
+            table = schedule_table(p.schedule, p.pipe, p.repeats, p.microbatches)
             sends = pipeline.Pipeline(p.pipe, p.repeats, p.microbatches, config.model.n_layers,
                                       p.schedule).program.sends()
             out["pipe"] = expected.schedule_permute_bytes(config, table.n_ticks,
@@ -213,7 +213,7 @@ def predict_time(config: Config, profile: Profile, devices_per_host: int) -> Tim
                  / flops.hardware_flops_per_token(m, t.seq_len, remat="none", full_attention=True))
     rate = profile.rate(m.dtype)
     if p.pipe > 1 and p.schedule != "circular":
-        bubble = schedule.build(p.schedule, p.pipe, p.repeats, p.microbatches).bubble
+        bubble = schedule_table(p.schedule, p.pipe, p.repeats, p.microbatches).bubble
         compute = f["useful"] * recompute / rate / (1 - bubble)
     else:
         bubble = pipeline.bubble_fraction(p.pipe, p.repeats, p.microbatches) if p.pipe > 1 else 0.0

@@ -112,6 +112,13 @@ def state_bytes(config: Config) -> dict[str, int]:
             "batch": rows * (config.train.seq_len + 1) * 4}
 
 
+@functools.lru_cache(maxsize=256)
+def schedule_table(name: str, stages: int, chunks: int, microbatches: int) -> schedule.Table:
+    """`schedule.build`, once per shape: the search asks for the same tables thousands of times (uncached, building
+    them was 90 % of a search's time)."""
+    return schedule.build(name, stages, chunks, microbatches)
+
+
 @functools.lru_cache(maxsize=64)
 def _variables(model: ModelConfig, vocab: int) -> tuple[nnx.Variable, ...]:
     _, params = abstract_model(model, vocab)
@@ -231,7 +238,7 @@ def activation_bytes(config: Config, backend: str = "gpu") -> dict[str, float]:
         if p.schedule == "circular":
             chunks = pipeline.iterations(p.pipe, p.repeats, p.microbatches)
         else:  # each chunk in flight holds its vjp residuals (the stash) and its matmul inputs (the tape, for W)
-            chunks = 2 * max(schedule.build(p.schedule, p.pipe, p.repeats, p.microbatches).in_flight())
+            chunks = 2 * max(schedule_table(p.schedule, p.pipe, p.repeats, p.microbatches).in_flight())
         layer_rows, outside_rows, layers = mb, b // p.pipe // A, chunks
         kinds = m.layer_kinds[:k]
     else:
