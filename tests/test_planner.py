@@ -7,18 +7,22 @@ import json
 import math
 
 import jax
-import jax.numpy as jnp
 import pytest
 
+from bench.pipeline import abstract_step
 from jaxpar.analysis.hlo import memory
 from jaxpar.cli import main
 from jaxpar.config import load_config
-from jaxpar.parallel.plan import batch_sharding
 from jaxpar.planner import cost, search
 from jaxpar.planner.memory import predict_memory, state_bytes
-from jaxpar.train import build_trainer
 
 FLAT = ["parallel.pipe=1", "parallel.repeats=1", "parallel.microbatches=1"]
+
+
+def _compiled_memory(config) -> dict:
+    """`memory_analysis` of the train step of `config` on all devices, compiled from abstract state."""
+    step, state, batch = abstract_step(config)
+    return memory(step.lower(state, batch).compile())
 
 
 def _shard_bytes(tree) -> int:
@@ -34,12 +38,10 @@ def _shard_bytes(tree) -> int:
 def test_state_bytes_are_the_sums_of_the_real_shards(path, overrides):
     """params, optimizer and batch bytes per device equal the abstract TrainState's shards (nothing compiled)."""
     config = load_config(path, overrides).resolve_for_devices(8)
-    trainer = build_trainer(config, jax.devices(), abstract=True)
+    _, state, batch = abstract_step(config)
     predicted = state_bytes(config)
-    assert predicted["params"] == _shard_bytes(trainer.state.params)
-    assert predicted["optimizer"] == _shard_bytes(trainer.state.opt_state) + _shard_bytes(trainer.state.step)
-    t = config.train
-    batch = jax.ShapeDtypeStruct((t.batch_size, t.seq_len + 1), jnp.int32, sharding=batch_sharding(trainer.mesh))
+    assert predicted["params"] == _shard_bytes(state.params)
+    assert predicted["optimizer"] == _shard_bytes(state.opt_state) + _shard_bytes(state.step)
     assert predicted["batch"] == _shard_bytes(batch)
 
 
@@ -51,10 +53,7 @@ def test_memory_prediction_against_the_compiled_step(overrides):
     """Resident bytes (the step's arguments) exactly; the total within 25 % of the compiled peak (bench/plan.py
     measures the spread over 33 layouts: see bench/RESULTS.md)."""
     config = load_config("configs/tiny.py", overrides).resolve_for_devices(8)
-    trainer = build_trainer(config, jax.devices(), abstract=True)
-    t = config.train
-    batch = jax.ShapeDtypeStruct((t.batch_size, t.seq_len + 1), jnp.int32, sharding=batch_sharding(trainer.mesh))
-    measured = memory(trainer.train_step.lower(trainer.state, batch).compile())
+    measured = _compiled_memory(config)
     predicted = predict_memory(config, "cpu")
     assert predicted.resident == measured["argument_bytes"]
     assert abs(predicted.total / measured["peak_bytes"] - 1) < 0.25, (predicted, measured)
@@ -81,12 +80,9 @@ def test_the_pick_compiles_within_a_budget_that_rules_out_the_naive_layouts():
     assert winner["memory"]["total"] <= budget_gb * 1e9 and "why" in result
     chosen = load_config("configs/tiny.py", [f"parallel.{k}={v}" for k, v in winner["parallel"].items()]
                          + [f"train.grad_accum={winner['grad_accum']}"]).resolve_for_devices(8)
-    trainer = build_trainer(chosen, jax.devices(), abstract=True)
-    t = chosen.train
-    batch = jax.ShapeDtypeStruct((t.batch_size, t.seq_len + 1), jnp.int32, sharding=batch_sharding(trainer.mesh))
-    measured = memory(trainer.train_step.lower(trainer.state, batch).compile())
+    measured = _compiled_memory(chosen)
     assert measured["peak_bytes"] <= budget_gb * 1e9, (winner["layout"], measured["peak_bytes"], budget_gb)
-    assert measured["peak_bytes"] > 0 and naive.total > budget_gb * 1e9
+    assert "data8" not in {r["layout"] for r in result["ranked"]}  # the naive layout was dropped by the budget
 
 
 def test_plan_command_prints_the_table_and_json(capsys):

@@ -18,7 +18,7 @@ from jaxpar.config import ConfigError, ModelConfig, MoEConfig, ParallelConfig
 from jaxpar.data import load_tokens
 from jaxpar.families import Param
 from jaxpar.infer import decode
-from jaxpar.infer.text import held_out_loss, load
+from jaxpar.infer.text import load, next_token_nll
 from jaxpar.matmul import Quantized, quantize
 from jaxpar.model import KVCache, Transformer, quantize_state
 from jaxpar.parallel.plan import make_plan
@@ -162,7 +162,7 @@ def test_quantized_fixture_loss_stays_near_bf16(fixture):
             windows = np.asarray(stream[:8 * 65]).reshape(8, 65) % loaded.config.model.vocab_size
         logits = decode.explicit_prefill_logits(loaded.model, loaded.plan, windows[:, :-1].astype(np.int32),
                                                 np.zeros(8, np.int32))
-        results[fmt] = held_out_loss(loaded, windows), logits.argmax(-1)  # (the same compiled prefill)
+        results[fmt] = next_token_nll(logits, windows[:, 1:]), logits.argmax(-1)
     (base, top), (int8, top8), (int4, _) = results.values()
     print(f"{fixture}: held-out loss bf16 {base:.4f} int8 {int8:.4f} int4 {int4:.4f}; "
           f"int8 next-token agreement {(top8 == top).mean():.3f}")

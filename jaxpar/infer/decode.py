@@ -132,6 +132,11 @@ def _explicit_parts(graphdef: nnx.GraphDef, plan, *, temperature: float, top_k: 
 _EXPLICIT_CACHE: dict = {}  # compiled explicit programs, by what they depend on (never the plan id)
 
 
+def _plan_key(graphdef: nnx.GraphDef, plan) -> tuple:
+    """What an explicit program depends on of the model and its plan (the `_EXPLICIT_CACHE` key's common part)."""
+    return graphdef, plan.mesh, plan.rules, plan.parallel, plan.model
+
+
 def _local_cache(plan, batch: int, slots: int, start: jax.Array) -> KVCache:
     """An empty cache of this rank's rows and kv heads, inside the plan's shard_map, typed as varying over what the
     keys and values written into it vary over (data, and tensor when the heads are split)."""
@@ -179,7 +184,7 @@ def explicit_prefill_logits(model: nnx.Module, plan, tokens: np.ndarray, start: 
     (`left_pad`) → float32 [B, P, vocab_size], each tensor rank's vocab shard put together on the host (the sampler
     never does that)."""
     graphdef, params = nnx.split(model)
-    key = ("prefill", graphdef, plan.mesh, plan.rules, plan.parallel, plan.model)  # as in _generate_on_plan
+    key = ("prefill", *_plan_key(graphdef, plan))
     if key not in _EXPLICIT_CACHE:  # built once: callers (held_out_loss) run it batch after batch
 
         def run(params, tokens, start):
@@ -308,7 +313,7 @@ def _generate_on_plan(graphdef, params, plan, tokens: np.ndarray, start: np.ndar
         tokens = np.concatenate([tokens, np.full((extra, tokens.shape[1]), settings["pad_token_id"], np.int32)])
         start = np.concatenate([start, np.full((extra,), tokens.shape[1] - 1, np.int32)])
     # (what the program depends on: not the plan's id, which a later plan may reuse)
-    key = (graphdef, plan.mesh, plan.rules, plan.parallel, plan.model, tuple(sorted(settings.items())))
+    key = (*_plan_key(graphdef, plan), tuple(sorted(settings.items())))
     if key not in _EXPLICIT_CACHE:
         _EXPLICIT_CACHE[key] = _explicit_generate(graphdef, plan, _param_specs(params, plan), **settings)
     rows = jax.sharding.NamedSharding(plan.mesh, P("data"))

@@ -195,11 +195,17 @@ def held_out_loss(loaded: LoadedModel, windows: np.ndarray, *, batch: int = 8) -
     for i in range(0, len(windows), batch):
         rows = windows[i:i + batch]
         logits = decode.explicit_prefill_logits(loaded.model, loaded.plan, rows[:, :-1].astype(np.int32),
-                                                np.zeros(len(rows), np.int32)).astype(np.float64)
-        top = logits.max(-1, keepdims=True)
-        lse = np.log(np.exp(logits - top).sum(-1)) + top[..., 0]
-        total += float((lse - np.take_along_axis(logits, rows[:, 1:, None], -1)[..., 0]).sum())
+                                                np.zeros(len(rows), np.int32))
+        total += next_token_nll(logits, rows[:, 1:]) * rows[:, 1:].size
     return total / (windows.shape[0] * (windows.shape[1] - 1))
+
+
+def next_token_nll(logits: np.ndarray, targets: np.ndarray) -> float:
+    """Mean loss in nats of logits [B, T, V] against targets int [B, T], the log-softmax in float64."""
+    logits = np.asarray(logits, np.float64)
+    top = logits.max(-1, keepdims=True)
+    lse = np.log(np.exp(logits - top).sum(-1)) + top[..., 0]
+    return float((lse - np.take_along_axis(logits, targets[..., None], -1)[..., 0]).mean())
 
 
 def generate_tokens(loaded: LoadedModel, prompt: np.ndarray, *, max_new_tokens: int, seed: int = 0,

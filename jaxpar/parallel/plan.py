@@ -199,8 +199,13 @@ def make_plan(model: ModelConfig, parallel: ParallelConfig | None = None, device
     if degrees[CONTEXT] > 1:
         context = ContextParallel(CONTEXT, degrees[CONTEXT], parallel.context_impl, model.sliding_window)
     expert = ExpertParallel(EXPERT if degrees[EXPERT] > 1 else None, degrees[EXPERT])
-    return Plan(mesh, degrees, rules, math.ceil(model.vocab_size / t) * t, tensor, pipeline, parallel.zero, explicit,
+    return Plan(mesh, degrees, rules, padded_vocab(model, t), tensor, pipeline, parallel.zero, explicit,
                 runs, context, expert)
+
+
+def padded_vocab(model: ModelConfig, tensor: int) -> int:
+    """The vocab rounded up to a multiple of the tensor degree (Megatron's make-vocab-size-divisible-by)."""
+    return math.ceil(model.vocab_size / tensor) * tensor
 
 
 def plan_rules(model: ModelConfig, degrees: dict[str, int]) -> tuple[tuple[str, MeshAxes], ...]:

@@ -36,6 +36,8 @@ Bubbles, each the table's own count (`formula_bubble` derives them): 2(p−1)/(3
 from __future__ import annotations
 
 import dataclasses
+import functools
+
 import numpy as np
 
 F, B, W = "F", "B", "W"
@@ -241,8 +243,10 @@ def _zbv(p: int, ready: list[Action], st: _Stage) -> Action | None:
     return None
 
 
+@functools.lru_cache(maxsize=256)
 def build(name: str, stages: int, chunks: int, microbatches: int) -> Table:
-    """The schedule's table (raises ValueError where `check` objects)."""
+    """The schedule's table (raises ValueError where `check` objects). Built once per shape — a Table is immutable,
+    and the planner asks for the same ones thousands of times (uncached, this was 90 % of a search)."""
     why = check(name, stages, chunks, microbatches)
     if why:
         raise ValueError(f"{why[0]} = {why[1]!r}: {why[2]}. Fix: {why[3]}")

@@ -33,10 +33,11 @@ import pathlib
 
 from jaxpar.config import Config, ConfigError
 from jaxpar import flops
-from jaxpar.parallel import pipeline
+from jaxpar.parallel import pipeline, schedule
 from jaxpar.parallel.axes import AXES, DATA, EXPERT, TENSOR
+from jaxpar.parallel.plan import padded_vocab
 from jaxpar.planner import expected
-from jaxpar.planner.memory import padded_vocab, schedule_table, state_bytes
+from jaxpar.planner.memory import param_bytes
 
 GB = 1e9
 
@@ -64,10 +65,6 @@ class Profile:
     def flops_peak(self, dtype: str) -> float | None:
         """The datasheet peak the MFU column divides by (None for a probed CPU: no datasheet)."""
         return self.peak.get(dtype) or self.peak.get("float32") if self.peak else None
-
-    def to_json(self) -> str:
-        """The profile as the JSON `load_profile` reads."""
-        return json.dumps(dataclasses.asdict(self), indent=2, sort_keys=True)
 
 
 # Defaults per device kind: the datasheet's dense peak times an achievable fraction (large transformer matmuls reach
@@ -123,7 +120,6 @@ class Timing:
     bubble: float
     tokens: int
     model_flops: float  # per device per step (the MFU numerator)
-    rate: float  # achievable FLOP/s the compute assumed
 
     @property
     def step(self) -> float:
@@ -168,7 +164,7 @@ def axis_collectives(config: Config) -> dict[str, float]:
         out[TENSOR] = d["layer_execs"] * (6 if p.sequence_parallel else 4)
     if p.pipe > 1:
         ticks = (d["iterations"] if p.schedule == "circular" else
-                 schedule_table(p.schedule, p.pipe, p.repeats, p.microbatches).n_ticks * d["A"])
+                 schedule.build(p.schedule, p.pipe, p.repeats, p.microbatches).n_ticks * d["A"])
         out["pipe"] = 2 * ticks
     if p.context > 1:
         out["context"] = d["layer_execs"] * (2 * (p.context - 1) if p.context_impl == "ring" else 2)
@@ -189,7 +185,7 @@ def axis_bytes(config: Config) -> dict[str, float]:
         if p.schedule == "circular":
             out["pipe"] = expected.pipeline_bytes(config)["permute_bytes"]
         else:
-            table = schedule_table(p.schedule, p.pipe, p.repeats, p.microbatches)
+            table = schedule.build(p.schedule, p.pipe, p.repeats, p.microbatches)
             sends = pipeline.Pipeline(p.pipe, p.repeats, p.microbatches, config.model.n_layers,
                                       p.schedule).program.sends()
             out["pipe"] = expected.schedule_permute_bytes(config, table.n_ticks,
@@ -198,9 +194,8 @@ def axis_bytes(config: Config) -> dict[str, float]:
     if config.moe.enabled:
         out[EXPERT] = expected.expert_bytes(config)["total"]
     d = p.data
-    if d > 1:
-        grads = state_bytes(config)["params"] * (p.data if p.zero >= 3 else 1)  # the unsharded gradient shard
-        out[DATA] = 2 * (d - 1) / d * grads * (2 if p.zero >= 3 else 1)
+    if d > 1:  # the gradients as the step holds them before reducing: not split over data
+        out[DATA] = 2 * (d - 1) / d * param_bytes(config) * (2 if p.zero >= 3 else 1)
     return out
 
 
@@ -213,7 +208,7 @@ def predict_time(config: Config, profile: Profile, devices_per_host: int) -> Tim
                  / flops.hardware_flops_per_token(m, t.seq_len, remat="none", full_attention=True))
     rate = profile.rate(m.dtype)
     if p.pipe > 1 and p.schedule != "circular":
-        bubble = schedule_table(p.schedule, p.pipe, p.repeats, p.microbatches).bubble
+        bubble = schedule.build(p.schedule, p.pipe, p.repeats, p.microbatches).bubble
         compute = f["useful"] * recompute / rate / (1 - bubble)
     else:
         bubble = pipeline.bubble_fraction(p.pipe, p.repeats, p.microbatches) if p.pipe > 1 else 0.0
@@ -231,5 +226,5 @@ def predict_time(config: Config, profile: Profile, devices_per_host: int) -> Tim
             seconds = max(0.0, seconds - compute)
         comm[axis] = seconds
     tokens = t.batch_size * t.seq_len
-    return Timing(compute, comm, bubble, tokens, f["model_flops_per_device"], rate)
+    return Timing(compute, comm, bubble, tokens, f["model_flops_per_device"])
 

@@ -43,8 +43,9 @@ from flax import nnx
 from jaxpar.config import Config, ModelConfig
 from jaxpar.model import abstract_model
 from jaxpar.parallel import pipeline, schedule
-from jaxpar.parallel.axes import AXES, BATCH_AXES, DATA, EXPERT, TENSOR
-from jaxpar.parallel.plan import plan_rules
+from jaxpar.parallel.axes import AXES, BATCH_AXES, TENSOR
+from jaxpar.parallel.plan import padded_vocab, plan_rules
+from jaxpar.planner import expected
 from jaxpar.sharding import logical_to_spec, zero_spec
 
 # XLA's temporaries beyond the saved activations and gradients, in units of the backward's working set (under remat:
@@ -81,12 +82,7 @@ class Memory:
 
 def degrees_of(config: Config) -> dict[str, int]:
     """{mesh axis: degree} of a config resolved for its devices (data filled in)."""
-    return {a: getattr(config.parallel, a) for a in AXES}
-
-
-def padded_vocab(model: ModelConfig, tensor: int) -> int:
-    """The vocab rounded up to a multiple of the tensor degree (as `make_plan` pads it)."""
-    return math.ceil(model.vocab_size / tensor) * tensor
+    return dict(zip(AXES, config.mesh_shape))
 
 
 def _shard_bytes(v: nnx.Variable, rules, degrees: dict[str, int], zero_data: int) -> int:
@@ -99,24 +95,21 @@ def _shard_bytes(v: nnx.Variable, rules, degrees: dict[str, int], zero_data: int
     return n * jnp.dtype(v.dtype).itemsize
 
 
+def param_bytes(config: Config, zero_data: int = 1) -> int:
+    """Bytes of one device's shards of every parameter, each array also split over `data` when zero_data > 1 (ZeRO)
+    and its dims allow (`sharding.zero_spec`)."""
+    return _param_shards(config.model, tuple(degrees_of(config).items()), zero_data)
+
+
 def state_bytes(config: Config) -> dict[str, int]:
     """params, optimizer, gradients and batch bytes per device: exact sums over the shards (see the docstring)."""
-    m, p, degrees = config.model, config.parallel, degrees_of(config)
-    data = degrees[DATA]
-    key = (m, tuple(degrees.items()))
-    param = _param_shards(*key, data if p.zero >= 3 else 1)
-    moments = _param_shards(*key, data if p.zero >= 1 else 1)
+    p, degrees = config.parallel, degrees_of(config)
+    param = param_bytes(config, p.data if p.zero >= 3 else 1)
+    moments = param_bytes(config, p.data if p.zero >= 1 else 1)
     rows = config.train.batch_size // math.prod(degrees[a] for a in BATCH_AXES)
     return {"params": param, "optimizer": 2 * moments + _adam_counters() + 4,  # + the state's int32 step
             "gradients": param * (2 if config.train.grad_accum > 1 else 1),
             "batch": rows * (config.train.seq_len + 1) * 4}
-
-
-@functools.lru_cache(maxsize=256)
-def schedule_table(name: str, stages: int, chunks: int, microbatches: int) -> schedule.Table:
-    """`schedule.build`, once per shape: the search asks for the same tables thousands of times (uncached, building
-    them was 90 % of a search's time)."""
-    return schedule.build(name, stages, chunks, microbatches)
 
 
 @functools.lru_cache(maxsize=64)
@@ -229,7 +222,7 @@ def activation_bytes(config: Config, backend: str = "gpu") -> dict[str, float]:
     m, p, t = config.model, config.parallel, config.train
     degrees = degrees_of(config)
     local = local_model(m, degrees)
-    b = t.batch_size // math.prod(degrees[a] for a in (DATA, EXPERT))  # rows of one data shard
+    b = expected.rows_per_data_shard(config)
     s = t.seq_len // p.context
     A = t.grad_accum
     if p.pipe > 1:
@@ -238,7 +231,7 @@ def activation_bytes(config: Config, backend: str = "gpu") -> dict[str, float]:
         if p.schedule == "circular":
             chunks = pipeline.iterations(p.pipe, p.repeats, p.microbatches)
         else:  # each chunk in flight holds its vjp residuals (the stash) and its matmul inputs (the tape, for W)
-            chunks = 2 * max(schedule_table(p.schedule, p.pipe, p.repeats, p.microbatches).in_flight())
+            chunks = 2 * max(schedule.build(p.schedule, p.pipe, p.repeats, p.microbatches).in_flight())
         layer_rows, outside_rows, layers = mb, b // p.pipe // A, chunks
         kinds = m.layer_kinds[:k]
     else:

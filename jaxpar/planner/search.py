@@ -81,15 +81,15 @@ def layouts(config: Config, devices: int, devices_per_host: int, fixed: Iterable
     base, train = config.parallel, config.train
     keep = lambda name, values: [getattr(base, name)] if name in fixed else values  # noqa: E731
     for deg in _degrees(config, devices, devices_per_host, fixed):
-        rows = train.batch_size // (deg["data"] * deg["expert"])
-        if rows == 0 or train.batch_size % (deg["data"] * deg["expert"]):
+        if train.batch_size % (deg["data"] * deg["expert"]):
             continue
+        rows = train.batch_size // (deg["data"] * deg["expert"])
         accums = [train.grad_accum] if "grad_accum" in fixed else [a for a in (1, 2, 4, 8) if rows % a == 0]
         pipes = [("circular", 1, 1)]
         if deg["pipe"] > 1:
             L = config.model.n_layers
             pipes = [(s, v, mb) for s in keep("schedule", list(SCHEDULES))
-                     for v in keep("repeats", [r for r in divisors(L // deg["pipe"])])
+                     for v in keep("repeats", divisors(L // deg["pipe"]))
                      for mb in keep("microbatches", [deg["pipe"] * k for k in (1, 2, 4, 8)])]
         sps = keep("sequence_parallel", [False, True] if deg["tensor"] > 1 else [False])
         zeros = keep("zero", [0, 1, 3] if deg["data"] > 1 else [0])
@@ -112,12 +112,11 @@ def rank(config: Config, devices: int, profile: Profile, *, devices_per_host: in
     """(those that fit, fastest first; those that do not, smallest first) for `config` on `devices`."""
     per_host = devices_per_host or devices
     budget = (memory_gb if memory_gb is not None else profile.memory_gb) * 1e9
-    model = resolve_attention(config.model, _Device(profile))
-    config = dataclasses.replace(config, model=model)
+    device = _Device(profile)
+    config = dataclasses.replace(config, model=resolve_attention(config.model, device))
     fit, over = [], []
-    backend = _Device(profile).platform
     for layout in layouts(config, devices, per_host, fixed):
-        mem = predict_memory(layout, backend)
+        mem = predict_memory(layout, device.platform)
         cand = Candidate(layout, mem, predict_time(layout, profile, per_host))
         (fit if mem.total <= budget else over).append(cand)
     fit.sort(key=lambda c: (c.timing.step, c.memory.total))
@@ -152,12 +151,9 @@ def why(winner: Candidate, other: Candidate) -> str:
 
 
 def smallest_fit(config: Config, profile: Profile, devices: int, devices_per_host: int, memory_gb: float,
-                 fixed: Iterable[str] = ()) -> str:
-    """When nothing fits: the memory per device the leanest layout needs, and the smallest power-of-two device
-    count (up to 4096) on which some layout fits the budget."""
-    _, over = rank(config, devices, profile, devices_per_host=devices_per_host, memory_gb=0.0, fixed=fixed)
-    if not over:
-        return "no valid layout at all: check the parallel fields fixed by the config"
+                 over: list[Candidate], fixed: Iterable[str] = ()) -> str:
+    """When nothing fits: the memory per device the leanest layout needs (`over`: `rank`'s layouts over the budget,
+    smallest first), and the smallest power-of-two device count (up to 4096) on which some layout fits it."""
     need = over[0].memory.total / 1e9
     n = devices
     while n < 4096:
@@ -168,7 +164,6 @@ def smallest_fit(config: Config, profile: Profile, devices: int, devices_per_hos
             return (f"the leanest layout on {devices} devices ({over[0].label()}) needs {need:.2f} GB per device; "
                     f"{n} devices fit it in {memory_gb:g} GB ({fit[0].label()})")
     return f"the leanest layout on {devices} devices ({over[0].label()}) needs {need:.2f} GB per device"
-
 
 
 def plan(config: Config, devices: int, profile: Profile, *, hosts: int = 1, memory_gb: float | None = None,
@@ -189,7 +184,7 @@ def plan(config: Config, devices: int, profile: Profile, *, hosts: int = 1, memo
             raise PlanError(f"no valid layout of this model on {devices} devices with the fixed fields "
                             f"{sorted(fixed)}: every combination is refused by the config's checks")
         raise PlanError(f"no layout fits {budget:g} GB per device on {devices} devices: "
-                        + smallest_fit(config, profile, devices, per_host, budget, fixed)
+                        + smallest_fit(config, profile, devices, per_host, budget, over, fixed)
                         + " (raise --memory-gb or --devices)")
     peak = profile.flops_peak(config.model.dtype)
     rows = [_row(c, peak) for c in fit]
