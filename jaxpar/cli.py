@@ -7,6 +7,7 @@
     jaxpar analyze  --config FILE [--format json|table] [--config.section.field=VALUE ...]
     jaxpar plan     --config FILE --devices N [--hosts H] [--memory-gb M] [--top K] [--format table|json]
                     [--device-kind KIND | --profile FILE] [--config.parallel.field=VALUE ...]
+    jaxpar probe    [--out FILE]
     jaxpar schedule [--schedule NAME] --pipe P --microbatches M [--chunks V] [--png FILE]
     jaxpar convert  --from DIR | --from-hf HF_DIR   --to DIR2 | --to-hf HF_DIR2   [--step N] [--dtype bfloat16]
     jaxpar launch   --processes N [--devices-per-process K] -- jaxpar train ...
@@ -147,6 +148,33 @@ def _plan(args, overrides: list[str]) -> int:
     return 0
 
 
+def _probe(args, overrides: list[str]) -> int:
+    if overrides:
+        raise UsageError(f"--config.{overrides[0]}: probe takes no config (it measures the machine)")
+    out = pathlib.Path(args.out) if args.out else None
+    if out is not None and (out.is_dir() or not out.parent.is_dir()):
+        raise OutputError(f"--out {out}: {'is a directory' if out.is_dir() else 'its directory does not exist'}; "
+                          "name a file in an existing directory")
+    import dataclasses
+    import json
+
+    from jaxpar.planner import probe
+
+    profile = probe.measure()
+    if out is None:
+        print(json.dumps(dataclasses.asdict(profile), indent=2, sort_keys=True))
+        return 0
+    try:
+        probe.write(profile, out)
+    except OSError as e:
+        raise OutputError(f"--out {out}: cannot be written ({e.strerror or e})") from None
+    fast = max(profile.flops.values())
+    print(f"probed {profile.name}: {fast / 1e12:.3g} TFLOP/s per device, all-reduce "
+          f"{profile.intra_host / 1e9:.3g} GB/s, collective latency {profile.latency * 1e6:.0f} µs; written to {out} "
+          f"(`jaxpar plan --profile {out}`)")
+    return 0
+
+
 def _schedule(args, overrides: list[str]) -> int:
     from jaxpar.config import ParallelConfig
     from jaxpar.parallel import pipeline, schedule
@@ -280,6 +308,10 @@ def build_parser() -> argparse.ArgumentParser:
     pla.add_argument("--device-kind", default=None, help="h200, h100 or a100: datasheet defaults (default h100)")
     pla.add_argument("--profile", default=None, help="a machine profile written by `jaxpar probe`")
     pla.set_defaults(run=_plan)
+    pro = sub.add_parser("probe", help="measure this machine (matmul FLOP/s, all-reduce / all-to-all / permute "
+                                       "bandwidth per group size) as a profile for `jaxpar plan --profile`")
+    pro.add_argument("--out", default=None, help="the profile JSON to write (default: print it)")
+    pro.set_defaults(run=_probe)
     sch = sub.add_parser("schedule", help="print (and draw) a pipeline schedule: its F/B/W ticks per stage, tick "
                                           "count, bubble fraction and peak in-flight microbatches")
     sch.add_argument("--schedule", default="circular", help="circular (default), gpipe, 1f1b, interleaved_1f1b, "

@@ -41,6 +41,11 @@ def _f(default: Any, help: str) -> Any:
 DTYPES = ("float32", "bfloat16", "float16")
 WEIGHT_FORMATS = ("float", "int8", "int4")  # jaxpar.matmul.Quantized
 REMAT_POLICIES = ("none", "full", "dots")
+# What `parallel.auto` chooses (the planner's search, jaxpar.planner.search): these parallel fields and
+# train.grad_accum. `parallel.keep` names the ones to leave as the config has them.
+PLANNED = ("data", "pipe", "expert", "context", "tensor", "schedule", "repeats", "microbatches", "sequence_parallel",
+           "overlap", "context_impl", "zero", "remat")
+AUTO_KEEPS = PLANNED + ("grad_accum",)
 ATTENTION_IMPLS = ("auto", "xla", "cudnn")
 ROPE_SCALINGS = ("none", "linear", "llama3")
 SOURCES = ("default", "synthetic", "text", "tokens")
@@ -307,9 +312,26 @@ class ParallelConfig:
                        "with explicit vjps: " + ", ".join(SCHEDULES[:1] + SCHEDULES[2:]))
     zero: int = _f(0, "ZeRO stage over 'data': 0 off, 1 optimizer state sharded, 3 parameters too")
     remat: str = _f("none", "activation checkpointing per layer: 'none', 'full', or 'dots' (save matmul outputs)")
+    auto: bool = _f(False, "let the planner choose the layout on the devices the run has (`jaxpar plan`): the fields "
+                    "of parallel.keep stay as set, and so does any field set to a non-default value; the rest of "
+                    f"{', '.join(AUTO_KEEPS)} are chosen, and the choice and the runner-up are logged")
+    keep: tuple[str, ...] = _f((), "with parallel.auto: fields to keep as set even at their default value (a config "
+                               "file's and --config overrides' parallel keys, and train.grad_accum, join it by "
+                               "themselves)")
+    profile: str = _f("", "with parallel.auto: a machine profile written by `jaxpar probe` on this machine ('' : the "
+                      "device kind's datasheet on known GPUs, else a probe of the devices at start, ~3 s)")
 
     def __post_init__(self):
         _check_fields(self, "parallel")
+        if not self.auto and (self.keep or self.profile):
+            name = "keep" if self.keep else "profile"
+            raise ConfigError(f"parallel.{name}", getattr(self, name), "only read by the planner, and "
+                              "parallel.auto is off", f"set parallel.auto=true, or drop parallel.{name}")
+        for name in self.keep:
+            if name not in AUTO_KEEPS:
+                close = difflib.get_close_matches(name, AUTO_KEEPS, n=1)
+                raise ConfigError("parallel.keep", self.keep, f"names {name!r}, which the planner does not choose",
+                                  (f"did you mean {close[0]!r}? " if close else "") + f"name among {', '.join(AUTO_KEEPS)}")
         if self.data != -1:
             _check_positive("parallel.data", self.data, fix="use a positive degree, or -1 to fill the remaining devices")
         for name in [a for a in axes.AXES if a != axes.DATA] + ["repeats", "microbatches"]:
@@ -579,6 +601,10 @@ def config_from_dict(d: dict) -> Config:
         _reject_unknown(raw, names, prefix=f"{name}.")
         if name == "model":  # the moe section, already built, rides inside the model config
             raw = dict(raw, moe=sections.pop("moe"))
+        if name == "parallel" and raw.get("auto") is True:  # what the user set stays: the planner keeps it
+            train = d.get("train") if isinstance(d.get("train"), dict) else {}
+            named = [k for k in raw if k in PLANNED] + (["grad_accum"] if "grad_accum" in train else [])
+            raw = dict(raw, keep=tuple(dict.fromkeys([*(raw.get("keep") or ()), *named])))
         sections[name] = cls(**raw)
     return Config(**sections)
 
@@ -709,8 +735,10 @@ def _apply_override(d: dict, key: str, raw: str) -> None:
 
 
 def _parse_scalar(key: str, raw: str, kind: type) -> Any:
-    if typing.get_origin(kind) is tuple:  # a list of ints: "0,1,2", "[0, 1, 2]" or "" / "[]" for none
+    if typing.get_origin(kind) is tuple:  # a list: "0,1,2", "[0, 1, 2]" or "" / "[]" for none
         items = [x.strip() for x in raw.strip().strip("[]()").split(",") if x.strip()]
+        if typing.get_args(kind)[0] is str:
+            return tuple(x.strip("'\"") for x in items)
         try:
             return tuple(int(x) for x in items)
         except ValueError:
@@ -757,11 +785,13 @@ def _check_fields(obj: Any, section: str) -> None:
     hints = _type_hints(type(obj))
     for f in dataclasses.fields(obj):
         value, kind, name = getattr(obj, f.name), hints[f.name], f"{section}.{f.name}"
-        if typing.get_origin(kind) is tuple:  # tuple[int, ...]: a list or tuple of ints (JSON, YAML give lists)
+        if typing.get_origin(kind) is tuple:  # tuple[int or str, ...]: a list or tuple (JSON, YAML give lists)
+            item = typing.get_args(kind)[0]
             if not isinstance(value, (list, tuple)) or not all(
-                    isinstance(v, int) and not isinstance(v, bool) for v in value):
-                raise ConfigError(name, value, "must be a list of integers",
-                                  f"give {name} a list such as [0, 1] (default {list(f.default)!r})")
+                    isinstance(v, item) and not isinstance(v, bool) for v in value):
+                word, example = ("integers", "[0, 1]") if item is int else ("names", "[tensor, pipe]")
+                raise ConfigError(name, value, f"must be a list of {word}",
+                                  f"give {name} a list such as {example} (default {list(f.default)!r})")
             object.__setattr__(obj, f.name, tuple(value))
             continue
         ok = (isinstance(value, bool) if kind is bool else

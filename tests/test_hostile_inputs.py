@@ -84,6 +84,10 @@ class Paths:
         }.items():
             (self.configs / name).write_text(body)
         self.hf = {kind: self._bad_hf(kind) for kind in HF_DAMAGE}
+        from jaxpar.planner import cost, probe  # a probed profile, as another machine would have written it
+
+        other = dataclasses.replace(cost.profile_for("h100"), machine={**probe.machine(), "cpu": "Another CPU 9000"})
+        probe.write(other, self.configs / "other.json")
 
     def _bad_hf(self, kind: str) -> pathlib.Path:
         dst = self.root / f"hf_{kind}"
@@ -271,6 +275,17 @@ CASES = [
          "parallel.zero", _train_api("parallel.zero=1")),
     Case("train-batch-vs-data", TRAIN + "--config.train.batch_size=30", "train.batch_size"),
     Case("train-unknown-choice", TRAIN + "--config.parallel.remat=sometimes", "parallel.remat"),
+    Case("train-keep-without-auto", TRAIN + "--config.parallel.keep=tensor", "parallel.keep",
+         lambda c, t: load_config("configs/tiny.py", ["parallel.keep=tensor"])),
+    Case("train-keep-unknown-field", TRAIN + "--config.parallel.auto=true --config.parallel.keep=tensr",
+         "did you mean 'tensor'", lambda c, t: load_config("configs/tiny.py", ["parallel.auto=true",
+                                                                             "parallel.keep=tensr"])),
+    Case("train-profile-without-auto", TRAIN + "--config.parallel.profile=p.json", "parallel.profile"),
+    Case("train-auto-other-machine-profile", TRAIN + SMALL + " --config.parallel.auto=true "
+         "--config.parallel.profile={configs}/other.json", "another machine",
+         lambda c, t: _train_api("parallel.auto=true", f"parallel.profile={c.configs / 'other.json'}")(c, t)),
+    Case("train-auto-missing-profile", TRAIN + "--config.parallel.auto=true --config.parallel.profile={tmp}/p.json",
+         "parallel.profile"),
     Case("train-override-without-field", TRAIN + "--config.train=3", "train"),
     Case("train-unknown-section", TRAIN + "--config.optim.lr=3", "optim"),
     Case("train-negative-profile", TRAIN.replace("--config configs", "--profile-steps -1 --config configs"),
@@ -458,11 +473,17 @@ CASES = [
          lambda c, t: __import__("jaxpar.planner.cost").planner.cost.load_profile(str(t / "none.json"))),
     Case("plan-not-a-profile", "plan --config configs/tiny.py --devices 8 --profile {configs}/bad.yaml", "--profile",
          lambda c, t: __import__("jaxpar.planner.cost").planner.cost.load_profile(str(c.configs / "bad.yaml"))),
+    Case("plan-other-machine-profile", "plan --config configs/tiny.py --devices 8 --profile {configs}/other.json",
+         "another machine", lambda c, t: __import__("jaxpar.planner.cost").planner.cost.load_profile(
+             str(c.configs / "other.json"))),
     Case("plan-two-machines", "plan --config configs/tiny.py --devices 8 --profile x.json --device-kind h100",
          "--profile"),
     Case("plan-top-zero", "plan --config configs/tiny.py --devices 8 --top 0", "--top"),
     Case("plan-unknown-field", "plan --config configs/tiny.py --devices 8 --config.parallel.pipes=2",
          "parallel.pipes"),
+    Case("probe-out-is-a-directory", "probe --out {empty}", "--out"),
+    Case("probe-out-no-directory", "probe --out {tmp}/no/such/profile.json", "--out"),
+    Case("probe-config-override", "probe --config.model.d_model=64", "probe takes no config"),
     Case("launch-zero-processes", "launch --processes 0 -- jaxpar train --config configs/tiny.py", "--processes",
          lambda c, t: __import__("jaxpar.launch").launch.launch(["jaxpar", "train"], 0, 1)),
     Case("launch-zero-devices", "launch --processes 2 --devices-per-process 0 -- jaxpar train", "--devices-per-process"),

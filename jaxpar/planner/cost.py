@@ -14,13 +14,16 @@ the forward and the backward, 2(d−1)/d more).
 
 Links: the mesh is row-major with `tensor` innermost (jaxpar.mesh), so an axis stays inside a host when its degree
 times the degrees of the axes inside it is at most the devices per host — it then runs at the host's link rate
-(NVLink), else at the network's per device.
+(NVLink), else at the network's per device. A probed profile (`jaxpar probe`) has the host's rate per collective and
+group size: the pipeline's and the ring's permutes, the experts' all-to-alls and everything else's all-reduces (or
+their halves) each at what was measured for an axis of that degree.
 
 Overlap, as the step runs today (what to change when the step changes):
     tensor    exposed: each all-reduce sits between the matmuls that need it; collective_matmul hides it behind the
-              partial matmuls (counted as hidden up to the compute time)
+              partial matmuls: the profile's `overlap` fraction of it, up to the compute time (which the ring's
+              hiding shares: both hide behind the same matmuls)
     pipe      exposed: a permute per iteration, between two stage computations
-    context   all_gather exposed; ring hidden behind each block's attention
+    context   all_gather exposed; ring hidden behind each block's attention (as collective matmul's)
     expert    exposed: the dispatch all-to-all precedes the experts' matmuls, the combine follows them
     data      exposed: gradients are reduced once, after the backward, before the optimizer
 """
@@ -57,10 +60,26 @@ class Profile:
     latency: float = 10e-6  # seconds a collective costs however small (launch, synchronisation), inside a host
     latency_inter: float = 20e-6  # and across hosts
     layer_overhead: float = 30e-6  # fixed seconds per layer application (kernel launches, loop bookkeeping)
+    # Probed (`jaxpar probe`): {collective: {group size: bus bytes/s per device}} inside a host, the machine it was
+    # measured on, and how many devices shared it then (a CPU's simulated devices share its cores).
+    overlap: float = 1.0  # the fraction of a hideable collective that hides behind compute (1: own engines)
+    links: dict[str, dict[str, float]] = dataclasses.field(default_factory=dict)
+    machine: dict = dataclasses.field(default_factory=dict)
+    devices: int = 0
 
     def rate(self, dtype: str) -> float:
         """Achievable matmul FLOP/s for compute `dtype` (float32's where the dtype has no entry)."""
         return self.flops.get(dtype) or self.flops["float32"]
+
+    def bandwidth(self, kind: str, group: int, inside: bool) -> float:
+        """Bytes/s per device of collective `kind` ('all_reduce', 'all_to_all', 'permute') over `group` devices:
+        the network's across hosts; inside a host the probed rate of the nearest group size measured (the largest
+        not above `group`), else the host's link rate."""
+        if not inside:
+            return self.inter_host
+        measured = {int(g): bw for g, bw in self.links.get(kind, {}).items()}
+        fits = [g for g in measured if g <= group] or sorted(measured)[:1]
+        return measured[max(fits)] if fits else self.intra_host
 
     def flops_peak(self, dtype: str) -> float | None:
         """The datasheet peak the MFU column divides by (None for a probed CPU: no datasheet)."""
@@ -98,16 +117,21 @@ def profile_for(kind: str) -> Profile:
                       "--profile FILE")
 
 
-def load_profile(path: str) -> Profile:
-    """A profile written by `jaxpar probe`; refused when unreadable or incomplete."""
+def load_profile(path: str, *, field: str = "--profile", this_machine: bool = True) -> Profile:
+    """A profile written by `jaxpar probe`; refused (a ConfigError naming `field`) when unreadable or incomplete, and
+    (`this_machine`) when it was measured on other hardware than this process runs on."""
     p = pathlib.Path(path)
     try:
         d = json.loads(p.read_text())
         prof = Profile(**d)
         assert prof.flops.get("float32", 0) > 0 and prof.intra_host > 0 and prof.inter_host > 0
     except (OSError, ValueError, TypeError, AssertionError) as e:
-        raise ConfigError("--profile", path, f"is not a profile written by `jaxpar probe` ({type(e).__name__})",
+        raise ConfigError(field, path, f"is not a profile written by `jaxpar probe` ({type(e).__name__})",
                           "run `jaxpar probe --out FILE` on the machine to plan for") from None
+    if this_machine:
+        from jaxpar.planner.probe import check_machine  # (probe imports jax's device machinery; cost does not)
+
+        check_machine(prof, path, field)
     return prof
 
 
@@ -199,6 +223,14 @@ def axis_bytes(config: Config) -> dict[str, float]:
     return out
 
 
+def _kind(config: Config, axis: str) -> str:
+    """The collective that carries `axis`'s bytes (whose probed bandwidth applies): the pipeline's and the ring's
+    permutes, the experts' all-to-alls, and all-reduces (or their halves, gathers and scatters) elsewhere."""
+    if axis == "pipe" or (axis == "context" and config.parallel.context_impl == "ring"):
+        return "permute"
+    return "all_to_all" if axis == EXPERT else "all_reduce"
+
+
 def predict_time(config: Config, profile: Profile, devices_per_host: int) -> Timing:
     """The step time of `config` (resolved for its devices) on `profile`'s machines."""
     m, p, t = config.model, config.parallel, config.train
@@ -216,14 +248,14 @@ def predict_time(config: Config, profile: Profile, devices_per_host: int) -> Tim
     # Fixed costs per layer application: more microbatches, accumulation chunks or bubble iterations pay them.
     compute += expected._dims(config, V)["layer_execs"] * profile.layer_overhead
     inside = inside_host(config, devices_per_host)
-    comm, count = {}, axis_collectives(config)
+    comm, count, hide = {}, axis_collectives(config), compute
     for axis, sent in axis_bytes(config).items():
-        seconds = (sent / (profile.intra_host if inside[axis] else profile.inter_host)
-                   + count[axis] * (profile.latency if inside[axis] else profile.latency_inter))
-        if axis == TENSOR and p.overlap == "collective_matmul":
-            seconds = max(0.0, seconds - compute)
-        if axis == "context" and p.context_impl == "ring":
-            seconds = max(0.0, seconds - compute)
+        bandwidth = profile.bandwidth(_kind(config, axis), getattr(p, axis), inside[axis])
+        seconds = sent / bandwidth + count[axis] * (profile.latency if inside[axis] else profile.latency_inter)
+        if (axis == TENSOR and p.overlap == "collective_matmul") or (axis == "context" and p.context_impl == "ring"):
+            # Both hide behind the same matmuls: they share one budget of hideable compute.
+            hidden = min(seconds * profile.overlap, hide)
+            seconds, hide = seconds - hidden, hide - hidden
         comm[axis] = seconds
     tokens = t.batch_size * t.seq_len
     return Timing(compute, comm, bubble, tokens, f["model_flops_per_device"])

@@ -15,15 +15,14 @@ import dataclasses
 import itertools
 from typing import Iterable, Iterator
 
-from jaxpar.config import Config, ConfigError, resolve_attention
+from jaxpar.config import PLANNED, Config, ConfigError, resolve_attention
 from jaxpar.errors import PlanError, UsageError, divisors
 from jaxpar.parallel.schedule import SCHEDULES
 from jaxpar.planner.cost import Profile, Timing, predict_time
 from jaxpar.planner.memory import Memory, predict_memory
 
 # The parallel fields the search chooses (plus train.grad_accum).
-SEARCHED = ("data", "pipe", "expert", "context", "tensor", "schedule", "repeats", "microbatches", "sequence_parallel",
-            "overlap", "context_impl", "zero", "remat")
+SEARCHED = PLANNED
 REMATS = ("none", "dots", "full")
 
 

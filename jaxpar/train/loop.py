@@ -139,6 +139,10 @@ def fit(config: Config, workdir: str | pathlib.Path, *, devices: list | None = N
     _check_trainable(config.model)
     perf.retain_host_memory()  # (a no-op if `jaxpar train` already did it, before the backend started)
     devices = list(jax.devices() if devices is None else devices)
+    if config.parallel.auto:  # the planner's layout for these devices, logged with the runner-up
+        from jaxpar.planner import auto
+
+        config = auto.choose(config, devices)
     config = config.resolve_for_devices(len(devices))
     with WorkdirLock(workdir):
         return _fit(config, pathlib.Path(workdir), devices, progress)

@@ -1,0 +1,214 @@
+"""`jaxpar probe`: measure the machine this process runs on and write the `Profile` the time model reads.
+
+What is measured, with every local device busy at once (as in a train step: on CPU the simulated devices share the
+cores, so each rate is what one device gets while the others run too):
+
+    matmul     achieved FLOP/s per device of an [M, K] @ [K, N] per device, per compute dtype
+    links      per collective and group size g (an axis of degree g inside the host): bus bandwidth in bytes/s per
+               device — all-reduce 2(g−1)/g·S, all-to-all (g−1)/g·S, permute (a ring shift) S bytes sent for an
+               S-byte buffer, divided by the median time
+    latency    the time of an all-reduce of one float (what a collective costs however small)
+    overhead   the time per iteration of a scan over a tiny matmul (what a layer application costs besides its FLOPs)
+    overlap    how much of a permute hides behind an independent matmul (what collective matmul and the ring rely on)
+
+Across hosts nothing is measured (one process sees one host): `inter_host` keeps the network default unless the
+profile is edited. The profile names the machine it was measured on (`machine`); the planner refuses a profile whose
+machine differs from the one it runs on, since its rates describe other hardware.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import os
+import pathlib
+import platform
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from jaxpar import flops
+from jaxpar.errors import ConfigError
+from jaxpar.planner.cost import GB, Profile, profile_for
+
+# Collectives as an axis of the step runs them, and the bytes each device sends for an S-byte buffer over g devices
+# (bus bandwidth: what one device's links carry, so every group size compares with the link rate).
+KINDS = {
+    "all_reduce": lambda g: 2 * (g - 1) / g,
+    "all_to_all": lambda g: (g - 1) / g,
+    "permute": lambda g: 1.0,
+}
+
+
+def machine() -> dict:
+    """What identifies this machine's hardware: accelerator kind, CPU model, cores and host memory (GB, rounded).
+    Not the hostname: the nodes of a cluster are the same machine for the planner."""
+    dev = jax.local_devices()[0]
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in pathlib.Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return {"platform": dev.platform, "device_kind": dev.device_kind, "cpu": cpu, "cores": os.cpu_count(),
+            "host_memory_gb": round(_host_memory() / GB)}
+
+
+def _host_memory() -> int:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return 0
+
+
+def device_memory_gb(device) -> float:
+    """Memory one device may use: the allocator's limit on an accelerator; on CPU the host's memory shared by the
+    process's devices."""
+    stats = device.memory_stats() if hasattr(device, "memory_stats") else None
+    if stats and stats.get("bytes_limit"):
+        return stats["bytes_limit"] / GB
+    return _host_memory() / max(1, jax.local_device_count()) / GB
+
+
+def _median_seconds(fn, *args, repeats: int) -> float:
+    jax.block_until_ready(fn(*args))  # compile and warm up
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def matmul_rate(devices: list, dtype: str, size: int, repeats: int) -> float:
+    """Achieved FLOP/s per device of a [size, size] @ [size, size] on every device at once."""
+    n = len(devices)
+    mesh = Mesh(np.array(devices), ("d",))
+    x = jax.device_put(jnp.ones((n * size, size), dtype), NamedSharding(mesh, P("d")))
+    w = jax.device_put(jnp.ones((n * size, size), dtype), NamedSharding(mesh, P("d")))
+    fn = jax.jit(jax.shard_map(lambda a, b: a @ b, mesh=mesh, in_specs=(P("d"), P("d")), out_specs=P("d")))
+    return 2 * size**3 / _median_seconds(fn, x, w, repeats=repeats)
+
+
+def _collective(kind: str, axis: str, g: int):
+    if kind == "all_reduce":
+        return lambda a: jax.lax.psum(a, axis)
+    if kind == "all_to_all":
+        return lambda a: jax.lax.all_to_all(a, axis, 0, 0, tiled=True)
+    return lambda a: jax.lax.ppermute(a, axis, [(i, (i + 1) % g) for i in range(g)])
+
+
+def link_bandwidth(devices: list, kind: str, group: int, nbytes: int, repeats: int) -> float:
+    """Bus bandwidth (bytes/s per device) of `kind` over groups of `group` devices, all groups at once."""
+    n = len(devices)
+    mesh = Mesh(np.array(devices).reshape(n // group, group), ("rest", "g"))
+    elems = max(group, nbytes // 4 // group * group)  # all_to_all splits the buffer into g parts
+    x = jax.device_put(jnp.ones((n * elems,), jnp.float32), NamedSharding(mesh, P(("rest", "g"))))
+    fn = jax.jit(jax.shard_map(_collective(kind, "g", group), mesh=mesh, in_specs=P(("rest", "g")),
+                               out_specs=P(("rest", "g"))))
+    return KINDS[kind](group) * elems * 4 / _median_seconds(fn, x, repeats=repeats)
+
+
+def overlap_fraction(devices: list, size: int, nbytes: int, repeats: int) -> float:
+    """How much of a permute hides behind an independent matmul in the same program, as a fraction of the shorter
+    of the two: (t_matmul + t_permute − t_both) / min(t_matmul, t_permute), clipped to [0, 1]. On a GPU the permute
+    runs on its own engines (→ 1); simulated CPU devices share the cores, so the copy competes with the matmul."""
+    n = len(devices)
+    mesh = Mesh(np.array(devices), ("d",))
+    spec = NamedSharding(mesh, P("d"))
+    a = jax.device_put(jnp.ones((n * size, size), jnp.float32), spec)
+    b = jax.device_put(jnp.ones((n * max(1, nbytes // 4),), jnp.float32), spec)
+    shift = [(i, (i + 1) % n) for i in range(n)]
+    mm = lambda x: x @ x  # noqa: E731
+    perm = lambda y: jax.lax.ppermute(y, "d", shift)  # noqa: E731
+    run = lambda f, specs: jax.jit(jax.shard_map(f, mesh=mesh, in_specs=specs, out_specs=specs))  # noqa: E731
+    t_mm = _median_seconds(run(mm, P("d")), a, repeats=repeats)
+    t_perm = _median_seconds(run(perm, P("d")), b, repeats=repeats)
+    t_both = _median_seconds(run(lambda x, y: (mm(x), perm(y)), (P("d"), P("d"))), a, b, repeats=repeats)
+    return float(np.clip((t_mm + t_perm - t_both) / min(t_mm, t_perm), 0.0, 1.0))
+
+
+def collective_latency(devices: list, repeats: int) -> float:
+    """Seconds of an all-reduce of one float over every device (what a collective costs however small)."""
+    mesh = Mesh(np.array(devices), ("d",))
+    x = jax.device_put(jnp.ones((len(devices),), jnp.float32), NamedSharding(mesh, P("d")))
+    fn = jax.jit(jax.shard_map(lambda a: jax.lax.psum(a, "d"), mesh=mesh, in_specs=P("d"), out_specs=P("d")))
+    return _median_seconds(fn, x, repeats=repeats)
+
+
+def layer_overhead(devices: list, repeats: int, trips: int = 64) -> float:
+    """Seconds per iteration of a scan over a tiny matmul on every device: a layer application's fixed cost."""
+    n = len(devices)
+    mesh = Mesh(np.array(devices), ("d",))
+    x = jax.device_put(jnp.ones((n * 8, 8), jnp.float32), NamedSharding(mesh, P("d")))
+
+    def body(a):
+        return jax.lax.scan(lambda c, _: (jnp.tanh(c @ c.T[:, :8]), None), a, None, length=trips)[0]
+
+    fn = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("d"), out_specs=P("d")))
+    return _median_seconds(fn, x, repeats=repeats) / trips
+
+
+def measure(devices: list | None = None, *, repeats: int = 7) -> Profile:
+    """The profile of the machine holding `devices` (default: this process's local devices): a few seconds (3 s for
+    8 simulated CPU devices on 2 cores)."""
+    devices = list(jax.local_devices() if devices is None else devices)
+    dev, n = devices[0], len(devices)
+    gpu = dev.platform != "cpu"
+    size, nbytes = (8192, 64 << 20) if gpu else (512, 4 << 20)
+    rates = {d: matmul_rate(devices, d, size, repeats) for d in ("float32", "bfloat16")}
+    rates["float16"] = rates["bfloat16"] if gpu else rates["float32"]
+    groups = [g for g in (2, 4, 8, 16, 32, 64) if g <= n and n % g == 0]
+    links = {kind: {str(g): link_bandwidth(devices, kind, g, nbytes, repeats) for g in groups} for kind in KINDS}
+    widest = links["all_reduce"][str(groups[-1])] if groups else 0.0
+    base = profile_for(dev.device_kind) if gpu and flops.device_row(dev.device_kind) else None
+    peak = {d: flops.peak_flops(dev.device_kind, d) or 0.0 for d in ("float32", "bfloat16", "float16")} if gpu else {}
+    return Profile(
+        name=f"{'cpu' if not gpu else (flops.device_row(dev.device_kind) or dev.device_kind)} x{n}",
+        flops=rates,
+        intra_host=widest or (base.intra_host if base else 1.0),
+        inter_host=base.inter_host if base else (widest or 1.0),
+        memory_gb=round(device_memory_gb(dev), 3),
+        source=f"probed on {n} {dev.device_kind} device(s)",
+        peak={k: v for k, v in peak.items() if v},
+        latency=collective_latency(devices, repeats) if n > 1 else 0.0,
+        latency_inter=base.latency_inter if base else Profile.latency_inter,
+        layer_overhead=layer_overhead(devices, repeats),
+        overlap=overlap_fraction(devices, size, nbytes, repeats) if n > 1 else 1.0,
+        links=links,
+        machine=machine(),
+        devices=n,
+    )
+
+
+def write(profile: Profile, path: str | pathlib.Path) -> None:
+    """Write `profile` as JSON (`cost.load_profile` reads it), atomically: a crash leaves no half-written file."""
+    path = pathlib.Path(path)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp.write_text(json.dumps(dataclasses.asdict(profile), indent=2, sort_keys=True) + "\n")
+    os.replace(tmp, path)
+
+
+@functools.cache
+def _here() -> tuple:
+    return tuple(sorted(machine().items()))
+
+
+def check_machine(profile: Profile, path: str, field: str = "--profile") -> None:
+    """Refuse a probed profile measured on other hardware than this process's (its rates describe that machine)."""
+    if not profile.machine:
+        return  # a hand-written or datasheet profile: it claims no machine
+    here = dict(_here())
+    diff = [k for k in profile.machine if profile.machine.get(k) != here.get(k)]
+    if diff:
+        k = diff[0]
+        raise ConfigError(field, path, f"was measured on another machine ({k} {profile.machine.get(k)!r}; "
+                          f"this one has {here.get(k)!r}), so its rates do not describe this one",
+                          "run `jaxpar probe --out FILE` here (or plan for a device kind with --device-kind)")
