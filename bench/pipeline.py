@@ -20,9 +20,9 @@ import time
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 
 import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
 
 from jaxpar.analysis.report import analyze  # noqa: E402
+from jaxpar.analysis.verify import abstract_step  # noqa: E402  (re-exported: bench.plan and the tests use it)
 from jaxpar.config import load_config  # noqa: E402
 from jaxpar.train import build_trainer  # noqa: E402
 
@@ -53,16 +53,6 @@ def timed_steps(config, steps: int, *, keep=None) -> tuple[float, float]:
         jax.block_until_ready(metrics)
         times.append(time.perf_counter() - start)
     return compile_s, statistics.median(times[1:])
-
-
-def abstract_step(config):
-    """(train step, abstract state, abstract batch) of `config` on all devices: what lowers and compiles it with
-    nothing allocated or run."""
-    config = config.resolve_for_devices(len(jax.devices()))
-    trainer = build_trainer(config, jax.devices(), abstract=True)
-    t = config.train
-    batch = jax.ShapeDtypeStruct((t.batch_size, t.seq_len + 1), jnp.int32, sharding=trainer.plan.batch_sharding)
-    return trainer.train_step, trainer.state, batch
 
 
 def compile_seconds(config) -> float:

@@ -6,7 +6,7 @@
                     [--overlap collective_matmul]]
     jaxpar analyze  --config FILE [--format json|table] [--config.section.field=VALUE ...]
     jaxpar plan     --config FILE --devices N [--hosts H] [--memory-gb M] [--top K] [--format table|json]
-                    [--device-kind KIND | --profile FILE] [--config.parallel.field=VALUE ...]
+                    [--device-kind KIND | --profile FILE] [--verify] [--config.parallel.field=VALUE ...]
     jaxpar probe    [--out FILE]
     jaxpar schedule [--schedule NAME] --pipe P --microbatches M [--chunks V] [--png FILE]
     jaxpar convert  --from DIR | --from-hf HF_DIR   --to DIR2 | --to-hf HF_DIR2   [--step N] [--dtype bfloat16]
@@ -144,7 +144,25 @@ def _plan(args, overrides: list[str]) -> int:
     fixed = {o.partition("=")[0].split(".", 1)[1] for o in overrides
              if o.startswith("parallel.") or o.startswith("train.grad_accum")}
     result = search.plan(config, args.devices, profile, hosts=args.hosts, memory_gb=args.memory_gb, fixed=fixed)
-    print(search.format_plan(result, args.top) if args.format == "table" else json.dumps(result, indent=2))
+    if args.verify:  # the winner compiled ahead of time on simulated CPU devices, its memory beside the prediction
+        import dataclasses
+
+        from jaxpar.analysis import verify
+
+        win = result["winner"]
+        chosen = dataclasses.replace(config, parallel=dataclasses.replace(config.parallel, **win["parallel"]),
+                                     train=dataclasses.replace(config.train, grad_accum=win["grad_accum"]))
+        result["verify"] = verify.verify(chosen, args.devices)
+    if args.format == "json":
+        print(json.dumps(result, indent=2))
+    else:
+        print(search.format_plan(result, args.top))
+        if args.verify:
+            print(verify.format_verify(result["verify"], args.devices, result["memory_gb"]))
+    # --verify fails (exit 1) when the compiled peak is more than 20 % off the prediction, or over the budget.
+    if args.verify and (abs(result["verify"]["error"]) > 0.2
+                        or result["verify"]["compiled"]["peak_bytes"] > result["memory_gb"] * 1e9):
+        return 1
     return 0
 
 
@@ -307,6 +325,9 @@ def build_parser() -> argparse.ArgumentParser:
     pla.add_argument("--format", choices=("table", "json"), default="table")
     pla.add_argument("--device-kind", default=None, help="h200, h100 or a100: datasheet defaults (default h100)")
     pla.add_argument("--profile", default=None, help="a machine profile written by `jaxpar probe`")
+    pla.add_argument("--verify", action="store_true", help="compile the winner ahead of time on --devices simulated "
+                     "CPU devices (nothing allocated) and compare its memory with the prediction; exit 1 when it is "
+                     "over the budget or more than 20 %% off")
     pla.set_defaults(run=_plan)
     pro = sub.add_parser("probe", help="measure this machine (matmul FLOP/s, all-reduce / all-to-all / permute "
                                        "bandwidth per group size) as a profile for `jaxpar plan --profile`")

@@ -19,7 +19,7 @@ from jaxpar.config import PLANNED, Config, ConfigError, resolve_attention
 from jaxpar.errors import PlanError, UsageError, divisors
 from jaxpar.parallel.schedule import SCHEDULES
 from jaxpar.planner.cost import Profile, Timing, predict_time
-from jaxpar.planner.memory import Memory, predict_memory
+from jaxpar.planner.memory import Memory, predict_memory, state_bytes
 
 # The parallel fields the search chooses (plus train.grad_accum).
 SEARCHED = PLANNED
@@ -107,20 +107,37 @@ def layouts(config: Config, devices: int, devices_per_host: int, fixed: Iterable
 
 
 def rank(config: Config, devices: int, profile: Profile, *, devices_per_host: int | None = None,
-         memory_gb: float | None = None, fixed: Iterable[str] = ()) -> tuple[list[Candidate], list[Candidate]]:
-    """(those that fit, fastest first; those that do not, smallest first) for `config` on `devices`."""
+         memory_gb: float | None = None, fixed: Iterable[str] = ()) -> tuple[list[Candidate], list[Candidate], int]:
+    """(those that fit, fastest first; those predicted not to, smallest first; how many valid layouts there are) for
+    `config` on `devices`.
+
+    A layout whose state alone (parameters, optimizer state, gradients, batch: exact, and shared by every remat
+    policy) exceeds the budget is dropped before its activations and time are predicted — at scale most are (llama_8b
+    on 64 devices: ~6 in 7). Only when nothing fits are they all predicted, to name the leanest (`smallest_fit`)."""
     per_host = devices_per_host or devices
     budget = (memory_gb if memory_gb is not None else profile.memory_gb) * 1e9
     device = _Device(profile)
     config = dataclasses.replace(config, model=resolve_attention(config.model, device))
-    fit, over = [], []
-    for layout in layouts(config, devices, per_host, fixed):
-        mem = predict_memory(layout, device.platform)
-        cand = Candidate(layout, mem, predict_time(layout, profile, per_host))
-        (fit if mem.total <= budget else over).append(cand)
+    fit, over, state = [], [], {}
+    for prune in (True, False):
+        valid = 0
+        for layout in layouts(config, devices, per_host, fixed):
+            valid += 1
+            if prune:
+                key = (layout.mesh_shape, layout.parallel.zero, layout.train.grad_accum > 1)
+                if key not in state:
+                    state[key] = sum(state_bytes(layout).values())
+                if state[key] > budget:
+                    continue
+            mem = predict_memory(layout, device.platform)
+            cand = Candidate(layout, mem, predict_time(layout, profile, per_host))
+            (fit if mem.total <= budget else over).append(cand)
+        if fit:
+            break
+        over.clear()
     fit.sort(key=lambda c: (c.timing.step, c.memory.total))
     over.sort(key=lambda c: c.memory.total)
-    return fit, over
+    return fit, over, valid
 
 
 @dataclasses.dataclass(frozen=True)
@@ -157,7 +174,7 @@ def smallest_fit(config: Config, profile: Profile, devices: int, devices_per_hos
     n = devices
     while n < 4096:
         n *= 2
-        fit, _ = rank(config, n, profile, devices_per_host=min(devices_per_host, n), memory_gb=memory_gb,
+        fit, _, _ = rank(config, n, profile, devices_per_host=min(devices_per_host, n), memory_gb=memory_gb,
                       fixed=fixed)
         if fit:
             return (f"the leanest layout on {devices} devices ({over[0].label()}) needs {need:.2f} GB per device; "
@@ -177,9 +194,9 @@ def plan(config: Config, devices: int, profile: Profile, *, hosts: int = 1, memo
     if not budget > 0:
         raise UsageError(f"--memory-gb {memory_gb}: a memory budget per device must be positive")
     per_host = devices // hosts
-    fit, over = rank(config, devices, profile, devices_per_host=per_host, memory_gb=budget, fixed=fixed)
+    fit, over, valid = rank(config, devices, profile, devices_per_host=per_host, memory_gb=budget, fixed=fixed)
     if not fit:
-        if not over:
+        if not valid:
             raise PlanError(f"no valid layout of this model on {devices} devices with the fixed fields "
                             f"{sorted(fixed)}: every combination is refused by the config's checks")
         raise PlanError(f"no layout fits {budget:g} GB per device on {devices} devices: "
@@ -188,7 +205,7 @@ def plan(config: Config, devices: int, profile: Profile, *, hosts: int = 1, memo
     peak = profile.flops_peak(config.model.dtype)
     rows = [_row(c, peak) for c in fit]
     out = {"devices": devices, "hosts": hosts, "memory_gb": budget, "profile": profile.name,
-           "profile_source": profile.source, "layouts": len(fit) + len(over), "fit": len(fit), "ranked": rows,
+           "profile_source": profile.source, "layouts": valid, "fit": len(fit), "ranked": rows,
            "winner": rows[0]}
     if len(fit) > 1:
         runner = next((c for c in fit[1:] if _structure(c.config) != _structure(fit[0].config)), fit[1])
