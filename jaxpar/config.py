@@ -543,11 +543,15 @@ class Config:
 
     def _check_batch(self, data: int):
         p, t = self.parallel, self.train
-        per_step = data * p.microbatches * t.grad_accum
+        # Rows split over data and expert (MoE ranks are data-parallel outside their layers), then into accumulation
+        # chunks and pipeline microbatches.
+        shards, name = (data * p.expert, f"data*expert*microbatches*grad_accum = {data}*{p.expert}*") if p.expert > 1 \
+            else (data, f"data*microbatches*grad_accum = {data}*")
+        per_step = shards * p.microbatches * t.grad_accum
         if t.batch_size % per_step:
             raise ConfigError("train.batch_size", t.batch_size,
-                              f"must be divisible by data*microbatches*grad_accum = {data}*{p.microbatches}*"
-                              f"{t.grad_accum} = {per_step} (every chunk splits evenly over the data shards)",
+                              f"must be divisible by {name}{p.microbatches}*{t.grad_accum} = {per_step} (every chunk "
+                              "splits evenly over the data shards)",
                               f"use batch_size {_nearest_multiples(t.batch_size, per_step)}")
 
     @property

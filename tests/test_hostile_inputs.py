@@ -225,6 +225,8 @@ CASES = [
          lambda c, t: load_config("configs/moe_tiny.py", ["model.family=gpt2"])),
     Case("train-moe-expert-width-vs-tensor", MOE + "--config.moe.d_ff=175", "moe.d_ff",
          lambda c, t: load_config("configs/moe_tiny.py", ["moe.d_ff=175"])),
+    Case("train-moe-batch-vs-expert", MOE + "--config.train.batch_size=36", "data*expert*microbatches",
+         lambda c, t: load_config("configs/moe_tiny.py", ["train.batch_size=36"]).resolve_for_devices(8)),
     Case("train-moe-context", MOE + "--config.parallel.context=2 --config.parallel.expert=1", "parallel.context",
          lambda c, t: load_config("configs/moe_tiny.py", ["parallel.context=2", "parallel.expert=1"])),
     Case("train-moe-sparse-step-zero", MOE + "--config.moe.sparse_step=0", "moe.sparse_step",

@@ -50,13 +50,13 @@ def test_state_bytes_are_the_sums_of_the_real_shards(path, overrides):
     FLAT + ["parallel.tensor=1", "parallel.zero=1"],
 ], ids=["circular-pipeline", "data-zero1"])
 def test_memory_prediction_against_the_compiled_step(overrides):
-    """Resident bytes (the step's arguments) exactly; the total within 25 % of the compiled peak (bench/plan.py
-    measures the spread over 33 layouts: see bench/RESULTS.md)."""
+    """Resident bytes (the step's arguments) exactly; the total within 20 % of the compiled peak, the issue's bar for
+    the worst layout (bench/plan.py measures the spread over 33 layouts: see bench/RESULTS.md)."""
     config = load_config("configs/tiny.py", overrides).resolve_for_devices(8)
     measured = _compiled_memory(config)
     predicted = predict_memory(config, "cpu")
     assert predicted.resident == measured["argument_bytes"]
-    assert abs(predicted.total / measured["peak_bytes"] - 1) < 0.25, (predicted, measured)
+    assert abs(predicted.total / measured["peak_bytes"] - 1) < 0.20, (predicted, measured)
 
 
 def test_layouts_are_valid_configs_and_fixed_fields_stay():

@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -76,7 +77,9 @@ def verify(config: Config, devices: int, timeout_s: float = 3600) -> dict:
                         f"{timeout_s:g} s; verify a smaller layout, or on a larger machine") from None
     answer = [line for line in child.stdout.splitlines() if line.startswith(_MARK)]
     if child.returncode or not answer:
-        tail = " ".join(child.stderr.strip().splitlines()[-1:]) or f"exit status {child.returncode}"
+        lines = child.stderr.strip().splitlines()
+        errors = [line for line in lines if re.match(r"^[\w.]+(Error|Exception|Exit)\b", line)]
+        tail = (errors or lines or [f"exit status {child.returncode}"])[-1][:400]
         raise PlanError(f"--verify: the compile on {devices} simulated CPU devices failed ({tail}); host memory "
                         "may be too small for the compiler at this scale")
     compiled = json.loads(answer[-1][len(_MARK):])

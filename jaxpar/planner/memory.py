@@ -10,27 +10,36 @@ plan's rules (`jaxpar.parallel.plan.plan_rules`, no mesh needed) and ZeRO's data
     gradients   one float per parameter shard as the step holds it (gradient accumulation adds a second: the sum)
     batch       the int32 token rows [B / (data·pipe·expert), T + 1]
 
-Activations — traced, not hand-written. `jax.ad_checkpoint`'s residual analysis lists what autodiff keeps for the
-backward pass; we run it on the model itself (abstract arrays, no memory) with one tensor rank's shapes (heads/t,
-kv heads max(K/t, 1), d_ff/t, vocab/t), the device's rows and tokens, and the remat policy, at one and at two
-layers: the difference is one layer, the rest the embedding, head and loss. So the formula follows the code — a
-new policy, a named checkpoint or an MoE router changes the trace, not this file. Then, per device:
-    no pipeline       L layers on b/A rows (A = grad_accum: one chunk's activations at a time)
-    circular          the autodiff of the loop keeps every iteration: (v·m + p − 1)·k layers on a microbatch
-    a schedule table  its peak in flight (chunk-activations, `Table.in_flight`) · k layers on a microbatch, twice:
-                      the executor stashes each chunk's vjp residuals and, apart, its matmul inputs (the W tape)
+Activations — traced, not hand-written. `jax.vjp` of the model itself (abstract arrays, no memory), with one tensor
+rank's shapes (heads/t, kv heads max(K/t, 1), d_ff/t, vocab/t), one row of the device's tokens and the remat policy,
+two layers one scan trip each, lists what autodiff keeps for the backward (`residuals`). A compiled program holds
+them in one of two ways, and both are read off the trace:
+    unrolled  the layers one scan trip (scan_unroll ≥ the layers): XLA holds one buffer per value — each residual
+              followed back through reshapes and broadcasts to what it views, those of arguments or of no argument
+              (masks, rope tables: fused into their readers) dropped
+    a loop    a scan of several trips (sequence parallel runs one layer a trip), a pipeline: every residual JAX lists
+              is a stacked [n, …] output of its own, views included, and the loop-invariant constants are held once
+So the formula follows the code — a new policy, a named checkpoint or an MoE router changes the trace, not this
+file. Then, per device (b rows, A = grad_accum: one chunk's activations at a time):
+    no pipeline       L layers on b/A rows
+    circular          autodiff of the loop stacks every iteration's: (v·m + p − 1) chunks of k layers on a
+                      microbatch, and the k layers' weights each iteration read (its pass is a traced index); the
+                      carries io [q, mb, …], shift, park, and their cotangents
+    a schedule table  the executor's slots (`schedule.Program`): stash and tape together a chunk's residuals a slot,
+                      max(n_stash, n_tape) + 1 slots, and one chunk more (the F branch's, before it is written); dys
+                      (n_dys + 1 slots of a chunk's matmul output gradients) and the inbox (n_inbox + 1 of [mb, s, h])
     sequence parallel the residual-stream tensors [rows, s, h] split over `tensor` (Korthikanti et al. 2022)
     context parallel  s/c query tokens a rank; all_gather's gathered K/V and [s/c, s] scores are c times the local
                       trace's (the ring keeps its own blocks only)
-Workspace — what the step allocates around those (XLA's temporaries). Measured, not derived: under remat, one layer's
-activations without remat (what the policy recomputes comes back one layer at a time), times a factor fitted on
-compiled programs (`WORKSPACE`, bench/plan.py measures it). `backend='cpu'` adds what XLA:CPU's dense lowering of the
-MoE grouped matmuls holds (`_routed_factor`).
+Workspace — what the backward holds on top of the saved (XLA's temporaries): one layer's activations as an unrolled
+program holds them without remat, where the backward brings a layer back at a time — under remat (`dots`: only the
+attention scores and probabilities; XLA fuses the rest of the recompute into the backward's kernels) and in a loop's
+trip — times `WORKSPACE`, measured. `backend='cpu'` takes instead, where larger, what XLA:CPU's dense lowering of
+the MoE grouped matmuls holds (`_routed_factor`).
 """
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import functools
 import math
@@ -39,20 +48,23 @@ import jax
 import jax.numpy as jnp
 import optax
 from flax import nnx
+from jax._src import core as jax_core  # Var, Literal: the jaxpr the residuals are read from
 
 from jaxpar.config import Config, ModelConfig
-from jaxpar.model import abstract_model
-from jaxpar.parallel import pipeline, schedule
+from jaxpar.model import abstract_model, layer_groups
+from jaxpar.parallel import pipeline
 from jaxpar.parallel.axes import AXES, BATCH_AXES, TENSOR
 from jaxpar.parallel.plan import padded_vocab, plan_rules
 from jaxpar.planner import expected
 from jaxpar.sharding import logical_to_spec, zero_spec
 
-# XLA's temporaries beyond the saved activations and gradients, in units of the backward's working set (under remat:
-# one layer's activations, recomputed; on XLA:CPU also the dense MoE expert buffers): least squares on XLA:CPU's
-# buffer assignment over the 33 layouts of bench/plan.py (tiny, MoE, long context) gave 1.17 with the activations
-# scaled 0.95 — so, activations taken whole, about 1.15. bench/RESULTS.md has the spread.
-WORKSPACE = 1.15
+# XLA's temporaries beyond the saved activations and gradients, in units of the backward's working set (one layer's
+# activations, recomputed under remat or a loop trip's; on XLA:CPU, where larger, the dense MoE expert buffers).
+# Measured: the least-squares factor (in relative error) over the 18 layouts of bench/plan.py that have a working
+# set (remat, sequence parallel, pipelines, MoE on XLA:CPU) is 1.00; one layout at a time it spreads from ~0.5
+# (pipeline and SP loops without remat: a trip's cotangents reuse part of what it reads) to ~1.4 (remat=dots, MoE
+# under remat). bench/RESULTS.md has the spread of the totals.
+WORKSPACE = 1.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -146,35 +158,137 @@ def local_model(model: ModelConfig, degrees: dict[str, int]) -> ModelConfig:
                                moe=moe, weights="float", attention="xla")
 
 
-@functools.lru_cache(maxsize=256)
-def residuals(model: ModelConfig, seq: int, remat: str, moe_layer: bool) -> tuple[tuple, tuple]:
-    """(one layer's, the embedding + head + loss's) residuals — (shape, bytes) pairs — that autodiff of the plain
-    model keeps for the backward, for one sequence of `seq` tokens, one layer kind (MoE or dense)."""
-    from jax._src.ad_checkpoint import saved_residuals  # public as jax.ad_checkpoint.print_saved_residuals (prints)
+# Ops whose result XLA does not hold apart from their operand (a bitcast, or a broadcast fused into its readers).
+_VIEWS = frozenset({"reshape", "broadcast_in_dim", "squeeze", "expand_dims", "copy", "copy_p"})
 
+
+class _Scope:
+    """One jaxpr of the traced step, with which of its values depend on the step's arguments (`depends`) and, for a
+    nested one, where its inputs come from outside (`outer`: inner var → (outer var, outer scope); the scan's carry
+    has none: it is the layer's input)."""
+
+    def __init__(self, jaxpr, depends: list[bool], outer: dict | None = None, in_layer: bool = False):
+        self.jaxpr, self.outer, self.in_layer = jaxpr, outer, in_layer
+        self.producer = {v: e for e in jaxpr.eqns for v in e.outvars}
+        self.depends = {v for v, d in zip(jaxpr.invars, depends) if d}
+        for e in jaxpr.eqns:
+            if any(isinstance(x, jax_core.Var) and x in self.depends for x in e.invars):
+                self.depends.update(e.outvars)
+
+    def inner(self, e) -> "_Scope":
+        """The scope of the jaxpr an equation calls (a scan's body, a jit's or a checkpoint's function)."""
+        if e.primitive.name == "scan":
+            body = e.params["jaxpr"].jaxpr
+            consts, carry = _scan_split(e)
+            dep = [isinstance(x, jax_core.Var) and x in self.depends or consts <= j < consts + carry
+                   for j, x in enumerate(e.invars)]
+            outer = {b: (o, self) for j, (b, o) in enumerate(zip(body.invars, e.invars))
+                     if not consts <= j < consts + carry}
+            return _Scope(body, dep, outer, in_layer=True)
+        j = e.params.get("jaxpr") or e.params.get("call_jaxpr")
+        j = getattr(j, "jaxpr", j)
+        return _Scope(j, [isinstance(x, jax_core.Var) and x in self.depends for x in e.invars],
+                      dict(zip(j.invars, [(x, self) for x in e.invars])), self.in_layer)
+
+
+def _scan_split(e) -> tuple[int, int]:
+    """(consts, carry) input counts of a scan equation."""
+    if "num_consts" in e.params:
+        return e.params["num_consts"], e.params["num_carry"]
+    consts, carry, _ = e.params["ft_in"].update(list(range(len(e.invars)))).unpack()
+    return len(list(consts)), len(list(carry))
+
+
+def _buffer(v, scope: _Scope):
+    """(the value, its scope) whose buffer holds residual v — followed back through views, out of calls and into a
+    scan's body — or None where it holds no activation: an argument (resident), a value that depends on no argument
+    (a mask, a rope table: constants XLA fuses into their readers) or a view of one."""
+    while True:
+        if isinstance(v, jax_core.Literal):
+            return None
+        e = scope.producer.get(v)
+        if e is None:  # an input of this jaxpr
+            if scope.outer is None:
+                return None  # an argument of the step
+            if v not in scope.outer:  # the scan's carry: the layer's input
+                return v, scope
+            v, scope = scope.outer[v]
+        elif e.primitive.name in _VIEWS:
+            v = e.invars[0]
+        elif e.primitive.name == "scan" and e.outvars.index(v) < _scan_split(e)[1]:
+            return v, scope  # the scan's final carry (the last layer's output): its own buffer, held once
+        elif e.primitive.name == "scan" or "jaxpr" in e.params or "call_jaxpr" in e.params:
+            inner = scope.inner(e)
+            v, scope = inner.jaxpr.outvars[e.outvars.index(v)], inner
+        else:
+            return (v, scope) if v in scope.depends else None
+
+
+@dataclasses.dataclass(frozen=True)
+class Residuals:
+    """What autodiff of the plain model keeps for the backward, for one sequence and one layer kind, as (shape,
+    bytes) pairs (`residuals`):
+        layer     one layer's buffers as an unrolled program holds them (views of one value one buffer)
+        stacked   one layer's residuals as a loop over layers stacks them: one [n, …] output per residual JAX
+                  lists, views included (each is written by its own dynamic-update-slice)
+        outside   the embedding, head and loss's buffers
+        constant  what depends on no argument (the causal mask as the where's tangent, rope tables): fused into
+                  its readers in an unrolled program, but a loop reads it as an input, held once"""
+
+    layer: tuple
+    stacked: tuple
+    outside: tuple
+    constant: tuple
+
+
+def _entry(aval, stacked: bool = False) -> tuple[tuple[int, ...], int]:
+    shape = tuple(aval.shape)[1 if stacked else 0:]
+    return shape, aval.size * aval.dtype.itemsize // (aval.shape[0] if stacked else 1)
+
+
+@functools.lru_cache(maxsize=256)
+def residuals(model: ModelConfig, seq: int, remat: str, moe_layer: bool) -> Residuals:
+    """What autodiff of the plain model keeps for the backward (`Residuals`), for one sequence of `seq` tokens and
+    one layer kind (MoE or dense), traced with two layers, one a scan trip.
+
+    The residuals are those of `jax.vjp` (what `jax.ad_checkpoint.print_saved_residuals` lists). As buffers of an
+    unrolled program each is followed back through reshapes and broadcasts to the value it views (JAX saves a
+    matmul's input once per matmul, reshaped, and the repeated GQA keys; XLA holds one buffer), and those of the
+    step's arguments (resident) or of no argument at all (constants) are left out: what then lives in the scan's
+    body is a layer's, the rest outside."""
     moe = model.moe
     kind = (dataclasses.replace(moe, sparse_step=1, dense_layers=()) if moe_layer else
             dataclasses.replace(moe, n_experts=0, sparse_step=1, dense_layers=()))
+    cfg = dataclasses.replace(model, n_layers=2, moe=kind, scan_unroll=1)  # one layer per scan trip
+    graphdef, params = abstract_model(cfg)
+    leaves, tree = jax.tree.flatten(params)
 
-    def trace(n_layers: int) -> list[tuple[tuple[int, ...], int]]:
-        cfg = dataclasses.replace(model, n_layers=n_layers, moe=kind, scan_unroll=1)
-        graphdef, params = abstract_model(cfg)
+    def loss(p, batch):
+        logits = nnx.merge(graphdef, p)(batch[:, :-1], remat=remat)
+        return -jnp.take_along_axis(jax.nn.log_softmax(logits), batch[:, 1:, None], -1).mean()
 
-        def loss(p, batch):
-            logits = nnx.merge(graphdef, p)(batch[:, :-1], remat=remat)
-            return -jnp.take_along_axis(jax.nn.log_softmax(logits), batch[:, 1:, None], -1).mean()
+    def vjp(*args):
+        return jax.vjp(lambda *a: loss(jax.tree.unflatten(tree, a[:-1]), a[-1]), *args)
 
-        found = saved_residuals(loss, params, jax.ShapeDtypeStruct((1, seq + 1), jnp.int32))
-        return [(tuple(a.shape), a.size * a.dtype.itemsize) for a, source in found
-                if not source.startswith("from the argument")]
-
-    one, two = collections.Counter(trace(1)), collections.Counter(trace(2))
-    # What both traces keep alike is outside the layers (embedding, head, loss, and what the scan hoists out of its
-    # body: the mask); the scan stacks a layer's residuals [n, …], so the rest of the second trace is [2, …] of them.
-    same = one & two
-    layer = collections.Counter((s[1:], b // 2) for s, b in (two - same).elements() if s and s[0] == 2)
-    first = collections.Counter(((1,) + s, b) for s, b in layer.elements())
-    return tuple(layer.elements()), tuple((same + (one - same - first)).elements())
+    closed, shapes = jax.make_jaxpr(vjp, return_shape=True)(*leaves, jax.ShapeDtypeStruct((1, seq + 1), jnp.int32))
+    jaxpr = closed.jaxpr
+    n = len(jax.tree.leaves(shapes[1]))  # the vjp closure's leaves: the residuals, last among the outputs
+    top = _Scope(jaxpr, [True] * len(jaxpr.invars))
+    seen, layer, stacked, outside, constant = set(), [], [], [], []
+    for v in jaxpr.outvars[len(jaxpr.outvars) - n:]:
+        if not isinstance(v, jax_core.Var) or v in jaxpr.invars:
+            continue
+        e = top.producer.get(v)
+        if e is not None and e.primitive.name == "scan" and e.outvars.index(v) >= _scan_split(e)[1]:
+            stacked.append(_entry(v.aval, stacked=True))  # a [2, …] stack of the two layers'
+        elif v not in top.depends:
+            constant.append(_entry(v.aval))
+        held = _buffer(v, top)
+        if held is None or held[0] in seen:
+            continue
+        seen.add(held[0])
+        (layer if held[1].in_layer else outside).append(_entry(held[0].aval))
+    return Residuals(tuple(layer), tuple(stacked), tuple(outside), tuple(constant))
 
 
 def _scaled(entries, config: Config, s_local: int, routed: tuple[float, float] = (1.0, 1.0)) -> float:
@@ -188,7 +302,8 @@ def _scaled(entries, config: Config, s_local: int, routed: tuple[float, float] =
         size = math.prod(shape)
         if len(shape) == 2 and shape[0] == s_local * m.moe.top_k:  # an expert-side [rows·k, n] (MoE layers only)
             nbytes *= routed[shape[-1] == m.d_model]
-        if p.sequence_parallel and shape and shape[-1] == m.d_model and size % (s_local * m.d_model) == 0:
+        stream = 0 < len(shape) <= 3 and shape[-1] == m.d_model  # not a [.., s, s] score where s = h
+        if p.sequence_parallel and stream and size % (s_local * m.d_model) == 0:
             nbytes /= t  # the residual stream between tensor regions: [rows, s/t, h]
         if c == 1 or p.context_impl == "ring":  # the ring keeps no [s/c, s] score row, only its own blocks
             pass
@@ -215,42 +330,106 @@ def _routed_factor(config: Config, backend: str) -> tuple[float, float]:
     return pad, pad * (local if backend == "cpu" else 1)
 
 
+def _layers_loop(config: Config, n_layers: int) -> bool:
+    """Whether the scan over `n_layers` layers (a pipeline chunk's, or the model's) runs more than one trip:
+    `scan_unroll` periods a trip, one under sequence parallelism (`jaxpar.parallel.plan.make_plan`)."""
+    m, p = config.model, config.parallel
+    unroll = 1 if p.sequence_parallel and p.tensor > 1 else m.scan_unroll
+    return any(count > max(1, unroll // len(period)) for period, count in layer_groups(m.layer_pattern[:n_layers]))
+
+
+def _stage_weights(config: Config) -> int:
+    """Bytes of one pipeline chunk's layer weights on a device (k layers, as every rank of `tensor`/`expert` holds
+    them; ZeRO-3 gathers them whole for the step)."""
+    degrees = degrees_of(config)
+    rules = plan_rules(config.model, degrees)
+    stacked = [v for v in _variables(config.model, padded_vocab(config.model, degrees[TENSOR]))
+               if "layers" in (v.get_metadata().get("logical_axes") or ())]
+    return sum(_shard_bytes(v, rules, degrees, 1) for v in stacked) // config.parallel.repeats
+
+
+def _matmul_outputs(local: ModelConfig) -> int:
+    """Per token of one layer, the widths of its matmul outputs as a tensor rank computes them — q, k, v; the
+    attention output; the MLP's gate and up (each routed expert's, top_k of them) and down: the gradients B hands
+    W (the executor's dys)."""
+    moe = local.moe
+    ffn = moe.top_k * moe.d_ff + moe.shared_d_ff if moe.enabled else local.d_ff
+    return (local.n_heads + 2 * local.n_kv_heads) * local.head_dim + 2 * local.d_model + 2 * ffn
+
+
 def activation_bytes(config: Config, backend: str = "gpu") -> dict[str, float]:
-    """Activations saved for the backward, per device: {'layers', 'outside', 'working_set'} (see the docstring);
-    `working_set` (the unit of `WORKSPACE`) is, under remat, one layer's activations without it, and on 'cpu' the
-    dense MoE expert buffers of one layer."""
+    """Activations saved for the backward, per device: {'layers', 'outside', 'loop', 'working_set'} (see the
+    docstring); `working_set` (the unit of `WORKSPACE`) is one layer's activations without remat where the backward
+    runs a layer at a time on top of what is saved (under remat, or a loop's trip), and on 'cpu' the dense MoE
+    expert buffers of one layer."""
     m, p, t = config.model, config.parallel, config.train
     degrees = degrees_of(config)
     local = local_model(m, degrees)
     b = expected.rows_per_data_shard(config)
     s = t.seq_len // p.context
     A = t.grad_accum
+    h = m.d_model * jnp.dtype(m.dtype).itemsize  # bytes of one token of the residual stream
+    routed = _routed_factor(config, backend)
+    loop = 0.0  # the pipeline loop's own buffers
     if p.pipe > 1:
         mb = b // p.microbatches // A
         k = m.n_layers // (p.pipe * p.repeats)
-        if p.schedule == "circular":
-            chunks = pipeline.iterations(p.pipe, p.repeats, p.microbatches)
-        else:  # each chunk in flight holds its vjp residuals (the stash) and its matmul inputs (the tape, for W)
-            chunks = 2 * max(schedule.build(p.schedule, p.pipe, p.repeats, p.microbatches).in_flight())
-        layer_rows, outside_rows, layers = mb, b // p.pipe // A, chunks
         kinds = m.layer_kinds[:k]
+        layer_rows, outside_rows = mb, b // p.pipe // A
+        looped = True
+        if p.schedule == "circular":
+            # Autodiff of the loop stacks every iteration's residuals, and the weights each one read: the pass
+            # r = ⌊(t − s)/m⌋ is a traced index, so a[r] is a value of the iteration, not an argument.
+            layers = pipeline.iterations(p.pipe, p.repeats, p.microbatches)
+            loop += layers * _stage_weights(config)
+            # The carries io [q, mb, s, h], shift [mb, s, h] and park [m, mb, s, h] (v > 1, m > p), and in the
+            # backward their cotangents alike.
+            q = p.microbatches // p.pipe
+            park = p.microbatches if p.repeats > 1 and p.microbatches > p.pipe else 0
+            loop += 2 * (q + 1 + park) * mb * s * h / (p.tensor if p.sequence_parallel else 1)
+        else:
+            # The executor's slot buffers (`schedule.Program`, each with one scratch slot): a chunk's vjp residuals
+            # split between the stash (until its B) and the tape (its matmul inputs, until its W) — together one
+            # chunk's residuals a slot — and one chunk more: the F branch's, returned by the switch and then
+            # written into a slot. Then dys (each B's matmul output gradients, until its W) and the inbox (one
+            # activation or gradient [mb, s, h] a slot).
+            prog = pipeline.Pipeline(p.pipe, p.repeats, p.microbatches, m.n_layers, p.schedule).program
+            layers = max(prog.n_stash, prog.n_tape) + 2  # chunks of k layers
+            loop += (prog.n_dys + 1) * k * mb * s * _matmul_outputs(local) * jnp.dtype(m.dtype).itemsize
+            loop += (prog.n_inbox + 1) * mb * s * h
     else:
         layer_rows = outside_rows = b // A
         layers, kinds = 1, m.layer_kinds
+        looped = _layers_loop(config, m.n_layers)
     # Traced for one row: every residual is [rows, …] (or [rows·s, …]), so the bytes scale with the rows.
-    routed = _routed_factor(config, backend)
-    per_kind = {k: _scaled(residuals(local, s, p.remat, k)[0], config, s, routed) for k in set(kinds)}
+    traced = {k: residuals(local, s, p.remat, k) for k in set(kinds)}
+    per_kind = {k: _scaled(r.stacked if looped else r.layer, config, s, routed) for k, r in traced.items()}
     saved = layers * layer_rows * sum(per_kind[k] for k in kinds)
-    outside = outside_rows * _scaled(residuals(local, s, p.remat, kinds[0])[1], config, s)
-    # Under remat the backward brings one layer's activations back at a time: its working set on top of the saved.
-    none = 0.0 if p.remat == "none" else layer_rows * max(
-        _scaled(residuals(local, s, "none", k)[0], config, s, routed) for k in set(kinds))
+    first = traced[kinds[0]]
+    outside = outside_rows * _scaled(first.outside, config, s)
+    if looped:
+        loop += layer_rows * _scaled(first.constant, config, s)
+    # The backward brings one layer's activations back at a time on top of the saved — under remat (recomputed)
+    # and in a loop (a trip's temporaries, while the stacked residuals of every trip stay until the loop ends).
+    trips = looped and (p.pipe == 1 or p.schedule == "circular")  # the executor's F branch counted above
+    # Under `dots` the recomputed rest is elementwise on saved matmul outputs, which XLA fuses into the backward's
+    # own kernels; what comes back as buffers are the attention scores and probabilities (batched matmuls, which
+    # the policy does not save): the [.., s, s] entries.
+    def recomputed(k) -> float:
+        entries = residuals(local, s, "none", k).layer
+        if p.remat == "dots":
+            entries = [e for e in entries if len(e[0]) >= 4 and e[0][-2:] == (s, s)]
+        return _scaled(entries, config, s, routed)
+
+    none = 0.0 if p.remat == "none" and not trips else layer_rows * max(recomputed(k) for k in set(kinds))
     if backend == "cpu" and any(kinds):
         # XLA:CPU's dense `ragged_dot`: one MoE layer's backward holds ~7 [X/ep, rows·k, F/t] float32 buffers at once
-        # (gate, up, their product and gradients; counted in the buffer assignment of moe_tiny's step).
+        # (gate, up, their product and gradients; counted in the buffer assignment of moe_tiny's step) — the
+        # backward's working set where it is larger than the layer's activations (which it reuses).
         moe = m.moe
-        none += 7 * (moe.n_experts // p.expert) * layer_rows * s * moe.top_k * routed[0] * (moe.d_ff // p.tensor) * 4
-    return {"layers": saved, "outside": outside, "working_set": none}
+        none = max(none, 7 * (moe.n_experts // p.expert) * layer_rows * s * moe.top_k * routed[0]
+                   * (moe.d_ff // p.tensor) * 4)
+    return {"layers": saved, "outside": outside, "loop": loop, "working_set": none}
 
 
 def predict_memory(config: Config, backend: str = "gpu") -> Memory:
@@ -259,6 +438,6 @@ def predict_memory(config: Config, backend: str = "gpu") -> Memory:
     state = state_bytes(config)
     act = activation_bytes(config, backend)
     return Memory(params=state["params"], optimizer=state["optimizer"], batch=state["batch"],
-                  gradients=state["gradients"], activations=act["layers"] + act["outside"],
+                  gradients=state["gradients"], activations=act["layers"] + act["outside"] + act["loop"],
                   workspace=WORKSPACE * act["working_set"])
 
