@@ -40,7 +40,7 @@ def _f(default: Any, help: str) -> Any:
 
 DTYPES = ("float32", "bfloat16", "float16")
 WEIGHT_FORMATS = ("float", "int8", "int4")  # jaxpar.matmul.Quantized
-REMAT_POLICIES = ("none", "full", "dots")
+REMAT_POLICIES = ("none", "full", "dots", "selective")
 # What `parallel.auto` chooses (the planner's search, jaxpar.planner.search): these parallel fields and
 # train.grad_accum. `parallel.keep` names the ones to leave as the config has them.
 PLANNED = ("data", "pipe", "expert", "context", "tensor", "schedule", "repeats", "microbatches", "sequence_parallel",
@@ -311,7 +311,9 @@ class ParallelConfig:
     schedule: str = _f("circular", "pipeline schedule: 'circular' (autodiff of the circular loop), or a table run "
                        "with explicit vjps: " + ", ".join(SCHEDULES[:1] + SCHEDULES[2:]))
     zero: int = _f(0, "ZeRO stage over 'data': 0 off, 1 optimizer state sharded, 3 parameters too")
-    remat: str = _f("none", "activation checkpointing per layer: 'none', 'full', or 'dots' (save matmul outputs)")
+    remat: str = _f("none", "activation checkpointing per layer: 'none', 'full', 'dots' (save matmul outputs), or "
+                    "'selective' (Megatron's: save every linear layer's named input and output, recompute the core "
+                    "attention; jaxpar.model.CHECKPOINT_NAMES)")
     auto: bool = _f(False, "let the planner choose the layout on the devices the run has (`jaxpar plan`): the fields "
                     "of parallel.keep stay as set, and so does any field set to a non-default value; the rest of "
                     f"{', '.join(AUTO_KEEPS)} are chosen, and the choice and the runner-up are logged")

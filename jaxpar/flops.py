@@ -174,12 +174,13 @@ def train_flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
 def hardware_flops_per_token(cfg: ModelConfig, seq_len: int, *, remat: str = "none",
                              full_attention: bool = True) -> float:
     """Matmul FLOPs the device executes per trained token (the HFU numerator): 3 × forward, plus one more forward
-    of the layers with remat 'full' or of the attention term with remat 'dots'; `full_attention` counts the whole
+    of the layers with remat 'full' or of the attention term with remat 'dots' or 'selective' (the core attention's
+    matmuls, scores and their product with V, are what both recompute); `full_attention` counts the whole
     score square (XLA's path) instead of the causal pairs."""
     keys = float(seq_len) if full_attention else None
     fwd = forward_flops_per_token(cfg, seq_len, keys=keys)
     recompute = {"none": 0.0, "full": fwd.layers_dense - fwd.down_projection + fwd.attention,
-                 "dots": fwd.attention}[remat]
+                 "dots": fwd.attention, "selective": fwd.attention}[remat]
     return 3 * fwd.total + recompute
 
 

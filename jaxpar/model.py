@@ -35,6 +35,7 @@ import math
 
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 import numpy as np
 from flax import nnx
 
@@ -48,9 +49,17 @@ from jaxpar.sharding import constrain
 
 Array = jax.Array
 
+# The activations a block names (`checkpoint_name`), for policies that save only named values: each linear layer's
+# input and output — the norms' outputs, q/k/v after RoPE, the attention context (before the output projection),
+# the MLP's gate/up and hidden — so what such a policy leaves to recompute is the core attention (scores, softmax,
+# their product with V), Megatron's selective recomputation (Korthikanti et al. 2022, §4).
+CHECKPOINT_NAMES = ("attn_in", "q", "k", "v", "context", "attn_out", "mlp_in", "mlp_gate", "mlp_up", "mlp_hidden",
+                    "mlp_out")
+
 REMAT_POLICIES = {
     "full": None,  # save nothing inside a layer: recompute the whole block in the backward pass
     "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,  # keep matmul outputs, recompute the rest
+    "selective": jax.checkpoint_policies.save_only_these_names(*CHECKPOINT_NAMES),  # recompute the core attention
 }
 
 
@@ -427,12 +436,14 @@ def block(p: dict[str, Array], x: Array, positions: Array, mask: Array | None, c
 
     kv_cache: this layer's (k [B, S, K, E], v, slot) when decoding. Returns (x, updated (k, v) or None, the MoE
     layer's statistics (`moe`; {} for a dense MLP))."""
-    h = norm(x, par.replicated(p["attn_norm"]), _maybe(par.replicated, p.get("attn_norm_b")), cfg)
+    h = checkpoint_name(norm(x, par.replicated(p["attn_norm"]), _maybe(par.replicated, p.get("attn_norm_b")), cfg),
+                        "attn_in")
     a, kv = attention(p, h, positions, mask, cfg, par, kv_cache)
-    x = constrain(x + a, ("batch", "seq", "embed"))
-    h = norm(x, par.replicated(p["mlp_norm"]), _maybe(par.replicated, p.get("mlp_norm_b")), cfg)
+    x = constrain(x + checkpoint_name(a, "attn_out"), ("batch", "seq", "embed"))
+    h = checkpoint_name(norm(x, par.replicated(p["mlp_norm"]), _maybe(par.replicated, p.get("mlp_norm_b")), cfg),
+                        "mlp_in")
     out, stats = moe(p, h, cfg, par) if "router" in p else (mlp(p, h, cfg, par), {})
-    return constrain(x + out, ("batch", "seq", "embed")), kv, stats
+    return constrain(x + checkpoint_name(out, "mlp_out"), ("batch", "seq", "embed")), kv, stats
 
 
 def norm(x: Array, scale: Array, bias: Array | None, cfg: ModelConfig) -> Array:
@@ -468,15 +479,16 @@ def attention(p: dict[str, Array], h: Array, positions: Array, mask: Array | Non
     if family(cfg).positions == "rope":
         inv_freq = rope_frequencies(q.shape[-1], cfg)
         q, k = rope(q, positions, inv_freq), rope(k, positions, inv_freq)
-    q = constrain(q, ("batch", "seq", "heads", "head_dim"))
-    k = constrain(k, ("batch", "seq", "kv_heads", "head_dim"))
+    q = checkpoint_name(constrain(q, ("batch", "seq", "heads", "head_dim")), "q")
+    k = checkpoint_name(constrain(k, ("batch", "seq", "kv_heads", "head_dim")), "k")
+    v = checkpoint_name(v, "v")
     new_cache = None
     if kv_cache is not None:
         k_cache, v_cache, slot = kv_cache
         k = jax.lax.dynamic_update_slice_in_dim(k_cache, k.astype(k_cache.dtype), slot, axis=1)  # [B, S, K, E]
         v = jax.lax.dynamic_update_slice_in_dim(v_cache, v.astype(v_cache.dtype), slot, axis=1)
         new_cache = (k, v)
-    o = par.attention(functools.partial(attend, cfg=cfg), q, k, v, mask)  # [B, T, H, E]
+    o = checkpoint_name(par.attention(functools.partial(attend, cfg=cfg), q, k, v, mask), "context")  # [B, T, H, E]
     out = par.row(o, p["wo"], "bthe,hed->btd")  # [B, T, D] float32 ([B, T/t, D] under SP)
     if "bo" in p:
         out = out + par.replicated(p["bo"]).astype(jnp.float32)
@@ -548,19 +560,22 @@ def grouped_swiglu(rows: Array, group_sizes: Array, weights, *, dot, dtype) -> A
     expert, in order; the rest are padding), weights (we_gate, we_up [X, D, F], we_down [X, F, D]) → [M, D] float32."""
     w_gate, w_up, w_down = weights
     gate, up = dot.ragged(rows, w_gate, group_sizes), dot.ragged(rows, w_up, group_sizes)  # [M, F] float32
-    return dot.ragged((jax.nn.silu(gate) * up).astype(dtype), w_down, group_sizes)
+    gate, up = checkpoint_name(gate, "mlp_gate"), checkpoint_name(up, "mlp_up")
+    return dot.ragged(checkpoint_name((jax.nn.silu(gate) * up).astype(dtype), "mlp_hidden"), w_down, group_sizes)
 
 
 def swiglu(p: dict[str, Array], h: Array, cfg: ModelConfig, par: Parallel) -> Array:
     """silu(h·W_gate) ⊙ (h·W_up): two matrices in one column-parallel group (llama)."""
     gate, up = par.column(h, (p["w_gate"], p["w_up"]), ("btd,df->btf", "btd,df->btf"))
-    return (jax.nn.silu(gate) * up).astype(cfg.dtype)
+    gate, up = checkpoint_name(gate, "mlp_gate"), checkpoint_name(up, "mlp_up")
+    return checkpoint_name((jax.nn.silu(gate) * up).astype(cfg.dtype), "mlp_hidden")
 
 
 def gelu(p: dict[str, Array], h: Array, cfg: ModelConfig, par: Parallel) -> Array:
     """gelu(h·W_up + b_up) with GPT-2's tanh GELU ("gelu_new")."""
     (up,) = par.column(h, (p["w_up"],), ("btd,df->btf",))  # [B, T, F]
-    return jax.nn.gelu((up + p["b_up"]).astype(cfg.dtype), approximate=True)
+    up = checkpoint_name(up, "mlp_up")
+    return checkpoint_name(jax.nn.gelu((up + p["b_up"]).astype(cfg.dtype), approximate=True), "mlp_hidden")
 
 
 ACTIVATIONS = {"swiglu": swiglu, "gelu": gelu}  # Family.mlp → the layer function

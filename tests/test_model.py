@@ -182,7 +182,7 @@ def test_gqa_equals_multi_head_with_repeated_kv_weights():
     np.testing.assert_allclose(np.asarray(gqa(toks)), np.asarray(mha(toks)), rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("policy", ["full", "dots"])
+@pytest.mark.parametrize("policy", ["full", "dots", "selective"])
 def test_remat_matches_no_remat_in_value_and_grads(policy):
     model = make("llama")
     graphdef, params = nnx.split(model, nnx.Param)
@@ -204,6 +204,37 @@ def test_remat_matches_no_remat_in_value_and_grads(policy):
     temp = {r: jax.jit(jax.value_and_grad(loss), static_argnums=1).lower(params, r).compile().memory_analysis()
             .temp_size_in_bytes for r in ("none", policy)}
     assert temp[policy] < 0.8 * temp["none"], temp
+
+
+def test_selective_remat_saves_the_named_activations_and_recomputes_the_core_attention():
+    """Megatron's selective recomputation as a policy of named checkpoints: what the layers save for their backward
+    (the layer scan's stacked outputs) is one array per named activation of the block (each linear layer's input
+    and output), and nothing of the core attention — no [.., T, T] score or probability array, which no remat
+    keeps."""
+    import contextlib
+    import io
+    import re
+
+    from jaxpar.model import CHECKPOINT_NAMES
+
+    model = make("llama")
+    graphdef, params = nnx.split(model, nnx.Param)
+    toks = tokens(seed=4)
+    L, (B, T) = model.cfg.n_layers, toks.shape
+
+    def layer_residuals(remat):  # the shapes the layer scan stacks for the backward, one line each
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out):  # (jax's public residual report prints)
+            jax.ad_checkpoint.print_saved_residuals(lambda p: nnx.merge(graphdef, p)(toks, remat=remat).mean(),
+                                                    params)
+        shapes = [tuple(int(d) for d in m.group(1).split(",")) for line in out.getvalue().splitlines()
+                  if "output of scan" in line and (m := re.match(r"\w+\[([\d,]+)\]", line))]
+        return [s for s in shapes if s[0] == L and len(s) > 3]  # [L, …] activations (not [L, D, F] weights)
+
+    selective, none = layer_residuals("selective"), layer_residuals("none")
+    assert len(selective) == len(CHECKPOINT_NAMES) and all(s[1:3] == (B, T) for s in selective), selective
+    assert not [s for s in selective if s[-2:] == (T, T)], selective
+    assert [s for s in none if s[-2:] == (T, T)], none  # (the check can fail: without remat the scores are kept)
 
 
 def test_bf16_compute_keeps_float32_params_and_logits():

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import pathlib
 
 from jaxpar.config import Config, ConfigError
@@ -63,13 +64,26 @@ class Profile:
     # Probed (`jaxpar probe`): {collective: {group size: bus bytes/s per device}} inside a host, the machine it was
     # measured on, and how many devices shared it then (a CPU's simulated devices share its cores).
     overlap: float = 1.0  # the fraction of a hideable collective that hides behind compute (1: own engines)
+    matmul: dict[str, dict[str, float]] = dataclasses.field(default_factory=dict)  # probed {dtype: {width: FLOP/s}}
     links: dict[str, dict[str, float]] = dataclasses.field(default_factory=dict)
     machine: dict = dataclasses.field(default_factory=dict)
     devices: int = 0
 
-    def rate(self, dtype: str) -> float:
-        """Achievable matmul FLOP/s for compute `dtype` (float32's where the dtype has no entry)."""
-        return self.flops.get(dtype) or self.flops["float32"]
+    def rate(self, dtype: str, width: int | None = None) -> float:
+        """Achievable matmul FLOP/s for compute `dtype` (float32's where the dtype has no entry); with `width` and a
+        probed table, that of a token-major matmul [M, w] @ [w, w] of that width — narrow matmuls run below the
+        large ones' rate — interpolated log-linearly between the widths measured (clamped to the ends)."""
+        table = self.matmul.get(dtype) or self.matmul.get("float32")
+        if not width or not table:
+            return self.flops.get(dtype) or self.flops["float32"]
+        points = sorted((int(w), r) for w, r in table.items())
+        if width <= points[0][0]:
+            return points[0][1]
+        for (w0, r0), (w1, r1) in zip(points, points[1:]):
+            if width <= w1:
+                a = math.log(width / w0) / math.log(w1 / w0)
+                return math.exp((1 - a) * math.log(r0) + a * math.log(r1))
+        return points[-1][1]
 
     def bandwidth(self, kind: str, group: int, inside: bool) -> float:
         """Bytes/s per device of collective `kind` ('all_reduce', 'all_to_all', 'permute') over `group` devices:
@@ -231,6 +245,14 @@ def _kind(config: Config, axis: str) -> str:
     return "all_to_all" if axis == EXPERT else "all_reduce"
 
 
+def matmul_width(config: Config) -> int:
+    """The narrowest dimension of a layer's matmuls on one device (what bounds their efficiency): the model width,
+    and a tensor rank's share of the query heads' width and of the MLP's (or an expert's) hidden width."""
+    m, t = config.model, config.parallel.tensor
+    hidden = m.moe.d_ff if m.moe.enabled else m.d_ff
+    return max(1, min(m.d_model, m.n_heads // t * m.head_dim, hidden // t))
+
+
 def predict_time(config: Config, profile: Profile, devices_per_host: int) -> Timing:
     """The step time of `config` (resolved for its devices) on `profile`'s machines."""
     m, p, t = config.model, config.parallel, config.train
@@ -238,7 +260,7 @@ def predict_time(config: Config, profile: Profile, devices_per_host: int) -> Tim
     f = expected.step_flops(config, V)
     recompute = (flops.hardware_flops_per_token(m, t.seq_len, remat=p.remat, full_attention=True)
                  / flops.hardware_flops_per_token(m, t.seq_len, remat="none", full_attention=True))
-    rate = profile.rate(m.dtype)
+    rate = profile.rate(m.dtype, matmul_width(config))
     if p.pipe > 1 and p.schedule != "circular":
         bubble = schedule.build(p.schedule, p.pipe, p.repeats, p.microbatches).bubble
         compute = f["useful"] * recompute / rate / (1 - bubble)

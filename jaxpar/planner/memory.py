@@ -7,7 +7,8 @@ State — exact, the sums of shard sizes. Every parameter's PartitionSpec comes 
 plan's rules (`jaxpar.parallel.plan.plan_rules`, no mesh needed) and ZeRO's data split (`sharding.zero_spec`):
     params      Σ ⌈shape / mesh degrees of its spec⌉ · param bytes   (ZeRO-3 adds `data` to each)
     optimizer   AdamW's two moments, each as its parameter but split over `data` from ZeRO-1, + the step counters
-    gradients   one float per parameter shard as the step holds it (gradient accumulation adds a second: the sum)
+    gradients   one float per parameter as the step holds it, whole over `data` until the step's end (gradient
+                accumulation adds a second: the sum); ZeRO-3 adds the parameters it gathers whole for the step
     batch       the int32 token rows [B / (data·pipe·expert), T + 1]
 
 Activations — traced, not hand-written. `jax.vjp` of the model itself (abstract arrays, no memory), with one tensor
@@ -28,9 +29,16 @@ file. Then, per device (b rows, A = grad_accum: one chunk's activations at a tim
     a schedule table  the executor's slots (`schedule.Program`): stash and tape together a chunk's residuals a slot,
                       max(n_stash, n_tape) + 1 slots, and one chunk more (the F branch's, before it is written); dys
                       (n_dys + 1 slots of a chunk's matmul output gradients) and the inbox (n_inbox + 1 of [mb, s, h])
-    sequence parallel the residual-stream tensors [rows, s, h] split over `tensor` (Korthikanti et al. 2022)
+    sequence parallel the residual-stream tensors [rows, s, h] split over `tensor` (Korthikanti et al. 2022); under
+                      `dots` the saved matmul outputs stay whole-sequence (the row-parallel partial sums before the
+                      reduce-scatter), and the plain SP entry's column outputs are not saved (a nested custom VJP
+                      hides them from the policy; collective matmul's are)
     context parallel  s/c query tokens a rank; all_gather's gathered K/V and [s/c, s] scores are c times the local
-                      trace's (the ring keeps its own blocks only)
+                      trace's (the ring keeps its own blocks only, but each ring step's linearized `cond` leaves
+                      mask-shaped buffers XLA hoists out of the loops: `_ring_hoisted`)
+    hoisted masks     the causal mask broadcast to the scores, loop-invariant: held once by a loop (and under remat,
+                      where the recomputation reads it, hoisted out of the loops)
+    schedule tables   under remat the tape's matmul inputs beside the stash; head and loss one microbatch at a time
 Workspace — what the backward holds on top of the saved (XLA's temporaries): one layer's activations as an unrolled
 program holds them without remat, where the backward brings a layer back at a time — under remat (`dots`: only the
 attention scores and probabilities; XLA fuses the rest of the recompute into the backward's kernels) and in a loop's
@@ -119,8 +127,12 @@ def state_bytes(config: Config) -> dict[str, int]:
     param = param_bytes(config, p.data if p.zero >= 3 else 1)
     moments = param_bytes(config, p.data if p.zero >= 1 else 1)
     rows = config.train.batch_size // math.prod(degrees[a] for a in BATCH_AXES)
+    # The step's gradients are whole over `data` until its end (ZeRO-3's reduce-scatter comes after the last
+    # chunk: `train.step._mean`), and ZeRO-3 gathers every parameter whole for the step (`gather_zero`): one more
+    # copy, held throughout.
+    whole = param_bytes(config) if p.zero >= 3 else param
     return {"params": param, "optimizer": 2 * moments + _adam_counters() + 4,  # + the state's int32 step
-            "gradients": param * (2 if config.train.grad_accum > 1 else 1),
+            "gradients": whole * (2 if config.train.grad_accum > 1 else 1) + (whole if p.zero >= 3 else 0),
             "batch": rows * (config.train.seq_len + 1) * 4}
 
 
@@ -241,9 +253,19 @@ class Residuals:
     constant: tuple
 
 
-def _entry(aval, stacked: bool = False) -> tuple[tuple[int, ...], int]:
+def _entry(aval, dot: bool, stacked: bool = False) -> tuple[tuple[int, ...], int, bool]:
     shape = tuple(aval.shape)[1 if stacked else 0:]
-    return shape, aval.size * aval.dtype.itemsize // (aval.shape[0] if stacked else 1)
+    return shape, aval.size * aval.dtype.itemsize // (aval.shape[0] if stacked else 1), dot
+
+
+def _is_dot(v, scope: _Scope) -> bool:
+    """Whether the buffer v holds is a matmul's output (`dot_general`, then perhaps rounded or cast to the compute
+    dtype: the matmul policy's `reduce_precision` / `convert_element_type`)."""
+    e = scope.producer.get(v)
+    while e is not None and e.primitive.name in ("reduce_precision", "convert_element_type"):
+        x = e.invars[0]
+        e = scope.producer.get(x) if isinstance(x, jax_core.Var) else None
+    return e is not None and e.primitive.name == "dot_general"
 
 
 @functools.lru_cache(maxsize=256)
@@ -278,16 +300,17 @@ def residuals(model: ModelConfig, seq: int, remat: str, moe_layer: bool) -> Resi
     for v in jaxpr.outvars[len(jaxpr.outvars) - n:]:
         if not isinstance(v, jax_core.Var) or v in jaxpr.invars:
             continue
+        held = _buffer(v, top)
+        dot = held is not None and _is_dot(*held)
         e = top.producer.get(v)
         if e is not None and e.primitive.name == "scan" and e.outvars.index(v) >= _scan_split(e)[1]:
-            stacked.append(_entry(v.aval, stacked=True))  # a [2, …] stack of the two layers'
+            stacked.append(_entry(v.aval, dot, stacked=True))  # a [2, …] stack of the two layers'
         elif v not in top.depends:
-            constant.append(_entry(v.aval))
-        held = _buffer(v, top)
+            constant.append(_entry(v.aval, False))
         if held is None or held[0] in seen:
             continue
         seen.add(held[0])
-        (layer if held[1].in_layer else outside).append(_entry(held[0].aval))
+        (layer if held[1].in_layer else outside).append(_entry(held[0].aval, dot))
     return Residuals(tuple(layer), tuple(stacked), tuple(outside), tuple(constant))
 
 
@@ -298,12 +321,23 @@ def _scaled(entries, config: Config, s_local: int, routed: tuple[float, float] =
     m, p = config.model, config.parallel
     t, c = p.tensor, p.context
     total = 0.0
-    for shape, nbytes in entries:
+    for shape, nbytes, dot in entries:
         size = math.prod(shape)
         if len(shape) == 2 and shape[0] == s_local * m.moe.top_k:  # an expert-side [rows·k, n] (MoE layers only)
             nbytes *= routed[shape[-1] == m.d_model]
         stream = 0 < len(shape) <= 3 and shape[-1] == m.d_model  # not a [.., s, s] score where s = h
-        if p.sequence_parallel and stream and size % (s_local * m.d_model) == 0:
+        if p.sequence_parallel and t > 1 and dot and p.remat == "dots" and shape[0] == s_local:
+            # Under `dots` the policy saves matmul outputs over the whole sequence, the row-parallel ones [s, h]
+            # included: their partial sums before the reduce-scatter (`TensorParallel.row`; collective matmul's t
+            # chunk partials [s/t, h], the same bytes) — the saved value the backward rebuilds the residual stream
+            # from. The column-parallel outputs (q, k, v, gate, up) are saved only under collective matmul, whose
+            # custom VJP computes its chunks' matmuls in its forward (`overlap.gather_matmuls`); the plain SP entry
+            # (`sequence.gather_matmuls`) calls a custom VJP inside its own, which hides its matmuls from the
+            # policy, and its backward recomputes them from the re-gathered shard.
+            if shape[-1] != m.d_model and p.overlap != "collective_matmul" and (p.pipe == 1 or
+                                                                                p.schedule == "circular"):
+                continue  # (a schedule table's chunk vjp runs under no checkpoint of its own: it saves them)
+        elif p.sequence_parallel and stream and size % (s_local * m.d_model) == 0:
             nbytes /= t  # the residual stream between tensor regions: [rows, s/t, h]
         if c == 1 or p.context_impl == "ring":  # the ring keeps no [s/c, s] score row, only its own blocks
             pass
@@ -314,6 +348,19 @@ def _scaled(entries, config: Config, s_local: int, routed: tuple[float, float] =
             nbytes *= c  # gathered keys or values
         total += nbytes
     return total
+
+
+def _ring_hoisted(config: Config, rows: int, s: int) -> float:
+    """Bytes ring attention's blocks leave held for the whole step: autodiff linearizes each of the c ring steps'
+    `lax.cond` (`context_parallel._ring_forward`), whose residuals include the step's causal mask broadcast to the
+    block's scores, [rows, K, G, T, T] as bool and as float32, beside a zero output [rows, T, K, G, E] and the
+    running max and sum; they depend on the mask alone (the rank's positions, static), so XLA hoists them out of
+    the layer and accumulation loops, one set per ring step, whatever the depth (counted in llama_8b's step on 64
+    simulated devices: 4 × 2.8 GB at context 4)."""
+    m, t, c = config.model, config.parallel.tensor, config.parallel.context
+    heads = m.n_heads // t  # K·G: the rank's query heads
+    scores = rows * heads * s * s * (4 + 1)  # float32 and bool [rows, K, G, T, T], T = s (the rank's tokens)
+    return c * (scores + rows * heads * s * (m.head_dim + 2) * 4 + s * s * 4)
 
 
 def _routed_factor(config: Config, backend: str) -> tuple[float, float]:
@@ -357,12 +404,26 @@ def _matmul_outputs(local: ModelConfig) -> int:
     return (local.n_heads + 2 * local.n_kv_heads) * local.head_dim + 2 * local.d_model + 2 * ffn
 
 
+def _matmul_inputs(local: ModelConfig) -> int:
+    """Per token of one layer, the widths of its matmul groups' inputs as a tensor rank computes them — attention's
+    input and context, the MLP's input and hidden (each routed expert's, top_k of them, and the shared expert's):
+    what the executor's tape keeps for W."""
+    moe = local.moe
+    hidden = moe.top_k * moe.d_ff + moe.shared_d_ff if moe.enabled else local.d_ff
+    mlp_in = local.d_model * ((moe.top_k + (moe.shared_d_ff > 0)) if moe.enabled else 1)
+    return local.d_model + local.n_heads * local.head_dim + mlp_in + hidden
+
+
 def activation_bytes(config: Config, backend: str = "gpu") -> dict[str, float]:
     """Activations saved for the backward, per device: {'layers', 'outside', 'loop', 'working_set'} (see the
     docstring); `working_set` (the unit of `WORKSPACE`) is one layer's activations without remat where the backward
     runs a layer at a time on top of what is saved (under remat, or a loop's trip), and on 'cpu' the dense MoE
     expert buffers of one layer."""
     m, p, t = config.model, config.parallel, config.train
+    if backend == "cpu" and m.dtype != "float32":
+        # XLA:CPU has no 16-bit float arithmetic: it computes bf16/f16 in float32 and keeps the activations so
+        # (llama_8b's saved [tokens, h] matmul outputs are f32 buffers in its step on 64 simulated devices).
+        m = dataclasses.replace(m, dtype="float32")
     degrees = degrees_of(config)
     local = local_model(m, degrees)
     b = expected.rows_per_data_shard(config)
@@ -371,6 +432,7 @@ def activation_bytes(config: Config, backend: str = "gpu") -> dict[str, float]:
     h = m.d_model * jnp.dtype(m.dtype).itemsize  # bytes of one token of the residual stream
     routed = _routed_factor(config, backend)
     loop = 0.0  # the pipeline loop's own buffers
+    tape = 0  # bytes a token of a schedule table's tape (the matmul inputs) a layer, where the stash lacks them
     if p.pipe > 1:
         mb = b // p.microbatches // A
         k = m.n_layers // (p.pipe * p.repeats)
@@ -397,6 +459,13 @@ def activation_bytes(config: Config, backend: str = "gpu") -> dict[str, float]:
             layers = max(prog.n_stash, prog.n_tape) + 2  # chunks of k layers
             loop += (prog.n_dys + 1) * k * mb * s * _matmul_outputs(local) * jnp.dtype(m.dtype).itemsize
             loop += (prog.n_inbox + 1) * mb * s * h
+            # The last chunk's F runs the head and the loss on its microbatch: one microbatch's at a time.
+            outside_rows = mb
+            if p.remat != "none":
+                # Under remat the vjp residuals no longer include the matmul inputs, which the tape keeps apart
+                # until W: per layer each group's input in the compute dtype (the whole sequence: under SP the
+                # gathered one), beside the stash's residuals a slot.
+                tape = _matmul_inputs(local) * jnp.dtype(config.model.dtype).itemsize
     else:
         layer_rows = outside_rows = b // A
         layers, kinds = 1, m.layer_kinds
@@ -404,11 +473,22 @@ def activation_bytes(config: Config, backend: str = "gpu") -> dict[str, float]:
     # Traced for one row: every residual is [rows, …] (or [rows·s, …]), so the bytes scale with the rows.
     traced = {k: residuals(local, s, p.remat, k) for k in set(kinds)}
     per_kind = {k: _scaled(r.stacked if looped else r.layer, config, s, routed) for k, r in traced.items()}
-    saved = layers * layer_rows * sum(per_kind[k] for k in kinds)
+    saved = layers * layer_rows * sum(per_kind[k] + tape * s for k in kinds)
     first = traced[kinds[0]]
     outside = outside_rows * _scaled(first.outside, config, s)
-    if looped:
-        loop += layer_rows * _scaled(first.constant, config, s)
+    ring = p.context > 1 and p.context_impl == "ring"
+    # The causal mask broadcast to the scores' shape, [rows, K, G, s, s] as bool and float32 (the tangent of the
+    # masking `where`; a constant of the trace): a loop reads it as an input, held once (`Residuals.constant`), and
+    # under remat, where the backward's recomputation reads it, XLA hoists it out of the loops alike — held once
+    # (an unrolled program fuses it into its readers). The ring holds its own per step instead (`_ring_hoisted`);
+    # a schedule table's branches (a `switch`, which XLA hoists nothing out of) build it where they read it.
+    masks = [e for e in residuals(local, s, "none", kinds[0]).constant if len(e[0]) >= 4 and e[0][-2:] == (s, s)]
+    constants = [e for e in first.constant if not (ring and e in masks)] if looped else []
+    if looped and p.remat != "none" and not ring and (p.pipe == 1 or p.schedule == "circular"):
+        constants += masks
+    loop += layer_rows * _scaled(constants, config, s)
+    if ring and looped:
+        loop += _ring_hoisted(config, layer_rows, s)
     # The backward brings one layer's activations back at a time on top of the saved — under remat (recomputed)
     # and in a loop (a trip's temporaries, while the stacked residuals of every trip stay until the loop ends).
     trips = looped and (p.pipe == 1 or p.schedule == "circular")  # the executor's F branch counted above

@@ -3,7 +3,8 @@
 What is measured, with every local device busy at once (as in a train step: on CPU the simulated devices share the
 cores, so each rate is what one device gets while the others run too):
 
-    matmul     achieved FLOP/s per device of an [M, K] @ [K, N] per device, per compute dtype
+    matmul     achieved FLOP/s per device of a token-major [M, w] @ [w, w] per compute dtype and width w (narrow
+               matmuls run below the large ones' rate: the time model takes the rate at a layout's narrowest width)
     links      per collective and group size g (an axis of degree g inside the host): bus bandwidth in bytes/s per
                device — all-reduce 2(g−1)/g·S, all-to-all (g−1)/g·S, permute (a ring shift) S bytes sent for an
                S-byte buffer, divided by the median time
@@ -87,14 +88,15 @@ def _median_seconds(fn, *args, repeats: int) -> float:
     return statistics.median(times)
 
 
-def matmul_rate(devices: list, dtype: str, size: int, repeats: int) -> float:
-    """Achieved FLOP/s per device of a [size, size] @ [size, size] on every device at once."""
-    n = len(devices)
+def matmul_rate(devices: list, dtype: str, width: int, repeats: int, rows: int | None = None) -> float:
+    """Achieved FLOP/s per device of a [rows, width] @ [width, width] (rows: `width` unless given — a token-major
+    matmul has many more rows than its width) on every device at once."""
+    n, rows = len(devices), rows or width
     mesh = Mesh(np.array(devices), ("d",))
-    x = jax.device_put(jnp.ones((n * size, size), dtype), NamedSharding(mesh, P("d")))
-    w = jax.device_put(jnp.ones((n * size, size), dtype), NamedSharding(mesh, P("d")))
+    x = jax.device_put(jnp.ones((n * rows, width), dtype), NamedSharding(mesh, P("d")))
+    w = jax.device_put(jnp.ones((n * width, width), dtype), NamedSharding(mesh, P("d")))
     fn = jax.jit(jax.shard_map(lambda a, b: a @ b, mesh=mesh, in_specs=(P("d"), P("d")), out_specs=P("d")))
-    return 2 * size**3 / _median_seconds(fn, x, w, repeats=repeats)
+    return 2 * rows * width**2 / _median_seconds(fn, x, w, repeats=repeats)
 
 
 def _collective(kind: str, axis: str, g: int):
@@ -163,8 +165,11 @@ def measure(devices: list | None = None, *, repeats: int = 7) -> Profile:
     dev, n = devices[0], len(devices)
     gpu = dev.platform != "cpu"
     size, nbytes = (8192, 64 << 20) if gpu else (512, 4 << 20)
-    rates = {d: matmul_rate(devices, d, size, repeats) for d in ("float32", "bfloat16")}
-    rates["float16"] = rates["bfloat16"] if gpu else rates["float32"]
+    # Token-major matmuls of each width (rows: a microbatch's tokens), for the rate at a layout's narrowest width.
+    widths, rows = ((1024, 2048, 4096, 8192), 16384) if gpu else ((64, 128, 256, 512, 1024), 2048)
+    table = {d: {str(w): matmul_rate(devices, d, w, repeats, rows) for w in widths} for d in ("float32", "bfloat16")}
+    table["float16"] = table["bfloat16"] if gpu else table["float32"]
+    rates = {d: max(t.values()) for d, t in table.items()}
     groups = [g for g in (2, 4, 8, 16, 32, 64) if g <= n and n % g == 0]
     links = {kind: {str(g): link_bandwidth(devices, kind, g, nbytes, repeats) for g in groups} for kind in KINDS}
     widest = links["all_reduce"][str(groups[-1])] if groups else 0.0
@@ -182,6 +187,7 @@ def measure(devices: list | None = None, *, repeats: int = 7) -> Profile:
         latency_inter=base.latency_inter if base else Profile.latency_inter,
         layer_overhead=layer_overhead(devices, repeats),
         overlap=overlap_fraction(devices, size, nbytes, repeats) if n > 1 else 1.0,
+        matmul=table,
         links=links,
         machine=machine(),
         devices=n,

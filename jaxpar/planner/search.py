@@ -23,7 +23,7 @@ from jaxpar.planner.memory import Memory, predict_memory, state_bytes
 
 # The parallel fields the search chooses (plus train.grad_accum).
 SEARCHED = PLANNED
-REMATS = ("none", "dots", "full")
+REMATS = ("none", "selective", "dots", "full")
 
 
 @dataclasses.dataclass(frozen=True)
