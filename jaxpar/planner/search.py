@@ -120,7 +120,7 @@ def rank(config: Config, devices: int, profile: Profile, *, devices_per_host: in
     config = dataclasses.replace(config, model=resolve_attention(config.model, device))
     fit, over, state = [], [], {}
     for prune in (True, False):
-        valid = 0
+        valid, over = 0, []
         for layout in layouts(config, devices, per_host, fixed):
             valid += 1
             if prune:
@@ -134,7 +134,6 @@ def rank(config: Config, devices: int, profile: Profile, *, devices_per_host: in
             (fit if mem.total <= budget else over).append(cand)
         if fit:
             break
-        over.clear()
     fit.sort(key=lambda c: (c.timing.step, c.memory.total))
     over.sort(key=lambda c: c.memory.total)
     return fit, over, valid
