@@ -264,7 +264,7 @@ def test_out_of_range(section, name, value):
         ("model", "dtype", "bf16", None),
         ("model", "dtype", "bfloat", "'bfloat16'"),
         ("model", "param_dtype", "float64", None),
-        ("parallel", "remat", "selective", None),
+        ("parallel", "remat", "sometimes", None),
         ("data", "source", "web", None),
     ],
 )
