@@ -145,14 +145,9 @@ def _plan(args, overrides: list[str]) -> int:
              if o.startswith("parallel.") or o.startswith("train.grad_accum")}
     result = search.plan(config, args.devices, profile, hosts=args.hosts, memory_gb=args.memory_gb, fixed=fixed)
     if args.verify:  # the winner compiled ahead of time on simulated CPU devices, its memory beside the prediction
-        import dataclasses
-
         from jaxpar.analysis import verify
 
-        win = result["winner"]
-        chosen = dataclasses.replace(config, parallel=dataclasses.replace(config.parallel, **win["parallel"]),
-                                     train=dataclasses.replace(config.train, grad_accum=win["grad_accum"]))
-        result["verify"] = verify.verify(chosen, args.devices)
+        result["verify"] = verify.verify(search.layout_config(config, result["winner"]), args.devices)
     if args.format == "json":
         print(json.dumps(result, indent=2))
     else:

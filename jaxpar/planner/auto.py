@@ -59,8 +59,7 @@ def choose(config: Config, devices: list, log: Callable[[str], None] | None = pr
     base = dataclasses.replace(config, parallel=dataclasses.replace(config.parallel, auto=False, keep=(), profile=""))
     result = search.plan(base, n, profile, hosts=jax.process_count(), memory_gb=budget, fixed=kept)
     win = result["winner"]
-    chosen = dataclasses.replace(base, parallel=dataclasses.replace(base.parallel, **win["parallel"]),
-                                 train=dataclasses.replace(base.train, grad_accum=win["grad_accum"]))
+    chosen = search.layout_config(base, win)
     if log is not None and jax.process_index() == 0:
         step, gb = win["time"]["step_s"] * 1e3, win["memory"]["total"] / 1e9
         line = (f"jaxpar: parallel.auto chose {win['layout']} of {result['fit']} layouts that fit {budget:.3g} GB "

@@ -15,15 +15,12 @@ import dataclasses
 import itertools
 from typing import Iterable, Iterator
 
-from jaxpar.config import PLANNED, Config, ConfigError, resolve_attention
+from jaxpar.config import PLANNED, REMAT_POLICIES, Config, ConfigError, resolve_attention
 from jaxpar.errors import PlanError, UsageError, divisors
 from jaxpar.parallel.schedule import SCHEDULES
 from jaxpar.planner.cost import Profile, Timing, predict_time
 from jaxpar.planner.memory import Memory, predict_memory, state_bytes
 
-# The parallel fields the search chooses (plus train.grad_accum).
-SEARCHED = PLANNED
-REMATS = ("none", "selective", "dots", "full")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,7 +91,7 @@ def layouts(config: Config, devices: int, devices_per_host: int, fixed: Iterable
         zeros = keep("zero", [0, 1, 3] if deg["data"] > 1 else [0])
         impls = keep("context_impl", ["all_gather", "ring"] if deg["context"] > 1 else ["all_gather"])
         for (sched, v, mb), sp, zero, impl, remat, accum in itertools.product(
-                pipes, sps, zeros, impls, keep("remat", list(REMATS)), accums):
+                pipes, sps, zeros, impls, keep("remat", list(REMAT_POLICIES)), accums):
             for overlap in keep("overlap", ["none", "collective_matmul"] if sp else ["none"]):
                 try:
                     par = dataclasses.replace(base, **deg, schedule=sched, repeats=v, microbatches=mb,
@@ -213,6 +210,12 @@ def plan(config: Config, devices: int, profile: Profile, *, hosts: int = 1, memo
     return out
 
 
+def layout_config(config: Config, row: dict) -> Config:
+    """`config` with a ranked row's layout (`plan()['winner']`, …): its parallel fields and grad_accum."""
+    return dataclasses.replace(config, parallel=dataclasses.replace(config.parallel, **row["parallel"]),
+                               train=dataclasses.replace(config.train, grad_accum=row["grad_accum"]))
+
+
 def _structure(config: Config) -> tuple:
     """A layout less what only trades memory for time (ZeRO, remat, accumulation): the runner-up differs in it."""
     p = config.parallel
@@ -221,7 +224,7 @@ def _structure(config: Config) -> tuple:
 
 
 def _row(c: Candidate, peak: float | None) -> dict:
-    parallel = {f: getattr(c.config.parallel, f) for f in SEARCHED}
+    parallel = {f: getattr(c.config.parallel, f) for f in PLANNED}
     return {"layout": c.label(), "parallel": parallel, "grad_accum": c.config.train.grad_accum,
             "memory": c.memory.as_dict(), "time": c.timing.as_dict(), "mfu": c.timing.mfu(peak)}
 
