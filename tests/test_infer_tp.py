@@ -98,3 +98,27 @@ def test_decode_step_sends_two_all_reduces_of_bh_a_layer(sampling):
         assert {(c.kind, c.elements) for c in small} == {("all-gather", b * k * t), ("all-reduce", b)}
     sent = sum(c.sent_bytes * c.count for c in big)
     assert sent == (2 * cfg.n_layers + 1) * 2 * (t - 1) / t * b * cfg.d_model * 4
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_kv_cache_bytes_are_the_decode_steps_arrays(family):
+    """The planner's inference memory (`memory.inference_bytes`) equals, byte for byte, what one compiled decode step
+    holds per device: its cache shards at (data, tensor) = (1, 1), (2, 2) and (2, 4) — at tensor 4 llama's 2 kv heads
+    do not split, so each rank keeps one — and the parameter shards, which with the cache are the step's arguments
+    but for the token, row offsets, end and key (int32 [B/data] ×2, a scalar, a key: at most 60 bytes here)."""
+    from jaxpar.analysis.hlo import memory as compiled_memory
+    from jaxpar.planner.memory import inference_bytes
+
+    cfg = FAMILIES[family]
+    batch, slots = 6, 13
+    for data, tensor in ((1, 1), (2, 2), (2, 4)):
+        model, plan = placed(cfg, tensor, data=data)
+        fn, args = decode.explicit_decode_step(model, plan, batch=batch, slots=slots, temperature=0.0, top_k=0,
+                                               top_p=1.0)
+        want = inference_bytes(cfg, batch, slots, data, tensor)
+        k, v = args[2], args[3]
+        assert k.addressable_shards[0].data.nbytes + v.addressable_shards[0].data.nbytes == want["kv_cache"]
+        held = sum(x.addressable_shards[0].data.nbytes for x in jax.tree.leaves(args[0]))
+        assert held == want["params"], (data, tensor, held, want["params"])
+        small = 2 * 4 * batch // data + 4 + jax.random.key_data(args[-1]).nbytes
+        assert 0 <= compiled_memory(fn.lower(*args).compile())["argument_bytes"] - want["total"] <= small

@@ -61,7 +61,7 @@ from jax._src import core as jax_core  # Var, Literal: the jaxpr the residuals a
 from jaxpar.config import Config, ModelConfig
 from jaxpar.model import abstract_model, layer_groups
 from jaxpar.parallel import pipeline
-from jaxpar.parallel.axes import AXES, BATCH_AXES, TENSOR
+from jaxpar.parallel.axes import AXES, BATCH_AXES, DATA, TENSOR
 from jaxpar.parallel.plan import padded_vocab, plan_rules
 from jaxpar.planner import expected
 from jaxpar.sharding import logical_to_spec, zero_spec
@@ -149,6 +149,31 @@ def _param_shards(model: ModelConfig, degrees: tuple, zero_data: int) -> int:
     rules = plan_rules(model, degrees)
     return sum(_shard_bytes(v, rules, degrees, zero_data)
                for v in _variables(model, padded_vocab(model, degrees[TENSOR])))
+
+
+def kv_cache_bytes(model: ModelConfig, batch: int, slots: int, data: int = 1, tensor: int = 1) -> int:
+    """Bytes one device holds of the inference KV cache (`jaxpar.infer.decode`: keys and values [L, B, slots, K', E]
+    in the model's dtype, rows over `data`, kv heads over `tensor`):
+
+        2 · L · ⌈B / data⌉ · slots · K_local · E · itemsize,   K_local = K / t, or 1 when K does not split over t
+                                                               (`decode.kv_heads`: each rank keeps the one kv head
+                                                               its query heads read)
+
+    Every layer's cache is on every device (inference runs no pipeline). A generate call's `slots` is the padded
+    prompt length plus max_new_tokens."""
+    k_local = model.n_kv_heads // tensor if model.n_kv_heads % tensor == 0 else 1
+    return (2 * model.n_layers * -(-batch // data) * slots * k_local * model.head_dim
+            * jnp.dtype(model.dtype).itemsize)
+
+
+def inference_bytes(model: ModelConfig, batch: int, slots: int, data: int = 1, tensor: int = 1) -> dict[str, int]:
+    """Memory per device of serving `batch` rows of `slots` cache slots on a (data, tensor) mesh: the parameter shards
+    (exact, as `param_bytes`: the vocab padded for `tensor`) and the KV cache (`kv_cache_bytes`) — what a decode
+    step's arguments hold; its temporaries are one token's activations, small beside them."""
+    degrees = tuple({**{a: 1 for a in AXES}, DATA: data, TENSOR: tensor}.items())
+    params = _param_shards(model, degrees, 1)
+    cache = kv_cache_bytes(model, batch, slots, data, tensor)
+    return {"params": params, "kv_cache": cache, "total": params + cache}
 
 
 @functools.cache
