@@ -97,3 +97,25 @@ def test_plan_command_prints_the_table_and_json(capsys):
     assert all(r["parallel"]["tensor"] <= 4 for r in ranked)  # tensor inside a host of 4
     steps = [r["time"]["step_s"] for r in ranked]
     assert steps == sorted(steps)
+
+
+def test_time_model_rates_each_matmul_by_its_width_and_charges_the_pipeline_loop_per_byte():
+    """The time model's two probed CPU terms, by arithmetic: (1) a layer's matmuls each at the rate of their width —
+    one rate for every width gives exactly that rate, a table that slows narrow matmuls slows tensor 4 (narrower
+    projections) below tensor 1, within the table's range; (2) the pipeline loop's per-byte cost adds, for the tiny
+    preset (2 stages × 2 passes, 4 microbatches of 4 rows of 128 × 128 float32), 9 iterations × 4·128·128·4 bytes."""
+    import dataclasses
+
+    import numpy as np
+
+    flat = {t: load_config("configs/tiny.py", FLAT + [f"parallel.tensor={t}"]).resolve_for_devices(8) for t in (1, 4)}
+    even = dataclasses.replace(cost.profile_for("h100"), matmul={"float32": {"32": 2e12, "4096": 2e12}})
+    assert cost.matmul_rate(flat[4], even) == pytest.approx(2e12, rel=1e-12)
+    sloped = dataclasses.replace(even, matmul={"float32": {"32": 1e12, "4096": 4e12}})
+    rates = {t: cost.matmul_rate(c, sloped) for t, c in flat.items()}
+    assert 1e12 < rates[4] < rates[1] < 4e12
+    piped = load_config("configs/tiny.py").resolve_for_devices(8)
+    per_byte = 1e-9
+    extra = (cost.predict_time(piped, dataclasses.replace(even, pipeline_byte=per_byte), 8).compute
+             - cost.predict_time(piped, even, 8).compute)
+    assert extra == pytest.approx(9 * 4 * 128 * 128 * np.dtype(piped.model.dtype).itemsize * per_byte, rel=1e-9)

@@ -4,7 +4,11 @@
     compute = executed matmul FLOPs per device · (1 + remat's recomputation) / achievable FLOP/s
               (a schedule table's useful FLOPs / (1 − its bubble); the circular loop executes its bubble iterations,
               so they are in its executed FLOPs already) + a fixed cost per layer application (kernel launches:
-              what makes many small microbatches or accumulation chunks slower than few large ones)
+              what makes many small microbatches or accumulation chunks slower than few large ones) + the pipeline
+              loop's own work per iteration (its selects, buffer updates and permute over a microbatch's [mb, s, h]:
+              probed per byte, `Profile.pipeline_byte`)
+    achievable FLOP/s: each of a layer's matmuls (`layer_matmuls`) at the probed rate of its width, so tensor
+              parallelism's narrower matmuls run slower where the machine's do
 
 Bytes per device per step are `jaxpar.planner.expected`'s formulas — the ones `jaxpar analyze` checks against the
 compiled program: tensor (Megatron's all-reduces, SP's gathers), pipe (the stages' permutes), context (K/V
@@ -61,6 +65,9 @@ class Profile:
     latency: float = 10e-6  # seconds a collective costs however small (launch, synchronisation), inside a host
     latency_inter: float = 20e-6  # and across hosts
     layer_overhead: float = 30e-6  # fixed seconds per layer application (kernel launches, loop bookkeeping)
+    # seconds per byte of a microbatch's activations [mb, s, h] per pipeline iteration (forward and backward): the
+    # loop's own selects, buffer updates and permute (probed; the datasheet profiles count them in the permute)
+    pipeline_byte: float = 0.0
     # Probed (`jaxpar probe`): {collective: {group size: bus bytes/s per device}} inside a host, the machine it was
     # measured on, and how many devices shared it then (a CPU's simulated devices share its cores).
     overlap: float = 1.0  # the fraction of a hideable collective that hides behind compute (1: own engines)
@@ -245,12 +252,35 @@ def _kind(config: Config, axis: str) -> str:
     return "all_to_all" if axis == EXPERT else "all_reduce"
 
 
-def matmul_width(config: Config) -> int:
-    """The narrowest dimension of a layer's matmuls on one device (what bounds their efficiency): the model width,
-    and a tensor rank's share of the query heads' width and of the MLP's (or an expert's) hidden width."""
-    m, t = config.model, config.parallel.tensor
-    hidden = m.moe.d_ff if m.moe.enabled else m.d_ff
-    return max(1, min(m.d_model, m.n_heads // t * m.head_dim, hidden // t))
+def layer_matmuls(config: Config) -> list[tuple[float, float]]:
+    """One layer's matmuls as a tensor rank runs them: (FLOPs per token, square-equivalent width √(K·N)) each — the
+    projections q [h → a/t·E], k and v [h → K/t·E], o [a/t·E → h], the MLP's [h → F/t] (two under SwiGLU) and
+    [F/t → h] (an MoE layer's top_k experts' instead, and its shared expert's), and the attention core's per-head
+    [s, E] @ [E, s] and [s, s] @ [s, E]. The backward's matmuls have the same K·N."""
+    m, t, s = config.model, config.parallel.tensor, config.train.seq_len
+    h, E, a, kv = m.d_model, m.head_dim, max(m.n_heads // t, 1), max(m.n_kv_heads // t, 1)
+    out = [(2 * h * a * E, math.sqrt(h * a * E))] * 2 + [(2 * h * kv * E, math.sqrt(h * kv * E))] * 2
+    out += [(2 * E * s * a, math.sqrt(E * s))] * 2
+    glu = 3 if m.family != "gpt2" else 2
+
+    def mlp(width: int, copies: float):
+        f = max(width // t, 1)
+        return [(copies * 2 * h * f, math.sqrt(h * f))] * glu
+
+    if m.moe.enabled:
+        out += mlp(m.moe.d_ff, m.moe.top_k) + (mlp(m.moe.shared_d_ff, 1) if m.moe.shared_d_ff else [])
+    else:
+        out += mlp(m.d_ff, 1)
+    return out
+
+
+def matmul_rate(config: Config, profile: Profile) -> float:
+    """The achievable FLOP/s of a layer's matmuls on `profile` (`layer_matmuls`): each at the probed rate of its
+    square-equivalent width, combined as their FLOPs take time (Σ flops / Σ flops/rate). Tensor parallelism narrows
+    the projections and the MLP, and narrow matmuls run below the large ones' rate."""
+    mats = layer_matmuls(config)
+    dtype = config.model.dtype
+    return sum(f for f, _ in mats) / sum(f / profile.rate(dtype, round(w)) for f, w in mats)
 
 
 def predict_time(config: Config, profile: Profile, devices_per_host: int) -> Timing:
@@ -260,7 +290,7 @@ def predict_time(config: Config, profile: Profile, devices_per_host: int) -> Tim
     f = expected.step_flops(config, V)
     recompute = (flops.hardware_flops_per_token(m, t.seq_len, remat=p.remat, full_attention=True)
                  / flops.hardware_flops_per_token(m, t.seq_len, remat="none", full_attention=True))
-    rate = profile.rate(m.dtype, matmul_width(config))
+    rate = matmul_rate(config, profile)
     if p.pipe > 1 and p.schedule != "circular":
         bubble = schedule.build(p.schedule, p.pipe, p.repeats, p.microbatches).bubble
         compute = f["useful"] * recompute / rate / (1 - bubble)
@@ -268,7 +298,12 @@ def predict_time(config: Config, profile: Profile, devices_per_host: int) -> Tim
         bubble = pipeline.bubble_fraction(p.pipe, p.repeats, p.microbatches) if p.pipe > 1 else 0.0
         compute = f["executed"] * recompute / rate
     # Fixed costs per layer application: more microbatches, accumulation chunks or bubble iterations pay them.
-    compute += expected._dims(config, V)["layer_execs"] * profile.layer_overhead
+    d = expected._dims(config, V)
+    compute += d["layer_execs"] * profile.layer_overhead
+    if p.pipe > 1:  # the pipeline loop's own work per iteration, in proportion to a microbatch's [mb, s, h]
+        ticks = (d["iterations"] if p.schedule == "circular" else  # a table's tick runs one F or B: half an iteration
+                 schedule.build(p.schedule, p.pipe, p.repeats, p.microbatches).n_ticks * d["A"] / 2)
+        compute += ticks * d["mb"] * d["s"] * m.d_model * d["beta"] * profile.pipeline_byte
     inside = inside_host(config, devices_per_host)
     comm, count, hide = {}, axis_collectives(config), compute
     for axis, sent in axis_bytes(config).items():

@@ -8,8 +8,11 @@ cores, so each rate is what one device gets while the others run too):
     links      per collective and group size g (an axis of degree g inside the host): bus bandwidth in bytes/s per
                device — all-reduce 2(g−1)/g·S, all-to-all (g−1)/g·S, permute (a ring shift) S bytes sent for an
                S-byte buffer, divided by the median time
-    latency    the time of an all-reduce of one float (what a collective costs however small)
+    latency    what an all-reduce of one float adds to a loop of compute (what a collective costs however small,
+               the wait for the other devices included)
     overhead   the time per iteration of a scan over a tiny matmul (what a layer application costs besides its FLOPs)
+    pipeline   the time per byte of a microbatch that an iteration of the circular pipeline adds to its stages' work
+               (the loop's selects, buffer updates and permute; ~20 ms per MB on 8 simulated devices on 2 cores)
     overlap    how much of a permute hides behind an independent matmul (what collective matmul and the ring rely on)
 
 Across hosts nothing is measured (one process sees one host): `inter_host` keeps the network default unless the
@@ -137,12 +140,38 @@ def overlap_fraction(devices: list, size: int, nbytes: int, repeats: int) -> flo
     return float(np.clip((t_mm + t_perm - t_both) / min(t_mm, t_perm), 0.0, 1.0))
 
 
-def collective_latency(devices: list, repeats: int) -> float:
-    """Seconds of an all-reduce of one float over every device (what a collective costs however small)."""
+def collective_latency(devices: list, repeats: int, trips: int = 16, split: int = 4) -> float:
+    """Seconds a collective costs however small, as a step meets it: between layers' worth of compute. A loop whose
+    trips run `split` matmuls then an all-reduce of one float, against one whose trips put such an all-reduce after
+    each matmul (the same compute, `split` − 1 more collectives a trip); at least an idle all-reduce's time.
+    Devices with their own engines see the collective's own latency; simulated CPU devices time-sliced on shared
+    cores also wait at every collective for the slowest of them to arrive — a cost that grows with the
+    collectives a step runs, not with their bytes."""
+    n = len(devices)
     mesh = Mesh(np.array(devices), ("d",))
-    x = jax.device_put(jnp.ones((len(devices),), jnp.float32), NamedSharding(mesh, P("d")))
-    fn = jax.jit(jax.shard_map(lambda a: jax.lax.psum(a, "d"), mesh=mesh, in_specs=P("d"), out_specs=P("d")))
-    return _median_seconds(fn, x, repeats=repeats)
+    rows, width = (4096, 4096) if devices[0].platform != "cpu" else (512, 256)
+    x = jax.device_put(jnp.full((n * rows, width), 0.01, jnp.float32), NamedSharding(mesh, P("d")))
+    w = jax.device_put(jnp.full((n * width, width), 1 / width, jnp.float32), NamedSharding(mesh, P("d")))
+    one = jax.device_put(jnp.ones((n,), jnp.float32), NamedSharding(mesh, P("d")))
+
+    def loop(every: int):
+        def body(a, b):
+            def trip(c, _):
+                for i in range(split):
+                    c = jnp.tanh(c @ b)
+                    if (i + 1) % every == 0:
+                        c = c + jax.lax.psum(c[:1, :1], "d")
+                return c, None
+
+            return jax.lax.scan(trip, a, None, length=trips)[0]
+
+        return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P("d"), P("d")), out_specs=P("d"), check_vma=False))
+
+    idle = jax.jit(jax.shard_map(lambda a: jax.lax.psum(a, "d"), mesh=mesh, in_specs=P("d"), out_specs=P("d")))
+    alone = _median_seconds(idle, one, repeats=repeats)
+    loaded = (_median_seconds(loop(1), x, w, repeats=repeats)
+              - _median_seconds(loop(split), x, w, repeats=repeats)) / (trips * (split - 1))
+    return max(alone, loaded)
 
 
 def layer_overhead(devices: list, repeats: int, trips: int = 64) -> float:
@@ -156,6 +185,39 @@ def layer_overhead(devices: list, repeats: int, trips: int = 64) -> float:
 
     fn = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("d"), out_specs=P("d")))
     return _median_seconds(fn, x, repeats=repeats) / trips
+
+
+def pipeline_cost(devices: list, repeats: int, microbatches: int = 4) -> float:
+    """Seconds per byte of a microbatch's activations that one iteration (forward and backward) of jaxpar's circular
+    pipeline costs beyond its stages' work: its selects, buffer updates and permute over [mb, T, h] (`pipeline.
+    circular` with a one-matmul stage, 2 stages, against the same stage calls in a plain scan)."""
+    from jaxpar.parallel import pipeline
+
+    n = len(devices)
+    if n < 2 or n % 2:
+        return 0.0
+    mesh = Mesh(np.array(devices).reshape(n // 2, 2), ("rest", "pipe"))
+    mb, seq, width = (8, 1024, 1024) if devices[0].platform != "cpu" else (2, 128, 128)
+    q = microbatches // 2
+    x = jax.device_put(jnp.full((n * q, mb, seq, width), 0.01, jnp.float32), NamedSharding(mesh, P(("rest", "pipe"))))
+    w = jax.device_put(jnp.full((2, width, width), 1 / width, jnp.float32), NamedSharding(mesh, P("pipe")))
+    trips = pipeline.iterations(2, 1, microbatches)
+    stage = lambda wt, a: jnp.tanh(a @ wt)  # noqa: E731
+
+    def piped(wt, io):
+        return jax.grad(lambda wt: pipeline.circular(stage, wt, io, stages=2, repeats=1,
+                                                     microbatches=microbatches).sum())(wt)
+
+    def plain(wt, io):
+        def loss(wt):
+            return jax.lax.scan(lambda c, t: (c, stage(wt[0], io[t % q])), 0.0, jnp.arange(trips))[1].sum()
+
+        return jax.grad(loss)(wt)
+
+    run = lambda f: jax.jit(jax.shard_map(f, mesh=mesh, in_specs=(P("pipe"), P(("rest", "pipe"))),  # noqa: E731
+                                          out_specs=P("pipe"), check_vma=False))
+    extra = _median_seconds(run(piped), w, x, repeats=repeats) - _median_seconds(run(plain), w, x, repeats=repeats)
+    return max(0.0, extra / trips / (mb * seq * width * 4))
 
 
 def measure(devices: list | None = None, *, repeats: int = 7) -> Profile:
@@ -186,6 +248,7 @@ def measure(devices: list | None = None, *, repeats: int = 7) -> Profile:
         latency=collective_latency(devices, repeats) if n > 1 else 0.0,
         latency_inter=base.latency_inter if base else Profile.latency_inter,
         layer_overhead=layer_overhead(devices, repeats),
+        pipeline_byte=pipeline_cost(devices, repeats),
         overlap=overlap_fraction(devices, size, nbytes, repeats) if n > 1 else 1.0,
         matmul=table,
         links=links,
