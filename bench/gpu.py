@@ -12,6 +12,9 @@
    with the explicit path (`decode.generate(..., plan=)`), the layers' matrices bf16, int8 and int4 (groups of 128):
    tokens/s and the parameter GB each holds. One GPU has no tensor axis, so collective-matmul overlap cannot show
    here (it needs tensor > 1 on several GPUs).
+5. The planner (`bench/gpu_plan.py`, issue 20): `jaxpar probe` of this machine, the time and memory model's
+   prediction of section 3's step on that profile beside what was measured, then `parallel.auto`'s own layout for
+   the model on these devices, compiled and timed the same way: predicted vs measured step time, MFU and memory.
 `--dry-run`: the same path on CPU with a tiny model and a 512 matmul (a CI test runs it), so the script cannot rot.
 The last line is `GPU-RESULT {json}` with every figure, for bench/RESULTS.md. Being a one-shot run on lent time, it
 retries rather than stops: out of memory halves the sequences per device, a cuDNN attention failure falls back to
@@ -27,9 +30,11 @@ import statistics
 import sys
 import time
 
+from bench.gpu_plan import planner_check
 from jaxpar import perf
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
+PLAN_BY_S = 330  # seconds into the run after which the planner's layout is not compiled (gpu.sh stops it at 470)
 ONE_B = ["model.n_heads=16", "model.head_dim=128", "model.n_kv_heads=8", "parallel.data=-1", "parallel.tensor=1",
          "train.grad_accum=1", "train.warmup_steps=10", "data.source=synthetic"]
 TINY = ["model.vocab_size=256", "model.d_model=64", "model.n_layers=2", "model.n_heads=4", "model.head_dim=16",
@@ -101,6 +106,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch-per-device", type=int, default=None, help="sequences per device (default 4)")
     parser.add_argument("overrides", nargs="*", help="extra config overrides, section.field=value")
     args = parser.parse_args(argv)
+    started = time.perf_counter()
     added = perf.configure_gpu_flags()  # before any backend starts
 
     import jax
@@ -132,11 +138,8 @@ def main(argv: list[str] | None = None) -> int:
 
     extra = list(args.overrides)
 
-    def train(per_device: int):
-        """(config, compiled step, compile s, median step s, losses) for `per_device` sequences per device."""
-        overrides = (TINY if args.dry_run else ONE_B) + [f"train.batch_size={per_device * len(devices)}",
-                                                          f"train.steps={steps + 1}"] + extra
-        config = load_config(preset, overrides).resolve_for_devices(len(devices))
+    def time_steps(config):
+        """(compiled step, compile s, median step s, losses) of `config`'s train step on random tokens."""
         trainer = build_trainer(config, devices)
         batch = trainer.random_batch(config)
         start = time.perf_counter()
@@ -148,7 +151,14 @@ def main(argv: list[str] | None = None) -> int:
             state, metrics = step(state, batch)
             losses.append(float(metrics["loss"]))  # waits for the step
             times.append(time.perf_counter() - start)
-        return config, step, compile_s, statistics.median(times[1:]), losses  # step 1 may carry one-time work
+        return step, compile_s, statistics.median(times[1:]), losses  # step 1 may carry one-time work
+
+    def train(per_device: int):
+        """(config, compiled step, compile s, median step s, losses) for `per_device` sequences per device."""
+        overrides = (TINY if args.dry_run else ONE_B) + [f"train.batch_size={per_device * len(devices)}",
+                                                          f"train.steps={steps + 1}"] + extra
+        config = load_config(preset, overrides).resolve_for_devices(len(devices))
+        return (config, *time_steps(config))
 
     while True:
         try:
@@ -207,6 +217,12 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as e:  # noqa: BLE001 — one shot on a lent GPU: keep the training figures whatever happens here
         result["decode"] = f"failed: {' '.join(str(e).split())[:300]}"
         print(f"decode section failed: {result['decode']}", flush=True)
+    try:  # 5. the planner (issue 20): probe, predict the step above, plan the model, run the plan
+        result["planner"] = planner_check(config, devices, step_s, result["step_memory_gb"], time_steps,
+                                          deadline=started + PLAN_BY_S)
+    except Exception as e:  # noqa: BLE001 — keep every figure above whatever happens here
+        result["planner"] = f"failed: {' '.join(str(e).split())[:300]}"
+        print(f"planner section failed: {result['planner']}", flush=True)
     print("GPU-RESULT " + json.dumps(result))
     return 0
 

@@ -4,7 +4,11 @@
 #   2. the bf16 matmul ceiling (8192^3), beside the datasheet peak;
 #   3. ~30 training steps of a ~1B Llama (d_model 2048, 16 layers, 16 heads, seq 2048, bf16 compute) on random
 #      tokens, printing tokens/s, TFLOP/s per device, MFU against the datasheet peak and the measured ceiling,
-#      HFU, and peak memory; the last line, `GPU-RESULT {json}`, goes into bench/RESULTS.md with the date.
+#      HFU, and peak memory;
+#   4. decoding the same shape in bf16 / int8 / int4;
+#   5. the planner (issue 20): probe this GPU, predict step 3's time and memory from the probe, then compile and
+#      time `parallel.auto`'s own layout for the model — predicted vs measured step time, MFU and memory.
+#   The last line, `GPU-RESULT {json}`, goes into bench/RESULTS.md with the date.
 #
 #   bench/gpu.sh                      on the GPU machine, from anywhere (it cds to the repo root)
 #   bench/gpu.sh --dry-run            the same path on CPU with a tiny model (CI runs this, < 60 s)

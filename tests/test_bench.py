@@ -23,7 +23,7 @@ SMALL = ONE_DEVICE + ["model.d_model=32", "model.n_layers=2", "model.n_heads=4",
 
 
 def test_gpu_script_dry_run():
-    """bench/gpu.sh --dry-run: the GPU script's whole path on CPU with a tiny model."""
+    """bench/gpu.sh --dry-run: the GPU script's whole path on CPU with a tiny model, the planner's section included."""
     env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
     proc = subprocess.run(["bash", "bench/gpu.sh", "--dry-run", "--steps", "2"], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=120, check=False)
@@ -32,6 +32,9 @@ def test_gpu_script_dry_run():
     assert result["device"] == "cpu" and result["mfu"] is None  # no datasheet peak for a CPU
     assert result["tokens_per_s"] > 0 and result["tflops_per_device"] > 0 and result["matmul_ceiling_tflops"] > 0
     assert "MFU vs datasheet peak" in proc.stdout
+    planner = result["planner"]  # section 5: the probe's prediction of the step above, and the planner's own layout
+    assert planner["ran"]["predicted_step_s"] > 0 and planner["ran"]["measured_step_s"] == result["step_s"]
+    assert planner["planned"]["measured_step_s"] > 0 and planner["planned"]["predicted_gb"] > 0
 
 
 def test_plain_step_matches_jaxpar_step():
