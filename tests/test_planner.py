@@ -9,20 +9,13 @@ import math
 import jax
 import pytest
 
-from bench.pipeline import abstract_step
-from jaxpar.analysis.hlo import memory
+from jaxpar.analysis.verify import abstract_step, compiled_memory
 from jaxpar.cli import main
 from jaxpar.config import load_config
 from jaxpar.planner import cost, search
 from jaxpar.planner.memory import predict_memory, state_bytes
 
 FLAT = ["parallel.pipe=1", "parallel.repeats=1", "parallel.microbatches=1"]
-
-
-def _compiled_memory(config) -> dict:
-    """`memory_analysis` of the train step of `config` on all devices, compiled from abstract state."""
-    step, state, batch = abstract_step(config)
-    return memory(step.lower(state, batch).compile())
 
 
 def _shard_bytes(tree) -> int:
@@ -53,7 +46,7 @@ def test_memory_prediction_against_the_compiled_step(overrides):
     """Resident bytes (the step's arguments) exactly; the total within 20 % of the compiled peak, the issue's bar for
     the worst layout (bench/plan.py measures the spread over 33 layouts: see bench/RESULTS.md)."""
     config = load_config("configs/tiny.py", overrides).resolve_for_devices(8)
-    measured = _compiled_memory(config)
+    measured = compiled_memory(config)
     predicted = predict_memory(config, "cpu")
     assert predicted.resident == measured["argument_bytes"]
     assert abs(predicted.total / measured["peak_bytes"] - 1) < 0.20, (predicted, measured)
@@ -80,7 +73,7 @@ def test_the_pick_compiles_within_a_budget_that_rules_out_the_naive_layouts():
     assert winner["memory"]["total"] <= budget_gb * 1e9 and "why" in result
     chosen = load_config("configs/tiny.py", [f"parallel.{k}={v}" for k, v in winner["parallel"].items()]
                          + [f"train.grad_accum={winner['grad_accum']}"]).resolve_for_devices(8)
-    measured = _compiled_memory(chosen)
+    measured = compiled_memory(chosen)
     assert measured["peak_bytes"] <= budget_gb * 1e9, (winner["layout"], measured["peak_bytes"], budget_gb)
     assert "data8" not in {r["layout"] for r in result["ranked"]}  # the naive layout was dropped by the budget
 
