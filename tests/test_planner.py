@@ -92,11 +92,12 @@ def test_plan_command_prints_the_table_and_json(capsys):
     assert steps == sorted(steps)
 
 
-def test_time_model_rates_each_matmul_by_its_width_and_charges_the_pipeline_loop_per_byte():
-    """The time model's two probed CPU terms, by arithmetic: (1) a layer's matmuls each at the rate of their width —
+def test_time_model_rates_matmuls_by_width_and_charges_the_pipeline_loop_and_fresh_memory_per_byte():
+    """The time model's probed CPU terms, by arithmetic: (1) a layer's matmuls each at the rate of their width —
     one rate for every width gives exactly that rate, a table that slows narrow matmuls slows tensor 4 (narrower
     projections) below tensor 1, within the table's range; (2) the pipeline loop's per-byte cost adds, for the tiny
-    preset (2 stages × 2 passes, 4 microbatches of 4 rows of 128 × 128 float32), 9 iterations × 4·128·128·4 bytes."""
+    preset (2 stages × 2 passes, 4 microbatches of 4 rows of 128 × 128 float32), 9 iterations × 4·128·128·4 bytes;
+    (3) fresh memory's per-byte cost adds the predicted gradients, activations and workspace times it."""
     import dataclasses
 
     import numpy as np
@@ -112,3 +113,7 @@ def test_time_model_rates_each_matmul_by_its_width_and_charges_the_pipeline_loop
     extra = (cost.predict_time(piped, dataclasses.replace(even, pipeline_byte=per_byte), 8).compute
              - cost.predict_time(piped, even, 8).compute)
     assert extra == pytest.approx(9 * 4 * 128 * 128 * np.dtype(piped.model.dtype).itemsize * per_byte, rel=1e-9)
+    mem = predict_memory(flat[1], "cpu")  # (3) a runtime that allocates afresh pays per byte of the temporaries
+    fresh = (cost.predict_time(flat[1], dataclasses.replace(even, fresh_byte=per_byte), 8).compute
+             - cost.predict_time(flat[1], even, 8).compute)
+    assert fresh > 0 and fresh == pytest.approx((mem.gradients + mem.activations + mem.workspace) * per_byte, rel=1e-9)

@@ -6,7 +6,8 @@
               so they are in its executed FLOPs already) + a fixed cost per layer application (kernel launches:
               what makes many small microbatches or accumulation chunks slower than few large ones) + the pipeline
               loop's own work per iteration (its selects, buffer updates and permute over a microbatch's [mb, s, h]:
-              probed per byte, `Profile.pipeline_byte`)
+              probed per byte, `Profile.pipeline_byte`) + the pages of the step's temporaries where the runtime
+              allocates them afresh each step (XLA:CPU; probed per byte, `Profile.fresh_byte`; 0 on GPUs)
     achievable FLOP/s: each of a layer's matmuls (`layer_matmuls`) at the probed rate of its width, so tensor
               parallelism's narrower matmuls run slower where the machine's do
 
@@ -45,7 +46,7 @@ from jaxpar.parallel import pipeline, schedule
 from jaxpar.parallel.axes import AXES, DATA, EXPERT, TENSOR
 from jaxpar.parallel.plan import padded_vocab
 from jaxpar.planner import expected
-from jaxpar.planner.memory import param_bytes
+from jaxpar.planner.memory import Memory, param_bytes, predict_memory
 
 GB = 1e9
 
@@ -68,6 +69,9 @@ class Profile:
     # seconds per byte of a microbatch's activations [mb, s, h] per pipeline iteration (forward and backward): the
     # loop's own selects, buffer updates and permute (probed; the datasheet profiles count them in the permute)
     pipeline_byte: float = 0.0
+    # seconds per byte of the step's temporaries (gradients, activations, workspace) when the runtime allocates them
+    # afresh each step (XLA:CPU: the OS faults the pages in; probed) — 0 where an allocator keeps a pool (GPUs)
+    fresh_byte: float = 0.0
     # Probed (`jaxpar probe`): {collective: {group size: bus bytes/s per device}} inside a host, the machine it was
     # measured on, and how many devices shared it then (a CPU's simulated devices share its cores).
     overlap: float = 1.0  # the fraction of a hideable collective that hides behind compute (1: own engines)
@@ -283,8 +287,9 @@ def matmul_rate(config: Config, profile: Profile) -> float:
     return sum(f for f, _ in mats) / sum(f / profile.rate(dtype, round(w)) for f, w in mats)
 
 
-def predict_time(config: Config, profile: Profile, devices_per_host: int) -> Timing:
-    """The step time of `config` (resolved for its devices) on `profile`'s machines."""
+def predict_time(config: Config, profile: Profile, devices_per_host: int, memory: Memory | None = None) -> Timing:
+    """The step time of `config` (resolved for its devices) on `profile`'s machines; `memory`: its predicted memory
+    (`predict_memory`; computed here when the profile charges fresh memory and none is given)."""
     m, p, t = config.model, config.parallel, config.train
     V = padded_vocab(m, p.tensor)
     f = expected.step_flops(config, V)
@@ -304,6 +309,9 @@ def predict_time(config: Config, profile: Profile, devices_per_host: int) -> Tim
         ticks = (d["iterations"] if p.schedule == "circular" else  # a table's tick runs one F or B: half an iteration
                  schedule.build(p.schedule, p.pipe, p.repeats, p.microbatches).n_ticks * d["A"] / 2)
         compute += ticks * d["mb"] * d["s"] * m.d_model * d["beta"] * profile.pipeline_byte
+    if profile.fresh_byte:  # a runtime that allocates the step's temporaries afresh (XLA:CPU) pays for their pages
+        memory = memory or predict_memory(config, "cpu")
+        compute += (memory.gradients + memory.activations + memory.workspace) * profile.fresh_byte
     inside = inside_host(config, devices_per_host)
     comm, count, hide = {}, axis_collectives(config), compute
     for axis, sent in axis_bytes(config).items():

@@ -13,6 +13,8 @@ cores, so each rate is what one device gets while the others run too):
     overhead   the time per iteration of a scan over a tiny matmul (what a layer application costs besides its FLOPs)
     pipeline   the time per byte of a microbatch that an iteration of the circular pipeline adds to its stages' work
                (the loop's selects, buffer updates and permute; ~20 ms per MB on 8 simulated devices on 2 cores)
+    fresh      the time per byte of memory a program allocates afresh at each call (XLA:CPU's temporaries: page
+               faults, ~1.5 ms per MB per device on 8 simulated devices on 2 cores; ~0 where an allocator pools)
     overlap    how much of a permute hides behind an independent matmul (what collective matmul and the ring rely on)
 
 Across hosts nothing is measured (one process sees one host): `inter_host` keeps the network default unless the
@@ -220,6 +222,26 @@ def pipeline_cost(devices: list, repeats: int, microbatches: int = 4) -> float:
     return max(0.0, extra / trips / (mb * seq * width * 4))
 
 
+def fresh_memory_cost(devices: list, repeats: int, megabytes: int = 32) -> float:
+    """Seconds per byte of memory a program allocates afresh each run: `x + 1` into a new buffer against the same
+    into its donated input, `megabytes` per device on every device at once. XLA:CPU allocates a step's temporaries
+    anew at each call and the OS faults their pages in (~1.5 ms per MB per device with 8 simulated devices on 2
+    cores: five times the add itself); an accelerator's allocator reuses its pool (→ ~0)."""
+    mesh = Mesh(np.array(devices), ("d",))
+    spec = NamedSharding(mesh, P("d"))
+    elems = (megabytes << 20) // 4
+    fresh, donated = jax.jit(lambda a: a + 1.0), jax.jit(lambda a: a + 1.0, donate_argnums=0)
+    x = jax.device_put(jnp.zeros((len(devices) * elems,), jnp.float32), spec)
+    t_fresh = _median_seconds(fresh, x, repeats=repeats)
+    y = donated(jax.device_put(jnp.zeros((len(devices) * elems,), jnp.float32), spec))  # compiled, then in place
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        y = jax.block_until_ready(donated(y))
+        times.append(time.perf_counter() - start)
+    return max(0.0, (t_fresh - statistics.median(times)) / (elems * 4))
+
+
 def measure(devices: list | None = None, *, repeats: int = 7) -> Profile:
     """The profile of the machine holding `devices` (default: this process's local devices): a few seconds (3 s for
     8 simulated CPU devices on 2 cores)."""
@@ -249,6 +271,7 @@ def measure(devices: list | None = None, *, repeats: int = 7) -> Profile:
         latency_inter=base.latency_inter if base else Profile.latency_inter,
         layer_overhead=layer_overhead(devices, repeats),
         pipeline_byte=pipeline_cost(devices, repeats),
+        fresh_byte=fresh_memory_cost(devices, repeats),
         overlap=overlap_fraction(devices, size, nbytes, repeats) if n > 1 else 1.0,
         matmul=table,
         links=links,

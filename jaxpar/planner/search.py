@@ -127,7 +127,7 @@ def rank(config: Config, devices: int, profile: Profile, *, devices_per_host: in
                 if state[key] > budget:
                     continue
             mem = predict_memory(layout, device.platform)
-            cand = Candidate(layout, mem, predict_time(layout, profile, per_host))
+            cand = Candidate(layout, mem, predict_time(layout, profile, per_host, mem))
             (fit if mem.total <= budget else over).append(cand)
         if fit:
             break
