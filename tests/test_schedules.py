@@ -145,10 +145,11 @@ def test_schedule_with_tensor_and_data_matches_reference(reference, name, sequen
 
 
 @pytest.mark.parametrize("name,remat,zero,grad_accum", [("1f1b", "full", 3, 1), ("zbv", "dots", 3, 1),
-                                                         ("zb_h1", "full", 0, 1), ("zbv", "none", 0, 2)])
+                                                         ("zb_h1", "selective", 0, 1), ("zbv", "none", 0, 2)])
 def test_schedule_with_remat_zero_and_accumulation_matches_reference(reference, name, remat, zero, grad_accum):
-    """Remat policies inside the chunk's vjp, ZeRO-3's gathered parameters and reduce-scattered gradients, and
-    gradient accumulation (the executor runs once per accumulation chunk)."""
+    """Remat policies inside the chunk's vjp (full, dots, and Megatron's selective: the named activations saved),
+    ZeRO-3's gathered parameters and reduce-scattered gradients, and gradient accumulation (the executor runs once
+    per accumulation chunk)."""
     cfg, batch, params, want_loss, want_grads = reference
     if cfg.family == "gpt2":
         pytest.skip("remat, ZeRO and accumulation do not depend on the family")
