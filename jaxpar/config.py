@@ -321,7 +321,7 @@ class ParallelConfig:
                                "file's and --config overrides' parallel keys, and train.grad_accum, join it by "
                                "themselves)")
     profile: str = _f("", "with parallel.auto: a machine profile written by `jaxpar probe` on this machine ('' : the "
-                      "device kind's datasheet on known GPUs, else a probe of the devices at start, ~3 s)")
+                      "device kind's datasheet on known GPUs, else a probe of the devices at start, ~12 s)")
 
     def __post_init__(self):
         _check_fields(self, "parallel")

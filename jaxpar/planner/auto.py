@@ -4,7 +4,7 @@
              ∪ every planned field set to a value other than its default (so `ParallelConfig(auto=True, tensor=2)`
                keeps tensor 2 from Python as well)
     machine  = parallel.profile (a `jaxpar probe` file of this machine), else the device kind's datasheet, else a probe
-               of the devices now (CPU, one process: ~3 s)
+               of the devices now (CPU, one process: ~12 s)
     budget   = the memory one device may use (the allocator's limit; on CPU the host's memory over its devices)
 
 `search.plan` ranks every valid layout that keeps the kept fields and fits the budget; the fastest is the run's

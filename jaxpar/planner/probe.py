@@ -243,8 +243,8 @@ def fresh_memory_cost(devices: list, repeats: int, megabytes: int = 32) -> float
 
 
 def measure(devices: list | None = None, *, repeats: int = 7) -> Profile:
-    """The profile of the machine holding `devices` (default: this process's local devices): a few seconds (3 s for
-    8 simulated CPU devices on 2 cores)."""
+    """The profile of the machine holding `devices` (default: this process's local devices): ~12 s for 8 simulated
+    CPU devices on 2 cores, most of it compiling the small programs it times."""
     devices = list(jax.local_devices() if devices is None else devices)
     dev, n = devices[0], len(devices)
     gpu = dev.platform != "cpu"
