@@ -126,8 +126,8 @@ def link_bandwidth(devices: list, kind: str, group: int, nbytes: int, repeats: i
 def overlap_fraction(devices: list, size: int, nbytes: int, repeats: int, rounds: int = 3) -> float:
     """How much of a permute hides behind an independent matmul in the same program, as a fraction of the shorter
     of the two: (t_matmul + t_permute − t_both) / min(t_matmul, t_permute), the median of `rounds` estimates,
-    clipped to [0, 1]. On a GPU the permute
-    runs on its own engines (→ 1); simulated CPU devices share the cores, so the copy competes with the matmul."""
+    clipped to [0, 1]. On a GPU the permute runs on its own engines (→ 1); simulated CPU devices share the cores, so
+    the copy competes with the matmul."""
     n = len(devices)
     mesh = Mesh(np.array(devices), ("d",))
     spec = NamedSharding(mesh, P("d"))
