@@ -24,11 +24,12 @@ def figures(config, profile, devices: int, measured_s: float, compiled_gb: float
     from jaxpar.planner import cost
     from jaxpar.planner.memory import predict_memory
 
-    t = cost.predict_time(config, profile, devices)
+    memory = predict_memory(config, backend)
+    t = cost.predict_time(config, profile, devices, memory)
     peak = profile.flops_peak(config.model.dtype)
     return {"predicted_step_s": t.step, "measured_step_s": measured_s, "step_ratio": t.step / measured_s,
             "predicted_mfu": t.mfu(peak), "measured_mfu": t.model_flops / measured_s / peak if peak else None,
-            "predicted_gb": predict_memory(config, backend).total / 1e9, "compiled_gb": compiled_gb}
+            "predicted_gb": memory.total / 1e9, "compiled_gb": compiled_gb}
 
 
 def planner_check(config, devices: list, measured_s: float, compiled_gb: float,
@@ -36,7 +37,7 @@ def planner_check(config, devices: list, measured_s: float, compiled_gb: float,
     """{'probe', 'ran', 'planned'} for section 3's `config` (measured `measured_s` a step, `compiled_gb`);
     `time_steps(config) → (compiled step, compile s, median step s, losses)` times a config as section 3 did."""
     from jaxpar.analysis.hlo import memory
-    from jaxpar.config import ParallelConfig
+    from jaxpar.config import PLANNED, ParallelConfig
     from jaxpar.planner import auto, probe
 
     backend = "cpu" if devices[0].platform == "cpu" else "gpu"
@@ -56,9 +57,7 @@ def planner_check(config, devices: list, measured_s: float, compiled_gb: float,
                                     train=dataclasses.replace(config.train, grad_accum=1))
         chosen = auto.choose(asked, devices, log=print)
     layout = lambda c: (dataclasses.replace(c.parallel, keep=(), profile=""), c.train.grad_accum)  # noqa: E731
-    planned = {"parallel": {k: getattr(chosen.parallel, k) for k in ("data", "pipe", "tensor", "microbatches",
-                                                                        "remat", "zero")},
-               "grad_accum": chosen.train.grad_accum}
+    planned = {"parallel": {k: getattr(chosen.parallel, k) for k in PLANNED}, "grad_accum": chosen.train.grad_accum}
     if layout(chosen) == layout(config):
         planned.update(out["ran"], same_as_ran=True)
     elif time.perf_counter() > deadline:

@@ -322,6 +322,12 @@ class KVCache:
     start: Array
     end: Array
 
+    @staticmethod
+    def heads_per_rank(cfg: ModelConfig, tensor: int) -> int:
+        """The kv heads one tensor rank's cache holds: K/t, or one when K does not split over t (each rank keeps the
+        one kv head its query heads read)."""
+        return cfg.n_kv_heads // tensor if cfg.n_kv_heads % tensor == 0 else 1
+
     @classmethod
     def empty(cls, cfg: ModelConfig, batch: int, slots: int, start: Array, kv_heads: int | None = None) -> "KVCache":
         """Zeros for `batch` rows of `slots` slots; kv_heads: the heads this device keeps (a tensor-parallel rank's

@@ -146,9 +146,8 @@ def _local_cache(plan, batch: int, slots: int, start: jax.Array) -> KVCache:
 
 
 def kv_heads(plan) -> int:
-    """The kv heads one tensor rank's cache holds: K/t, or one when there are fewer kv heads than ranks."""
-    t, K = plan.degrees["tensor"], plan.model.n_kv_heads
-    return K // t if K % t == 0 else 1
+    """The kv heads one tensor rank's cache holds (`KVCache.heads_per_rank`)."""
+    return KVCache.heads_per_rank(plan.model, plan.degrees["tensor"])
 
 
 def cache_spec(plan) -> P:

@@ -201,6 +201,15 @@ def inside_host(config: Config, devices_per_host: int) -> dict[str, bool]:
     return out
 
 
+def pipeline_ticks(config: Config, d: dict) -> float:
+    """A step's pipeline iterations (circular: forward and backward each run them) or schedule-table ticks (one F, B
+    or W each), accumulation chunks included; `d` = `expected._dims(config, …)`."""
+    p = config.parallel
+    if p.schedule == "circular":
+        return d["iterations"]
+    return schedule.build(p.schedule, p.pipe, p.repeats, p.microbatches).n_ticks * d["A"]
+
+
 def axis_collectives(config: Config) -> dict[str, float]:
     """How many collectives each mesh axis runs per step (each pays the link's latency, however small): Megatron's
     4 per layer application (6 with SP's gathers and scatters), a permute per pipeline iteration or tick each way,
@@ -212,9 +221,7 @@ def axis_collectives(config: Config) -> dict[str, float]:
     if p.tensor > 1:
         out[TENSOR] = d["layer_execs"] * (6 if p.sequence_parallel else 4)
     if p.pipe > 1:
-        ticks = (d["iterations"] if p.schedule == "circular" else
-                 schedule.build(p.schedule, p.pipe, p.repeats, p.microbatches).n_ticks * d["A"])
-        out["pipe"] = 2 * ticks
+        out["pipe"] = 2 * pipeline_ticks(config, d)
     if p.context > 1:
         out["context"] = d["layer_execs"] * (2 * (p.context - 1) if p.context_impl == "ring" else 2)
     if p.expert > 1:
@@ -306,9 +313,8 @@ def predict_time(config: Config, profile: Profile, devices_per_host: int, memory
     d = expected._dims(config, V)
     compute += d["layer_execs"] * profile.layer_overhead
     if p.pipe > 1:  # the pipeline loop's own work per iteration, in proportion to a microbatch's [mb, s, h]
-        ticks = (d["iterations"] if p.schedule == "circular" else  # a table's tick runs one F or B: half an iteration
-                 schedule.build(p.schedule, p.pipe, p.repeats, p.microbatches).n_ticks * d["A"] / 2)
-        compute += ticks * d["mb"] * d["s"] * m.d_model * d["beta"] * profile.pipeline_byte
+        iterations = pipeline_ticks(config, d) / (1 if p.schedule == "circular" else 2)  # a tick: half of one
+        compute += iterations * d["mb"] * d["s"] * m.d_model * d["beta"] * profile.pipeline_byte
     if profile.fresh_byte:  # a runtime that allocates the step's temporaries afresh (XLA:CPU) pays for their pages
         memory = memory or predict_memory(config, "cpu")
         compute += (memory.gradients + memory.activations + memory.workspace) * profile.fresh_byte

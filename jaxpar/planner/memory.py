@@ -59,7 +59,7 @@ from flax import nnx
 from jax._src import core as jax_core  # Var, Literal: the jaxpr the residuals are read from
 
 from jaxpar.config import Config, ModelConfig
-from jaxpar.model import abstract_model, layer_groups
+from jaxpar.model import KVCache, abstract_model, layer_groups
 from jaxpar.parallel import pipeline
 from jaxpar.parallel.axes import AXES, BATCH_AXES, DATA, TENSOR
 from jaxpar.parallel.plan import padded_vocab, plan_rules
@@ -156,12 +156,11 @@ def kv_cache_bytes(model: ModelConfig, batch: int, slots: int, data: int = 1, te
     in the model's dtype, rows over `data`, kv heads over `tensor`):
 
         2 · L · ⌈B / data⌉ · slots · K_local · E · itemsize,   K_local = K / t, or 1 when K does not split over t
-                                                               (`decode.kv_heads`: each rank keeps the one kv head
-                                                               its query heads read)
+                                                               (`KVCache.heads_per_rank`)
 
     Every layer's cache is on every device (inference runs no pipeline). A generate call's `slots` is the padded
     prompt length plus max_new_tokens."""
-    k_local = model.n_kv_heads // tensor if model.n_kv_heads % tensor == 0 else 1
+    k_local = KVCache.heads_per_rank(model, tensor)
     return (2 * model.n_layers * -(-batch // data) * slots * k_local * model.head_dim
             * jnp.dtype(model.dtype).itemsize)
 

@@ -83,25 +83,43 @@ def device_memory_gb(device) -> float:
     return _host_memory() / max(1, jax.local_device_count()) / GB
 
 
-def _median_seconds(fn, *args, repeats: int) -> float:
-    jax.block_until_ready(fn(*args))  # compile and warm up
+def _median_seconds(fn, *args, repeats: int, chain: bool = False) -> float:
+    """Median seconds of `fn(*args)` after a call that compiles and warms up; `chain`: each call takes the previous
+    one's result as its argument (a donated buffer is consumed by the call that reads it)."""
+    out = jax.block_until_ready(fn(*args))  # compile and warm up
     times = []
     for _ in range(repeats):
+        args = (out,) if chain else args
         start = time.perf_counter()
-        jax.block_until_ready(fn(*args))
+        out = jax.block_until_ready(fn(*args))
         times.append(time.perf_counter() - start)
     return statistics.median(times)
+
+
+class _Row:
+    """Every device on one mesh axis "d": `put` places an array of a per-device shape on each (stacked along the
+    first dim), `run` jits a per-device function over all of them at once (`shard_map`, every argument and result
+    split over "d")."""
+
+    def __init__(self, devices: list):
+        self.n, self.mesh = len(devices), Mesh(np.array(devices), ("d",))
+
+    def put(self, shape: tuple, fill: float = 1.0, dtype=jnp.float32) -> jax.Array:
+        return jax.device_put(jnp.full((self.n * shape[0], *shape[1:]), fill, dtype),
+                              NamedSharding(self.mesh, P("d")))
+
+    def run(self, f, args: int = 1, outs: int = 1, check_vma: bool = True):
+        spec = lambda k: P("d") if k == 1 else (P("d"),) * k  # noqa: E731
+        return jax.jit(jax.shard_map(f, mesh=self.mesh, in_specs=spec(args), out_specs=spec(outs),
+                                     check_vma=check_vma))
 
 
 def matmul_rate(devices: list, dtype: str, width: int, repeats: int, rows: int | None = None) -> float:
     """Achieved FLOP/s per device of a [rows, width] @ [width, width] (rows: `width` unless given — a token-major
     matmul has many more rows than its width) on every device at once."""
-    n, rows = len(devices), rows or width
-    mesh = Mesh(np.array(devices), ("d",))
-    x = jax.device_put(jnp.ones((n * rows, width), dtype), NamedSharding(mesh, P("d")))
-    w = jax.device_put(jnp.ones((n * width, width), dtype), NamedSharding(mesh, P("d")))
-    fn = jax.jit(jax.shard_map(lambda a, b: a @ b, mesh=mesh, in_specs=(P("d"), P("d")), out_specs=P("d")))
-    return 2 * rows * width**2 / _median_seconds(fn, x, w, repeats=repeats)
+    row, rows = _Row(devices), rows or width
+    x, w = row.put((rows, width), dtype=dtype), row.put((width, width), dtype=dtype)
+    return 2 * rows * width**2 / _median_seconds(row.run(lambda a, b: a @ b, args=2), x, w, repeats=repeats)
 
 
 def _collective(kind: str, axis: str, g: int):
@@ -128,16 +146,12 @@ def overlap_fraction(devices: list, size: int, nbytes: int, repeats: int, rounds
     of the two: (t_matmul + t_permute − t_both) / min(t_matmul, t_permute), the median of `rounds` estimates,
     clipped to [0, 1]. On a GPU the permute runs on its own engines (→ 1); simulated CPU devices share the cores, so
     the copy competes with the matmul."""
-    n = len(devices)
-    mesh = Mesh(np.array(devices), ("d",))
-    spec = NamedSharding(mesh, P("d"))
-    a = jax.device_put(jnp.ones((n * size, size), jnp.float32), spec)
-    b = jax.device_put(jnp.ones((n * max(1, nbytes // 4),), jnp.float32), spec)
-    shift = [(i, (i + 1) % n) for i in range(n)]
+    row = _Row(devices)
+    a, b = row.put((size, size)), row.put((max(1, nbytes // 4),))
+    shift = [(i, (i + 1) % row.n) for i in range(row.n)]
     mm = lambda x: x @ x  # noqa: E731
     perm = lambda y: jax.lax.ppermute(y, "d", shift)  # noqa: E731
-    run = lambda f, specs: jax.jit(jax.shard_map(f, mesh=mesh, in_specs=specs, out_specs=specs))  # noqa: E731
-    f_mm, f_perm, f_both = run(mm, P("d")), run(perm, P("d")), run(lambda x, y: (mm(x), perm(y)), (P("d"), P("d")))
+    f_mm, f_perm, f_both = row.run(mm), row.run(perm), row.run(lambda x, y: (mm(x), perm(y)), args=2, outs=2)
     fractions = []
     for _ in range(rounds):  # one estimate a round, the three timed together; their median (one is noisy on CPU)
         t_mm = _median_seconds(f_mm, a, repeats=repeats)
@@ -154,12 +168,9 @@ def collective_latency(devices: list, repeats: int, trips: int = 16, split: int 
     Devices with their own engines see the collective's own latency; simulated CPU devices time-sliced on shared
     cores also wait at every collective for the slowest of them to arrive — a cost that grows with the
     collectives a step runs, not with their bytes."""
-    n = len(devices)
-    mesh = Mesh(np.array(devices), ("d",))
+    row = _Row(devices)
     rows, width = (4096, 4096) if devices[0].platform != "cpu" else (512, 256)
-    x = jax.device_put(jnp.full((n * rows, width), 0.01, jnp.float32), NamedSharding(mesh, P("d")))
-    w = jax.device_put(jnp.full((n * width, width), 1 / width, jnp.float32), NamedSharding(mesh, P("d")))
-    one = jax.device_put(jnp.ones((n,), jnp.float32), NamedSharding(mesh, P("d")))
+    x, w, one = row.put((rows, width), 0.01), row.put((width, width), 1 / width), row.put((1,))
 
     def loop(every: int):
         def body(a, b):
@@ -172,10 +183,9 @@ def collective_latency(devices: list, repeats: int, trips: int = 16, split: int 
 
             return jax.lax.scan(trip, a, None, length=trips)[0]
 
-        return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P("d"), P("d")), out_specs=P("d"), check_vma=False))
+        return row.run(body, args=2, check_vma=False)
 
-    idle = jax.jit(jax.shard_map(lambda a: jax.lax.psum(a, "d"), mesh=mesh, in_specs=P("d"), out_specs=P("d")))
-    alone = _median_seconds(idle, one, repeats=repeats)
+    alone = _median_seconds(row.run(lambda a: jax.lax.psum(a, "d")), one, repeats=repeats)
     loaded = (_median_seconds(loop(1), x, w, repeats=repeats)
               - _median_seconds(loop(split), x, w, repeats=repeats)) / (trips * (split - 1))
     return max(alone, loaded)
@@ -183,15 +193,12 @@ def collective_latency(devices: list, repeats: int, trips: int = 16, split: int 
 
 def layer_overhead(devices: list, repeats: int, trips: int = 64) -> float:
     """Seconds per iteration of a scan over a tiny matmul on every device: a layer application's fixed cost."""
-    n = len(devices)
-    mesh = Mesh(np.array(devices), ("d",))
-    x = jax.device_put(jnp.ones((n * 8, 8), jnp.float32), NamedSharding(mesh, P("d")))
+    row = _Row(devices)
 
     def body(a):
         return jax.lax.scan(lambda c, _: (jnp.tanh(c @ c.T[:, :8]), None), a, None, length=trips)[0]
 
-    fn = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("d"), out_specs=P("d")))
-    return _median_seconds(fn, x, repeats=repeats) / trips
+    return _median_seconds(row.run(body), row.put((8, 8)), repeats=repeats) / trips
 
 
 def pipeline_cost(devices: list, repeats: int, microbatches: int = 4) -> float:
@@ -232,19 +239,11 @@ def fresh_memory_cost(devices: list, repeats: int, megabytes: int = 32) -> float
     into its donated input, `megabytes` per device on every device at once. XLA:CPU allocates a step's temporaries
     anew at each call and the OS faults their pages in (~1.5 ms per MB per device with 8 simulated devices on 2
     cores: five times the add itself); an accelerator's allocator reuses its pool (→ ~0)."""
-    mesh = Mesh(np.array(devices), ("d",))
-    spec = NamedSharding(mesh, P("d"))
-    elems = (megabytes << 20) // 4
-    fresh, donated = jax.jit(lambda a: a + 1.0), jax.jit(lambda a: a + 1.0, donate_argnums=0)
-    x = jax.device_put(jnp.zeros((len(devices) * elems,), jnp.float32), spec)
-    t_fresh = _median_seconds(fresh, x, repeats=repeats)
-    y = donated(jax.device_put(jnp.zeros((len(devices) * elems,), jnp.float32), spec))  # compiled, then in place
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        y = jax.block_until_ready(donated(y))
-        times.append(time.perf_counter() - start)
-    return max(0.0, (t_fresh - statistics.median(times)) / (elems * 4))
+    row, elems = _Row(devices), (megabytes << 20) // 4
+    t_fresh = _median_seconds(jax.jit(lambda a: a + 1.0), row.put((elems,), 0.0), repeats=repeats)
+    t_donated = _median_seconds(jax.jit(lambda a: a + 1.0, donate_argnums=0), row.put((elems,), 0.0),
+                                repeats=repeats, chain=True)
+    return max(0.0, (t_fresh - t_donated) / (elems * 4))
 
 
 def measure(devices: list | None = None, *, repeats: int = 7) -> Profile:
@@ -254,7 +253,8 @@ def measure(devices: list | None = None, *, repeats: int = 7) -> Profile:
     dev, n = devices[0], len(devices)
     gpu = dev.platform != "cpu"
     size, nbytes = (8192, 64 << 20) if gpu else (512, 4 << 20)
-    # Token-major matmuls of each width (rows: a microbatch's tokens), for the rate at a layout's narrowest width.
+    # Token-major matmuls of each width (rows: a microbatch's tokens): `cost.matmul_rate` takes each matmul of a
+    # layer at the rate of its width.
     widths, rows = ((1024, 2048, 4096, 8192), 16384) if gpu else ((64, 128, 256, 512, 1024), 2048)
     table = {d: {str(w): matmul_rate(devices, d, w, repeats, rows) for w in widths} for d in ("float32", "bfloat16")}
     table["float16"] = table["bfloat16"] if gpu else table["float32"]

@@ -22,7 +22,6 @@ from jaxpar.planner.cost import Profile, Timing, predict_time
 from jaxpar.planner.memory import Memory, predict_memory, state_bytes
 
 
-
 @dataclasses.dataclass(frozen=True)
 class Candidate:
     config: Config
