@@ -22,7 +22,10 @@ chunk in one of three modes:
              of the groups' outputs with respect to the weights at the stashed dys is Σ xᵀ·dy — the very
              contraction autodiff transposes, behind the same collectives (f's identity; under sequence parallelism
              the re-gather of the input and of a row group's output gradient), so the gradients are the same
-             numbers. Everything else the replayed layer computes is dead code, which XLA drops.
+             numbers. Everything else the replayed layer computes is dead code, which XLA drops — except
+             inside a group that is more than matmuls (the MoE experts' SwiGLU), whose backward needs its
+             hidden activations: `model.run_layers` checkpoints each replayed period, so W holds one
+             period's, not the chunk's.
 
 A group's input may be a pytree: the MoE experts' group takes (tokens, chosen experts, gates, kept), so W replays
 the grouped matmuls on the very assignments F routed.
