@@ -110,20 +110,20 @@ def reference(request):
     return (cfg, batch, *single_device(cfg, batch))
 
 
-SHAPES = {  # (pipe, chunks, microbatches): p = 2 and 4, m from p to 4p
-    "gpipe": [(2, 1, 2), (2, 1, 8), (4, 1, 4), (4, 1, 8), (4, 1, 16)],
-    "1f1b": [(2, 1, 2), (2, 1, 8), (4, 1, 4), (4, 1, 8), (4, 1, 16)],
-    "interleaved_1f1b": [(2, 2, 2), (2, 3, 4), (2, 2, 8), (4, 3, 8), (4, 2, 16)],
-    "zb_h1": [(2, 1, 2), (2, 1, 4), (4, 1, 4), (4, 1, 8), (4, 1, 16)],
-    "zbv": [(2, 2, 2), (2, 2, 8), (4, 2, 4), (4, 2, 8), (4, 2, 16)],
-}
+SHAPES = {  # (pipe, chunks, microbatches): p = 2 and 4, m = p (the fewest) and 4p (steady state); 3 chunks
+    "gpipe": [(2, 1, 2), (4, 1, 4), (4, 1, 16)],
+    "1f1b": [(2, 1, 2), (4, 1, 4), (4, 1, 16)],
+    "interleaved_1f1b": [(2, 2, 2), (2, 3, 4), (4, 2, 16)],
+    "zb_h1": [(2, 1, 2), (4, 1, 4), (4, 1, 16)],
+    "zbv": [(2, 2, 2), (4, 2, 4), (4, 2, 16)],
+}  # the tables at every shape between are checked without a compile (test_tables_are_complete_causal_…)
 
 
 @pytest.mark.parametrize("name,pipe,chunks,microbatches",
                          [(n, *s) for n in TABLES for s in SHAPES[n]], ids=lambda x: str(x))
 def test_schedule_matches_reference(reference, name, pipe, chunks, microbatches):
     cfg, batch, params, want_loss, want_grads = reference
-    if cfg.family == "gpt2" and ((pipe, microbatches) != (4, 8) or name in ("gpipe", "zb_h1")):
+    if cfg.family == "gpt2" and ((pipe, microbatches) != (4, 16) or name in ("gpipe", "zb_h1")):
         pytest.skip("gpt2 (the tied head) runs one shape of 1f1b, interleaved_1f1b and zbv")
     loss, grads = run(cfg, params, batch, name=name, data=8 // pipe, pipe=pipe, tensor=1, repeats=chunks,
                       microbatches=microbatches)
