@@ -159,10 +159,11 @@ def reference(references):
     return references((2, 2, 2))
 
 
-def start_process(workdir, k, port, log_path):
-    """Process k of 2 with the environment `jaxpar launch` gives it (started by hand, so a test can kill one)."""
-    env = child_env(dict(os.environ), process_id=k, processes=2, devices_per_process=4,
-                    coordinator=f"127.0.0.1:{port}")
+def start_process(workdir, k, port, log_path, cache):
+    """Process k of 2 with the environment `jaxpar launch` gives it (started by hand, so a test can kill one), and
+    JAX's persistent compilation cache in `cache`: the run resumed after the kill compiles nothing again."""
+    env = child_env(dict(os.environ, JAX_COMPILATION_CACHE_DIR=str(cache)), process_id=k, processes=2,
+                    devices_per_process=4, coordinator=f"127.0.0.1:{port}")
     with open(log_path, "w") as log:  # the child keeps its own copy of the descriptor
         return subprocess.Popen([sys.executable, "-m", "jaxpar.cli", *train_args(workdir)], cwd=ROOT, env=env,
                                 stdout=log, stderr=subprocess.STDOUT)
@@ -176,7 +177,8 @@ def test_two_processes_match_one_process_bitwise_and_survive_a_lost_process(refe
     ref_dir, ref = reference
     ref_losses = logged_losses(ref_dir)
     workdir, port = tmp_path / "two", free_port()
-    procs = [start_process(workdir, k, port, tmp_path / f"p{k}.log") for k in range(2)]
+    cache = tmp_path / "jax-cache"  # the runs do not read their compiled programs, only train
+    procs = [start_process(workdir, k, port, tmp_path / f"p{k}.log", cache) for k in range(2)]
     try:
         deadline = time.time() + TIMEOUT
         while not ((workdir / "metrics.jsonl").exists() and
@@ -202,7 +204,8 @@ def test_two_processes_match_one_process_bitwise_and_survive_a_lost_process(refe
 
     relaunch = subprocess.run([sys.executable, "-m", "jaxpar.cli", "launch", "--processes", "2",
                                "--devices-per-process", "4", "--", "jaxpar", *train_args(workdir)],
-                              cwd=ROOT, capture_output=True, text=True, timeout=TIMEOUT, check=False)
+                              cwd=ROOT, env=dict(os.environ, JAX_COMPILATION_CACHE_DIR=str(cache)),
+                              capture_output=True, text=True, timeout=TIMEOUT, check=False)
     assert relaunch.returncode == 0, relaunch.stdout[-3000:]
     assert "[0] done:" in relaunch.stdout and "[1] done:" in relaunch.stdout  # rank-prefixed output
     losses = logged_losses(workdir)

@@ -26,6 +26,16 @@ SMALL = ["model.d_model=32", "train.batch_size=16", "train.seq_len=32", "train.l
          "train.eval_batches=1", "train.warmup_steps=2", "checkpoint.every=2"]
 
 
+@pytest.fixture(autouse=True, scope="module")
+def compile_once(tmp_path_factory):
+    """The subprocess runs here compile the same steps again and again (an uninterrupted run, the one killed, its
+    resume): JAX's persistent compilation cache, one per module run, compiles each program once. The runs do not
+    read their compiled programs (what a cache hit could change), only train."""
+    ENV["JAX_COMPILATION_CACHE_DIR"] = str(tmp_path_factory.mktemp("jax-cache"))
+    yield
+    ENV.pop("JAX_COMPILATION_CACHE_DIR")
+
+
 def train_cmd(workdir, steps):
     overrides = [f"--config.{o}" for o in SMALL + [f"train.steps={steps}"]]
     return [sys.executable, "-m", "jaxpar.cli", "train", "--config", "configs/tiny.py", "--workdir", str(workdir),

@@ -20,6 +20,7 @@ import os
 import re
 import subprocess
 import sys
+import tempfile
 import time
 
 from jaxpar.config import Config, config_from_dict
@@ -44,15 +45,22 @@ def abstract_step(config: Config):
     return trainer.train_step, trainer.state, batch
 
 
-def compiled_memory(config: Config) -> dict:
+def compiled_memory(config: Config, heap: bool = False) -> dict:
     """`memory_analysis()` of the train step of `config` on this process's devices (bytes per device), and the
-    seconds the lowering and compile took."""
+    seconds the lowering and compile took; with `heap`, also where the temp allocation goes (`heap.heap_chain`, from
+    the compile's dump, written to a temporary directory)."""
+    from jaxpar.analysis.heap import heap_chain
     from jaxpar.analysis.hlo import memory
 
     step, state, batch = abstract_step(config)
-    start = time.perf_counter()
-    out = memory(step.lower(state, batch).compile())
-    return {**out, "compile_s": time.perf_counter() - start}
+    with tempfile.TemporaryDirectory(prefix="jaxpar-heap-") as dump:
+        options = {"xla_dump_to": dump, "xla_dump_hlo_as_text": True} if heap else None
+        start = time.perf_counter()
+        out = memory(step.lower(state, batch).compile(compiler_options=options))
+        out["compile_s"] = time.perf_counter() - start
+        if heap:
+            out["heap"] = heap_chain(dump)
+    return out
 
 
 def on_cpu(config: Config) -> Config:
@@ -90,17 +98,20 @@ def verify(config: Config, devices: int, timeout_s: float = 3600) -> dict:
 
 def format_verify(result: dict, devices: int, budget_gb: float) -> str:
     """One paragraph: compiled peak vs predicted, the resident bytes, and the budget."""
+    from jaxpar.analysis.heap import format_chain
+
     c, p = result["compiled"], result["predicted"]
     fits = "within" if c["peak_bytes"] <= budget_gb * 1e9 else "OVER"
-    return (f"verify: compiled on {devices} simulated CPU devices in {c['compile_s']:.1f} s: peak "
+    line = (f"verify: compiled on {devices} simulated CPU devices in {c['compile_s']:.1f} s: peak "
             f"{c['peak_bytes'] / 1e9:.3f} GB per device ({fits} the {budget_gb:g} GB budget), predicted "
             f"{p['total'] / 1e9:.3f} GB ({result['error'] * 100:+.1f} %); resident {c['argument_bytes'] / 1e9:.3f} "
             f"GB, predicted {'exactly' if result['resident_exact'] else p['resident'] / 1e9}")
+    return line + (f"\n{format_chain(c['heap'])}" if c.get("heap") else "")
 
 
 def _main() -> int:
     config = config_from_dict(json.loads(sys.stdin.read()))
-    print(_MARK + json.dumps(compiled_memory(config)), flush=True)
+    print(_MARK + json.dumps(compiled_memory(config, heap=True)), flush=True)
     return 0
 
 
