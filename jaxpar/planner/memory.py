@@ -488,8 +488,9 @@ def activation_bytes(config: Config, backend: str = "gpu") -> dict[str, float]:
             if p.remat != "none":
                 # Under remat the vjp residuals no longer include the matmul inputs, which the tape keeps apart
                 # until W: per layer each group's input in the compute dtype (the whole sequence: under SP the
-                # gathered one), beside the stash's residuals a slot.
-                tape = _matmul_inputs(local) * jnp.dtype(config.model.dtype).itemsize
+                # gathered one), beside the stash's residuals a slot — float32 on XLA:CPU, as every activation
+                # there (llama_8b's zbv tape slots are float32 buffers in its step on 64 simulated devices).
+                tape = _matmul_inputs(local) * jnp.dtype(m.dtype).itemsize
     else:
         layer_rows = outside_rows = b // A
         layers, kinds = 1, m.layer_kinds
