@@ -7,7 +7,9 @@
 #      HFU, and peak memory;
 #   4. decoding the same shape in bf16 / int8 / int4;
 #   5. the planner (issue 20): probe this GPU, predict step 3's time and memory from the probe, then compile and
-#      time `parallel.auto`'s own layout for the model — predicted vs measured step time, MFU and memory.
+#      time `parallel.auto`'s own layout for the model — predicted vs measured step time, MFU and memory; then,
+#      with time left, where step 3's temp allocation goes (stacked per computation vs allocated vs live at once:
+#      does XLA:GPU stack loop bodies' temporaries on their callers' as XLA:CPU does?).
 #   The last line, `GPU-RESULT {json}`, goes into bench/RESULTS.md with the date.
 #
 #   bench/gpu.sh                      on the GPU machine, from anywhere (it cds to the repo root)

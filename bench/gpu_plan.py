@@ -6,7 +6,9 @@ memory for both.
 
 A lent GPU is a one-shot run, so this section keeps what it has measured if a later part fails, and skips timing the
 planner's layout when it is the layout section 3 already timed or when `deadline` (a `time.perf_counter()` value)
-leaves too little time for another compile.
+leaves too little time for another compile. With time left it compiles section 3's step once more with a dump, to
+read where the temp allocation goes (`jaxpar.analysis.heap`: on XLA:CPU each computation's own peak stacked along its
+calls, not the bytes live at once).
 """
 
 from __future__ import annotations
@@ -67,6 +69,16 @@ def planner_check(config, devices: list, measured_s: float, compiled_gb: float,
         planned.update(figures(chosen, profile, len(devices), step_s, memory(step)["peak_bytes"] / 1e9, backend))
         del step
     out["planned"] = planned
+    if time.perf_counter() < deadline:
+        # Does this backend's buffer assignment, as XLA:CPU's does, stack each loop's and branch's temporaries on
+        # its callers' (`analysis.heap`)? Section 3's step compiled again with a dump says: stacked ≈ allocated.
+        from jaxpar.analysis.verify import compiled_memory
+
+        heap = compiled_memory(config, heap=True).get("heap")
+        out["heap"] = heap or "no buffer assignment or live ranges in the dump"
+        if heap:
+            print(f"planner: section 3's step, temp by computation: {heap['stacked'] / 1e9:.3f} GB stacked, "
+                  f"{heap['allocation'] / 1e9:.3f} allocated, {heap['live'] / 1e9:.3f} live at once", flush=True)
     if "measured_step_s" in planned:
         print(f"planner: chose {planned['parallel']} accum {planned['grad_accum']}: predicted "
               f"{planned['predicted_step_s'] * 1e3:.1f} ms and {planned['predicted_gb']:.2f} GB, measured "

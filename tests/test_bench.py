@@ -35,6 +35,8 @@ def test_gpu_script_dry_run():
     planner = result["planner"]  # section 5: the probe's prediction of the step above, and the planner's own layout
     assert planner["ran"]["predicted_step_s"] > 0 and planner["ran"]["measured_step_s"] == result["step_s"]
     assert planner["planned"]["measured_step_s"] > 0 and planner["planned"]["predicted_gb"] > 0
+    heap = planner["heap"]  # where the step's temp allocation goes (analysis.heap), read from a dump of its compile
+    assert heap["live"] <= heap["allocation"] and abs(heap["stacked"] / heap["allocation"] - 1) < 0.1, heap
 
 
 def test_plain_step_matches_jaxpar_step():
