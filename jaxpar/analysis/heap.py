@@ -34,12 +34,14 @@ _NESTING = ("while", "conditional", "call")  # the call sites whose callee holds
 
 
 def _files(dump_dir: pathlib.Path) -> tuple[str, str, str] | None:
-    """(optimized HLO text, buffer assignment, live ranges) of the one module dumped in `dump_dir`, or None."""
-    found = sorted(dump_dir.glob("*after_optimizations-buffer-assignment.txt"))
-    if len(found) != 1:
+    """(optimized HLO text, buffer assignment, live ranges) of the largest module dumped in `dump_dir` (a backend may
+    dump small modules of its own beside the step's, e.g. an autotuner's), or None."""
+    found = list(dump_dir.glob("*after_optimizations-buffer-assignment.txt"))
+    if not found:
         return None
-    stem = str(found[0]).removesuffix("-buffer-assignment.txt")
-    paths = [pathlib.Path(stem + ".txt"), found[0], pathlib.Path(stem + "-live-range.txt")]
+    largest = max(found, key=lambda p: p.stat().st_size)
+    stem = str(largest).removesuffix("-buffer-assignment.txt")
+    paths = [pathlib.Path(stem + ".txt"), largest, pathlib.Path(stem + "-live-range.txt")]
     if not all(p.exists() for p in paths):
         return None
     return tuple(p.read_text() for p in paths)
