@@ -269,10 +269,9 @@ def run_layers(stacks: Stacks, x: Array, positions: Array, mask: Array | None, c
 
         if tape is not None:
             body, xs = tapped, (xs, tape.feed)
-            if remat != "none" and tape.mode == RECORD:
-                body = jax.checkpoint(body, policy=REMAT_POLICIES[remat], prevent_cse=unroll == count)
-            if tape.mode == REPLAY:
-                body = jax.checkpoint(body, policy=jax.checkpoint_policies.nothing_saveable, prevent_cse=unroll == count)
+            policy = "full" if tape.mode == REPLAY else remat  # REPLAY saves nothing, whatever `remat` (see above)
+            if policy != "none":
+                body = jax.checkpoint(body, policy=REMAT_POLICIES[policy], prevent_cse=unroll == count)
         x, out = jax.lax.scan(body, x, xs, unroll=unroll)
         if tape is not None:
             collected, out = out

@@ -71,8 +71,7 @@ def heap_chain(dump_dir: str | pathlib.Path) -> dict | None:
     text, assignment, live_ranges = files
     prog = parse_hlo(text)
     owner = {ins.name: comp for comp, instrs in prog.computations.items() for ins in instrs}
-    entry = next(c for c, n in prog.counts.items() if n == 1 and not any(
-        c == callee for calls in prog.calls.values() for callee, _, _ in calls))
+    entry = prog.entry
     callees: dict[str, list[tuple[str, str]]] = collections.defaultdict(list)  # comp → [(callee, label)]
     parents: dict[str, set[str]] = collections.defaultdict(set)
     for comp, calls in prog.calls.items():
@@ -83,10 +82,11 @@ def heap_chain(dump_dir: str | pathlib.Path) -> dict | None:
             where = _OP_NAME.search(site.attrs)
             where = where.group(1).removeprefix("jit(step)/").removeprefix("shard_map/") if where else site.name
             where = where.replace("/body/eval_jaxpr/", "/")
-            label = f"loop {where}" if site.op == "while" else f"{site.op} {where}"
-            if site.op == "conditional":
+            if site.op == "conditional":  # its branches in order
                 label = f"branch {branch[site.name]} of {where}"
                 branch[site.name] += 1
+            else:
+                label = f"{'loop' if site.op == 'while' else site.op} {where}"
             callees[comp].append((callee, label))
             parents[callee].add(comp)
 

@@ -73,6 +73,7 @@ class HloProgram:
 
     computations: dict[str, list[_Instr]]
     shapes: dict[str, str]  # instruction name -> output shape text (names are unique in a module)
+    entry: str | None = None  # the ENTRY computation
     counts: dict[str, int] = field(default_factory=dict)
     exact: dict[str, bool] = field(default_factory=dict)
     trip_counts: dict[str, int] = field(default_factory=dict)
@@ -177,7 +178,7 @@ def parse_hlo(compiled_or_text) -> HloProgram:
             ins = _Instr(m.group(1), line[i:j], op.group(1), args, line[k:])
             comps[current].append(ins)
             shapes[ins.name] = ins.shape
-    prog = HloProgram(comps, shapes)
+    prog = HloProgram(comps, shapes, entry)
     if entry is None:
         prog.warnings.append("no ENTRY computation found")
         return prog

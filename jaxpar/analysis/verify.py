@@ -14,6 +14,7 @@ the same trace, so a verified layout's error is the model's error, not the GPU's
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -53,7 +54,7 @@ def compiled_memory(config: Config, heap: bool = False) -> dict:
     from jaxpar.analysis.hlo import memory
 
     step, state, batch = abstract_step(config)
-    with tempfile.TemporaryDirectory(prefix="jaxpar-heap-") as dump:
+    with tempfile.TemporaryDirectory(prefix="jaxpar-heap-") if heap else contextlib.nullcontext() as dump:
         options = {"xla_dump_to": dump, "xla_dump_hlo_as_text": True} if heap else None
         start = time.perf_counter()
         out = memory(step.lower(state, batch).compile(compiler_options=options))
