@@ -262,23 +262,112 @@ def draw_schedule(stages: int, repeats: int, microbatches: int, path: str) -> No
 # The table executor: any schedule of jaxpar.parallel.schedule, with explicit vjps.
 
 
-def _split_residuals(vjp_fn, known, probes):
+def _split_residuals(vjp_fn, known, other_trace, zero=()):
     """Sort the leaves of a vjp closure: ('param', i) — known[i], the chunk's parameters or the weights as the
-    matmuls read them, taken again from the live parameters; ('const', leaf) — values from outside the chunk
-    (identical in two independent traces: masks, positions); ('stash', n) — activations the backward needs, kept per
-    microbatch. `probes`: the leaves of a second trace."""
+    matmuls read them, taken again from the live parameters; ('zero', leaf) — one of `zero`, the zero probes (a
+    checkpointed period keeps its inputs, the probes among them: all zeros, made again for B, not stashed);
+    ('const', leaf) — values from outside the chunk (identical in two independent traces: masks, positions);
+    ('stash', n) — activations the backward needs, kept per microbatch. `other_trace`: the leaves of a second
+    trace."""
     leaves, treedef = jax.tree.flatten(vjp_fn)
     pid = {id(x): i for i, x in reversed(list(enumerate(known)))}
+    zid = {id(x) for x in zero}
     kinds, n = [], 0
-    for leaf, other in zip(leaves, probes):
+    for leaf, other in zip(leaves, other_trace):
         if id(leaf) in pid:
             kinds.append(("param", pid[id(leaf)]))
+        elif id(leaf) in zid:
+            kinds.append(("zero", leaf))
         elif leaf is other:
             kinds.append(("const", leaf))
         else:
             kinds.append(("stash", n))
             n += 1
     return treedef, kinds, leaves
+
+
+class Chunk:
+    """One chunk as the table executor runs it (`execute`), traced before the loop — dead code, which XLA drops.
+
+    One layer traced at the top level (MEASURE) tells which parameters are matmul weights and sizes the probes
+    (each group's outputs) and the tape (each group's input), [k, …] for the chunk's k periods (`Tape.steps`; a
+    period is one layer unless the chunk mixes dense and MoE layers). Two traces of the chunk's forward then fix its
+    vjp closure's structure and types: which leaves are parameters, zero probes or constants, and which the stash
+    must hold. The refs (`stash_ref`, `tape_ref`, `dys_ref`: one chunk's worth of each slot) are what the
+    executor's buffers hold a slot, and what the planner's memory model counts (`jaxpar.planner.memory`).
+
+    chunk_fn, operand: as `execute` takes them; chunk_a, chunk_b: the chunk's parameters, twice (two traces); x0: a
+    microbatch's input [mb, …]; like(x, ref): x typed as ref is (inside shard_map, as varying over the pipe axis)."""
+
+    def __init__(self, chunk_fn: Callable, chunk_a, chunk_b, x0: Array, operand: Callable[[Array], Array],
+                 like: Callable = lambda x, ref: x):
+        self.chunk_fn, self.operand, self.like = chunk_fn, operand, like
+        self.params_ref = chunk_a
+        param_leaves, self.param_def = jax.tree.flatten(chunk_a)
+        measured = Tape(MEASURE)
+        chunk_fn(chunk_a, x0, measured)
+        weight_ids = {id(w) for w in measured.weights}
+        self.is_matmul = [id(leaf) in weight_ids for leaf in param_leaves]
+        if not any(self.is_matmul):
+            raise ValueError("the chunk contracts none of its parameters through Parallel.column / Parallel.row: "
+                             "the executor's W has no weight gradients to derive")
+        k = measured.steps  # the chunk's scan runs k periods of layers (k layers in a uniform stack)
+        self.probe_ref = [[like(jnp.zeros((k, *y.shape), y.dtype), y) for y in ys] for ys in measured.outputs]
+        # the groups' inputs, flat (a group's input may be a pytree: the MoE experts' tokens and routing)
+        tape_leaves, self.tape_def = jax.tree.flatten(measured.inputs)
+        self.tape_ref = [like(jnp.zeros((k, *x.shape), x.dtype), x) for x in tape_leaves]
+        self.dys_ref, self.dys_def = jax.tree.flatten(self.probe_ref)
+        self.y0, vjp_a, _, self.stats_ref, known_a, probes_a = self.vjp(chunk_a, x0)
+        _, vjp_b, _, _, _, _ = self.vjp(chunk_b, x0 + 0)
+        self.treedef, self.kinds, self.leaves_a = _split_residuals(vjp_a, known_a, jax.tree.leaves(vjp_b), probes_a)
+        self.stash_ref = [leaf for leaf, kind in zip(self.leaves_a, self.kinds) if kind[0] == "stash"]
+
+    def zeros(self, ref):
+        return jax.tree.map(lambda r: self.like(jnp.zeros(r.shape, r.dtype), r), ref)
+
+    def part(self, params, matmul: bool) -> list:
+        return [leaf for leaf, w in zip(jax.tree.leaves(params), self.is_matmul) if w == matmul]
+
+    def join(self, weights: list, others: list):
+        weights, others = iter(weights), iter(others)
+        return jax.tree.unflatten(self.param_def, [next(weights) if w else next(others) for w in self.is_matmul])
+
+    def known(self, params_r) -> list:
+        """What B takes from the live parameters rather than the stash: the chunk's parameters, and its weights as
+        the matmuls read them (`operand`: cast once here, or every in-flight microbatch's residuals would hold a
+        compute-dtype copy of the chunk's weights)."""
+        return jax.tree.leaves(params_r) + [self.operand(w) for w in self.part(params_r, True)]
+
+    def vjp(self, params_r, x):
+        """(y, vjp of (non-matmul params, x, probes), the groups' inputs, the chunk's statistics, known(params_r),
+        the probes' leaves)."""
+        leaves = self.known(params_r)
+        weights = leaves[len(self.is_matmul):]  # closed over: B derives no weight gradient, F keeps no input for one
+
+        def record(others, x, probes):
+            return self.chunk_fn(self.join(weights, others), x, Tape(RECORD, probes))
+
+        probes = self.zeros(self.probe_ref)
+        y, vjp_fn, (inputs, stats) = jax.vjp(record, self.part(params_r, False), x, probes, has_aux=True)
+        return y, vjp_fn, inputs, stats, leaves, jax.tree.leaves(probes)
+
+    def forward(self, params_r, x):
+        """F: (y, vjp, the groups' inputs, statistics, the stash: the closure's activations, typed as the refs)."""
+        y, vjp_fn, inputs, stats, known_f, probes_f = self.vjp(params_r, x)
+        _, kinds_f, leaves = _split_residuals(vjp_fn, known_f, self.leaves_a, probes_f)
+        if [k[0] for k in kinds_f] != [k[0] for k in self.kinds]:
+            raise AssertionError("the chunk's vjp closure changed shape between traces")
+        stash = [self.like(leaf, ref) for leaf, kind, ref in zip(leaves, kinds_f, self.leaves_a)
+                 if kind[0] == "stash"]
+        return y, vjp_fn, inputs, stats, stash
+
+    def rebuild(self, params_r, stash):
+        """B: the vjp closure again, from the live parameters, fresh zero probes and a stash slot."""
+        plist = self.known(params_r)
+        leaves = [plist[k[1]] if k[0] == "param" else k[1] if k[0] == "const" else
+                  self.like(jnp.zeros(k[1].shape, k[1].dtype), k[1]) if k[0] == "zero" else stash[k[1]]
+                  for k in self.kinds]
+        return jax.tree.unflatten(self.treedef, leaves)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
@@ -349,67 +438,14 @@ def execute(program: Program, chunk_fn: Callable, layers, rest, tokens: Array, t
         # varies over `axis` whether or not it was computed from something that did
         return vary(x, tuple(varying_axes(ref) | {axis}))
 
-    def zeros(ref):
-        return jax.tree.map(lambda r: like(jnp.zeros(r.shape, r.dtype), r), ref)
-
-    # One layer traced at the top level (dead code, as the traces below: XLA drops them) tells which parameters are
-    # matmul weights and sizes the probes (each group's outputs) and the tape (each group's input), [k, …] for the
-    # chunk's k periods (`Tape.steps`; a period is one layer unless the chunk mixes dense and MoE layers).
     x0 = embed_fn(rest, tokens[0])
-    chunk_a = jax.tree.map(lambda a: a[0], layers)
-    chunk_b = jax.tree.map(lambda a: a[0], layers)
-    param_leaves, param_def = jax.tree.flatten(chunk_a)
-    measured = Tape(MEASURE)
-    chunk_fn(chunk_a, x0, measured)
-    weight_ids = {id(w) for w in measured.weights}
-    is_matmul = [id(leaf) in weight_ids for leaf in param_leaves]
-    if not any(is_matmul):
-        raise ValueError("the chunk contracts none of its parameters through Parallel.column / Parallel.row: the "
-                         "executor's W has no weight gradients to derive")
-    k = measured.steps  # the chunk's scan runs k periods of layers (k layers in a uniform stack)
-    probe_ref = [[like(jnp.zeros((k, *y.shape), y.dtype), y) for y in ys] for ys in measured.outputs]
-    # the groups' inputs, flat (a group's input may be a pytree: the MoE experts' tokens and routing)
-    tape_leaves, tape_def = jax.tree.flatten(measured.inputs)
-    tape_ref = [like(jnp.zeros((k, *x.shape), x.dtype), x) for x in tape_leaves]
-    dys_ref, dys_def = jax.tree.flatten(probe_ref)
-
-    def part(params, matmul: bool) -> list:
-        return [leaf for leaf, w in zip(jax.tree.leaves(params), is_matmul) if w == matmul]
-
-    def join(weights: list, others: list):
-        weights, others = iter(weights), iter(others)
-        return jax.tree.unflatten(param_def, [next(weights) if w else next(others) for w in is_matmul])
-
-    def known(params_r) -> list:
-        """What B takes from the live parameters rather than the stash: the chunk's parameters, and its weights as
-        the matmuls read them (`operand`: cast once here, or every in-flight microbatch's residuals would hold a
-        compute-dtype copy of the chunk's weights)."""
-        return jax.tree.leaves(params_r) + [operand(w) for w in part(params_r, True)]
-
-    def chunk_vjp(params_r, x):
-        """(y, vjp of (non-matmul params, x, probes), the groups' inputs, the chunk's statistics, known(params_r))."""
-        leaves = known(params_r)
-        weights = leaves[len(is_matmul):]  # closed over: B derives no weight gradient, F keeps no input for one
-
-        def record(others, x, probes):
-            return chunk_fn(join(weights, others), x, Tape(RECORD, probes))
-
-        y, vjp_fn, (inputs, stats) = jax.vjp(record, part(params_r, False), x, zeros(probe_ref), has_aux=True)
-        return y, vjp_fn, inputs, stats, leaves
-
-    # Two traces of a chunk's forward fix the closure's structure and types before the loop: which leaves are
-    # weights, which are constants, which the stash must hold.
-    y0, vjp_a, _, stats_ref, known_a = chunk_vjp(chunk_a, x0)
-    _, vjp_b, _, _, _ = chunk_vjp(chunk_b, x0 + 0)
-    treedef, kinds, leaves_a = _split_residuals(vjp_a, known_a, jax.tree.leaves(vjp_b))
-    stash_ref = [leaf for leaf, kind in zip(leaves_a, kinds) if kind[0] == "stash"]
+    chunk = Chunk(chunk_fn, jax.tree.map(lambda a: a[0], layers), jax.tree.map(lambda a: a[0], layers), x0,
+                  operand, like)
+    zeros = chunk.zeros
+    chunk_a, stash_ref, tape_ref, dys_ref = chunk.params_ref, chunk.stash_ref, chunk.tape_ref, chunk.dys_ref
+    stats_ref, y0 = chunk.stats_ref, chunk.y0
     loss_ref = head_loss_fn(rest, y0, targets[0])
     msg_ref = vary(jnp.zeros_like(y0), tuple(varying_axes(x0) | varying_axes(y0) | {axis}))  # inbox, messages
-
-    def rebuild(params_r, stash):
-        plist = known(params_r)
-        leaves = [plist[k[1]] if k[0] == "param" else k[1] if k[0] == "const" else stash[k[1]] for k in kinds]
-        return jax.tree.unflatten(treedef, leaves)
 
     def typed_rest(tree):  # gradients of `rest`, typed as the branches' common output
         return jax.tree.map(like, tree, rest)
@@ -423,11 +459,7 @@ def execute(program: Program, chunk_fn: Callable, layers, rest, tokens: Array, t
         j = g["micro"]
         x = jax.lax.cond(g["first"] == 1, lambda: like(embed_fn(rest, tokens[j]), msg_ref),
                          lambda: like(inbox[g["x_slot"]], msg_ref))
-        y, vjp_fn, inputs, stats, known_f = chunk_vjp(params_r, x)
-        _, kinds_f, leaves = _split_residuals(vjp_fn, known_f, leaves_a)
-        if [k[0] for k in kinds_f] != [k[0] for k in kinds]:
-            raise AssertionError("the chunk's vjp closure changed shape between traces")
-        stash = [like(leaf, ref) for leaf, kind, ref in zip(leaves, kinds_f, leaves_a) if kind[0] == "stash"]
+        y, vjp_fn, inputs, stats, stash = chunk.forward(params_r, x)
 
         def head(y):
             loss, (d_rest, dy) = jax.value_and_grad(
@@ -445,9 +477,9 @@ def execute(program: Program, chunk_fn: Callable, layers, rest, tokens: Array, t
     def input_grads(g, params_r, inbox, stash_buf):
         """B: from the stash and the output gradient in the inbox."""
         stash, tape, _, _, d_chunk, _, loss, stats = nothing()
-        d_others, dx, d_probes = rebuild(params_r, [b[g["stash"]] for b in stash_buf])(inbox[g["x_slot"]])
+        d_others, dx, d_probes = chunk.rebuild(params_r, [b[g["stash"]] for b in stash_buf])(inbox[g["x_slot"]])
         dys = [like(d, r) for d, r in zip(jax.tree.leaves(d_probes), dys_ref)]
-        d_chunk = jax.tree.map(like, join(part(d_chunk, True), d_others), chunk_a)
+        d_chunk = jax.tree.map(like, chunk.join(chunk.part(d_chunk, True), d_others), chunk_a)
         j = g["micro"]
 
         def embed_grad(dx):
@@ -460,15 +492,15 @@ def execute(program: Program, chunk_fn: Callable, layers, rest, tokens: Array, t
     def weight_grads(g, params_r, tape_buf, dys_buf):
         """W: Σ xᵀ·dy over the chunk's matmuls, each group replayed on its stashed input."""
         stash, tape, dys, msg, d_chunk, d_rest, loss, stats = nothing()
-        others = part(params_r, False)
+        others = chunk.part(params_r, False)
 
         def replay(weights):
-            feed = jax.tree.unflatten(tape_def, [b[g["tape"]] for b in tape_buf])
-            return chunk_fn(join(weights, others), zeros(msg_ref), Tape(REPLAY, feed))[1]
+            feed = jax.tree.unflatten(chunk.tape_def, [b[g["tape"]] for b in tape_buf])
+            return chunk_fn(chunk.join(weights, others), zeros(msg_ref), Tape(REPLAY, feed))[1]
 
-        _, vjp_w = jax.vjp(replay, part(params_r, True))
-        (d_weights,) = vjp_w(jax.tree.unflatten(dys_def, [b[g["dys"]] for b in dys_buf]))
-        d_chunk = jax.tree.map(like, join(d_weights, part(d_chunk, False)), chunk_a)
+        _, vjp_w = jax.vjp(replay, chunk.part(params_r, True))
+        (d_weights,) = vjp_w(jax.tree.unflatten(chunk.dys_def, [b[g["dys"]] for b in dys_buf]))
+        d_chunk = jax.tree.map(like, chunk.join(d_weights, chunk.part(d_chunk, False)), chunk_a)
         return stash, tape, dys, msg, d_chunk, d_rest, loss, stats
 
     sends = program.sends()
