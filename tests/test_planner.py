@@ -12,7 +12,7 @@ import pytest
 from jaxpar.analysis.verify import abstract_step, compiled_memory
 from jaxpar.cli import main
 from jaxpar.config import load_config
-from jaxpar.planner import cost, search
+from jaxpar.planner import cost, memory, search
 from jaxpar.planner.memory import predict_memory, state_bytes
 
 FLAT = ["parallel.pipe=1", "parallel.repeats=1", "parallel.microbatches=1"]
@@ -36,6 +36,23 @@ def test_state_bytes_are_the_sums_of_the_real_shards(path, overrides):
     assert predicted["params"] == _shard_bytes(state.params)
     assert predicted["optimizer"] == _shard_bytes(state.opt_state) + _shard_bytes(state.step)
     assert predicted["batch"] == _shard_bytes(batch)
+
+
+@pytest.mark.parametrize("remat", ["dots", "full"])
+def test_a_table_stash_slot_holds_what_the_policy_saves(remat):
+    """The memory model reads a schedule table's slots off the executor's own chunk trace (`memory.table_chunk`,
+    `pipeline.Chunk`); under remat the stash then holds what autodiff of the plain model saves under the policy and
+    nothing more (a 4-byte scalar aside). RECORD checkpoints each period, and a checkpoint keeps its inputs: the
+    zero probes among them, a dys slot's worth, which the executor makes again in B instead of stashing. Traced
+    only, nothing compiled."""
+    config = load_config("configs/tiny.py", ["parallel.schedule=zb_h1", "parallel.repeats=1",
+                                             f"parallel.remat={remat}"]).resolve_for_devices(8)
+    local = memory.local_model(config.model, memory.degrees_of(config))
+    seq, k = config.train.seq_len, config.model.n_layers // config.parallel.pipe
+    chunk = memory.table_chunk(local, seq, remat, k)
+    saved = sum(nbytes for _, nbytes, _ in memory.residuals(local, seq, remat, False).stacked)
+    assert 0 <= sum(nbytes for _, nbytes, _ in chunk.stash) - saved <= 8, (chunk.stash, saved)
+    assert len(chunk.dys) == len(chunk.tape) + 3  # q, k, v from one input; gate, up from one
 
 
 @pytest.mark.parametrize("overrides", [

@@ -26,24 +26,35 @@ file. Then, per device (b rows, A = grad_accum: one chunk's activations at a tim
     circular          autodiff of the loop stacks every iteration's: (v·m + p − 1) chunks of k layers on a
                       microbatch, and the k layers' weights each iteration read (its pass is a traced index); the
                       carries io [q, mb, …], shift, park, and their cotangents
-    a schedule table  the executor's slots (`schedule.Program`): stash and tape together a chunk's residuals a slot,
-                      max(n_stash, n_tape) + 1 slots, and one chunk more (the F branch's, before it is written); dys
-                      (n_dys + 1 slots of a chunk's matmul output gradients) and the inbox (n_inbox + 1 of [mb, s, h])
+    a schedule table  the executor's buffers (`schedule.Program`, one scratch slot each), a slot's contents read off
+                      the executor's own chunk trace (`table_chunk`, `pipeline.Chunk`): (n_stash + 1) stash slots,
+                      (n_tape + 1) tape (the matmul groups' inputs), (n_dys + 1) dys (their output gradients),
+                      (n_inbox + 1) messages [mb, s, h]; the tick's switch returns one of each and the chunk's and
+                      `rest`'s gradients (every branch returns them all); for v > 1 the tick's chunk parameters
+                      (a dynamic slice of the stage's [v, …])
     sequence parallel the residual-stream tensors [rows, s, h] split over `tensor` (Korthikanti et al. 2022); under
                       `dots` the saved matmul outputs stay whole-sequence (the row-parallel partial sums before the
                       reduce-scatter), and the plain SP entry's column outputs are not saved (a nested custom VJP
-                      hides them from the policy; collective matmul's are)
+                      hides them from the policy; collective matmul's are); a table's tape and dys split where the
+                      groups see the stream (the column inputs, the row outputs)
     context parallel  s/c query tokens a rank; all_gather's gathered K/V and [s/c, s] scores are c times the local
                       trace's (the ring keeps its own blocks only, but each ring step's linearized `cond` leaves
                       mask-shaped buffers XLA hoists out of the loops: `_ring_hoisted`)
     hoisted masks     the causal mask broadcast to the scores, loop-invariant: held once by a loop (and under remat,
                       where the recomputation reads it, hoisted out of the loops)
-    schedule tables   under remat the tape's matmul inputs beside the stash; head and loss one microbatch at a time
+    schedule tables   head and loss one microbatch at a time
 Workspace — what the backward holds on top of the saved (XLA's temporaries): one layer's activations as an unrolled
 program holds them without remat, where the backward brings a layer back at a time — under remat (`dots`: only the
 attention scores and probabilities; XLA fuses the rest of the recompute into the backward's kernels) and in a loop's
 trip — times `WORKSPACE`, measured. `backend='cpu'` takes instead, where larger, what XLA:CPU's dense lowering of
-the MoE grouped matmuls holds (`_routed_factor`).
+the MoE grouped matmuls holds (`_routed_factor`, `_dense_experts`). A schedule table's running branch holds one
+layer's activations whatever the remat (W replays a period, B recomputes what the stash lacks: `_table_branch`).
+
+On XLA:CPU, whose temp allocation stacks each computation's own peak on its callers' (`jaxpar.analysis.heap`), a
+schedule table's step under gradient accumulation also holds the step's gradient copies after the accumulation
+loop (scaled, reduced) above the loop's: one whole gradient more; and a chunk run as a loop of several trips stacks
+its body's working set on the branch's. Measured against the compiled steps at scale (`jaxpar plan --verify`):
+llama_8b's zbv winner on 64 simulated devices, mixtral_8x7b's and qwen2_moe_57b's winners on 128 (bench/RESULTS.md).
 """
 
 from __future__ import annotations
@@ -59,7 +70,8 @@ from flax import nnx
 from jax._src import core as jax_core  # Var, Literal: the jaxpr the residuals are read from
 
 from jaxpar.config import Config, ModelConfig
-from jaxpar.model import KVCache, abstract_model, layer_groups
+from jaxpar.model import KVCache, abstract_model, attention_mask, default_positions, layer_groups, run_layers
+from jaxpar.parallel.weightgrad import RECORD
 from jaxpar.parallel import pipeline
 from jaxpar.parallel.axes import AXES, BATCH_AXES, DATA, TENSOR
 from jaxpar.parallel.plan import padded_vocab, plan_rules
@@ -338,6 +350,53 @@ def residuals(model: ModelConfig, seq: int, remat: str, moe_layer: bool) -> Resi
     return Residuals(tuple(layer), tuple(stacked), tuple(outside), tuple(constant))
 
 
+@dataclasses.dataclass(frozen=True)
+class TableChunk:
+    """One slot of each of a schedule table executor's buffers, for one sequence of the chunk's k layers, as
+    (shape, bytes, dot) entries without the leading [k] (`table_chunk`): the stash (the chunk's vjp closure's
+    activations), the tape (its matmul groups' inputs) and dys (their output gradients)."""
+
+    stash: tuple
+    tape: tuple
+    dys: tuple
+
+
+@functools.lru_cache(maxsize=256)
+def table_chunk(model: ModelConfig, seq: int, remat: str, k: int) -> TableChunk:
+    """What the table executor holds a slot for one chunk of the model's first k layers and one sequence of `seq`
+    tokens — read off the executor's own `pipeline.Chunk` (its MEASURE and RECORD traces), so a slot's contents
+    follow the code: what autodiff of the tape-run chunk keeps (under `remat`), less the parameters, the zero probes
+    and the constants the executor takes again in B."""
+    cfg = dataclasses.replace(model, n_layers=k)
+    graphdef, params = abstract_model(cfg)
+    leaves, tree = jax.tree.flatten(params)
+    found = {}
+
+    def trace(leaves, x):
+        stacks = nnx.merge(graphdef, jax.tree.unflatten(tree, leaves)).stacks()
+        positions, mask = default_positions(*x.shape[:2]), attention_mask(seq, None)
+
+        def chunk_fn(chunk, x, tape=None):
+            if tape is None or tape.mode != RECORD:
+                return run_layers(chunk, x, positions, mask, cfg, remat=remat, tape=tape)
+            y, collected, stats = run_layers(chunk, x, positions, mask, cfg, remat=remat, tape=tape, stats=True)
+            return y, (collected, stats)
+
+        chunk = pipeline.Chunk(chunk_fn, stacks, jax.tree.map(lambda a: a * 1, stacks), x, lambda w: w)
+        found["counts"] = len(chunk.stash_ref), len(chunk.tape_ref)
+        return chunk.stash_ref + chunk.tape_ref + chunk.dys_ref
+
+    closed = jax.make_jaxpr(trace)(leaves, jax.ShapeDtypeStruct((1, seq, model.d_model), jnp.float32))  # the stream
+    top = _Scope(closed.jaxpr, [True] * len(closed.jaxpr.invars))
+    entries = []
+    for v in closed.jaxpr.outvars:
+        held = _buffer(v, top) if isinstance(v, jax_core.Var) else None
+        entries.append(_entry(v.aval, held is not None and _is_dot(*held), stacked=True))
+    n_stash, n_tape = found["counts"]
+    return TableChunk(tuple(entries[:n_stash]), tuple(entries[n_stash:n_stash + n_tape]),
+                      tuple(entries[n_stash + n_tape:]))
+
+
 def _scaled(entries, config: Config, s_local: int, routed: tuple[float, float] = (1.0, 1.0)) -> float:
     """Bytes of residual entries once sequence and context parallelism act on them (see the docstring); `routed`
     multiplies the experts' rows (2-D residuals of s·k routed assignments a sequence; `_routed_factor`: [hidden
@@ -358,9 +417,8 @@ def _scaled(entries, config: Config, s_local: int, routed: tuple[float, float] =
             # custom VJP computes its chunks' matmuls in its forward (`overlap.gather_matmuls`); the plain SP entry
             # (`sequence.gather_matmuls`) calls a custom VJP inside its own, which hides its matmuls from the
             # policy, and its backward recomputes them from the re-gathered shard.
-            if shape[-1] != m.d_model and p.overlap != "collective_matmul" and (p.pipe == 1 or
-                                                                                p.schedule == "circular"):
-                continue  # (a schedule table's chunk vjp runs under no checkpoint of its own: it saves them)
+            if shape[-1] != m.d_model and p.overlap != "collective_matmul":
+                continue  # (a schedule table's chunk too: RECORD checkpoints each period under the policy)
         elif p.sequence_parallel and stream and size % (s_local * m.d_model) == 0:
             nbytes /= t  # the residual stream between tensor regions: [rows, s/t, h]
         if c == 1 or p.context_impl == "ring":  # the ring keeps no [s/c, s] score row, only its own blocks
@@ -401,12 +459,14 @@ def _routed_factor(config: Config, backend: str) -> tuple[float, float]:
     return pad, pad * (local if backend == "cpu" else 1)
 
 
-def _layers_loop(config: Config, n_layers: int) -> bool:
+def _layers_loop(config: Config, n_layers: int, single: bool = False) -> bool:
     """Whether the scan over `n_layers` layers (a pipeline chunk's, or the model's) runs more than one trip:
-    `scan_unroll` periods a trip, one under sequence parallelism (`jaxpar.parallel.plan.make_plan`)."""
+    `scan_unroll` periods a trip, one under sequence parallelism (`jaxpar.parallel.plan.make_plan`); `single`: as
+    one scan (a schedule table's chunk under its tape, `model.run_layers`)."""
     m, p = config.model, config.parallel
     unroll = 1 if p.sequence_parallel and p.tensor > 1 else m.scan_unroll
-    return any(count > max(1, unroll // len(period)) for period, count in layer_groups(m.layer_pattern[:n_layers]))
+    groups = layer_groups(m.layer_pattern[:n_layers], single=single)
+    return any(count > max(1, unroll // len(period)) for period, count in groups)
 
 
 def _stage_weights(config: Config) -> int:
@@ -438,11 +498,47 @@ def _matmul_inputs(local: ModelConfig) -> int:
     return local.d_model + local.n_heads * local.head_dim + mlp_in + hidden
 
 
+def _dense_experts(config: Config, rows: int, s: int, routed: tuple[float, float]) -> tuple[float, float]:
+    """XLA:CPU's dense `ragged_dot` (every local expert over all of a microbatch's routed rows M = rows·s·k, padded
+    under expert parallelism): the float32 buffers a backward through one MoE layer's experts holds, counted in the
+    buffer assignments of moe_tiny's, mixtral_8x7b's and qwen2_moe_57b's steps — (input side, weight side):
+        7 × [X/ep, M, F/t]    gate, up, their product and their gradients (the input gradient's backward)
+        3.5 × [X/ep, M, h]    the down projection's weight gradient: its output gradient masked per expert, twice,
+                              and [M, X/ep·h] in float32 and bf16 (the executor's W, which derives weight gradients)"""
+    m, p = config.model, config.parallel
+    moe = m.moe
+    experts_rows = (moe.n_experts // p.expert) * rows * s * moe.top_k * routed[0] * 4
+    return 7 * experts_rows * (moe.d_ff // p.tensor), 3.5 * experts_rows * m.d_model
+
+
+def _table_branch(config: Config, local: ModelConfig, s: int, rows: int, kinds, routed, backend: str) -> float:
+    """What the running branch of a schedule table's tick holds beyond the switch's outputs (the working set): W
+    replays each period of layers under a checkpoint that saves nothing, whatever the remat, and B recomputes what
+    the stash lacks — either holds one layer's activations as a plain backward would. On XLA:CPU, for MoE layers,
+    the dense expert buffers besides (`_dense_experts`: B the input side — under the tape the experts' group is one
+    SwiGLU whose hidden is not kept, so B runs its forward again beside its backward — W the weight side); where the
+    chunk's layers run as a loop of several trips, XLA:CPU stacks the loop body's temporaries on the branch's
+    (`jaxpar.analysis.heap`), which hold B's zero gradients for the chunk's matmul weights (a chunk's weights:
+    B derives none, but returns every gradient the switch does), and the two add; inlined (one trip) they share
+    the branch's heap. Measured: mixtral_8x7b's zb_h1 B on 128 simulated devices holds 14 [rows, F] float32
+    buffers in its layer loop; moe_tiny's zbv, one layer a chunk, the larger of the two."""
+    p = config.parallel
+    layer = rows * max(_scaled(residuals(local, s, "none", k).layer, config, s, routed) for k in set(kinds))
+    if backend != "cpu":
+        return layer
+    k = config.model.n_layers // (p.pipe * p.repeats)
+    looped = _layers_loop(config, k, single=True)
+    inputs, weights = _dense_experts(config, rows, s, routed) if any(kinds) else (0.0, 0.0)
+    join = (lambda a, b: a + b) if looped else max
+    b_branch = join(layer, inputs) + (_stage_weights(config) if looped else 0)
+    return max(b_branch, join(layer, weights))
+
+
 def activation_bytes(config: Config, backend: str = "gpu") -> dict[str, float]:
     """Activations saved for the backward, per device: {'layers', 'outside', 'loop', 'working_set'} (see the
     docstring); `working_set` (the unit of `WORKSPACE`) is one layer's activations without remat where the backward
-    runs a layer at a time on top of what is saved (under remat, or a loop's trip), and on 'cpu' the dense MoE
-    expert buffers of one layer."""
+    runs a layer at a time on top of what is saved (under remat, a loop's trip, a schedule table's B and W), and on
+    'cpu' the dense MoE expert buffers of one layer."""
     m, p, t = config.model, config.parallel, config.train
     if backend == "cpu" and m.dtype != "float32":
         # XLA:CPU has no 16-bit float arithmetic: it computes bf16/f16 in float32 and keeps the activations so
@@ -456,7 +552,7 @@ def activation_bytes(config: Config, backend: str = "gpu") -> dict[str, float]:
     h = m.d_model * jnp.dtype(m.dtype).itemsize  # bytes of one token of the residual stream
     routed = _routed_factor(config, backend)
     loop = 0.0  # the pipeline loop's own buffers
-    tape = 0  # bytes a token of a schedule table's tape (the matmul inputs) a layer, where the stash lacks them
+    saved = None  # the activations kept for the backward (a table's slots: counted where the table is read)
     if p.pipe > 1:
         mb = b // p.microbatches // A
         k = m.n_layers // (p.pipe * p.repeats)
@@ -474,31 +570,44 @@ def activation_bytes(config: Config, backend: str = "gpu") -> dict[str, float]:
             park = p.microbatches if p.repeats > 1 and p.microbatches > p.pipe else 0
             loop += 2 * (q + 1 + park) * mb * s * h / (p.tensor if p.sequence_parallel else 1)
         else:
-            # The executor's slot buffers (`schedule.Program`, each with one scratch slot): a chunk's vjp residuals
-            # split between the stash (until its B) and the tape (its matmul inputs, until its W) — together one
-            # chunk's residuals a slot — and one chunk more: the F branch's, returned by the switch and then
-            # written into a slot. Then dys (each B's matmul output gradients, until its W) and the inbox (one
-            # activation or gradient [mb, s, h] a slot).
+            # The executor's buffers (`schedule.Program`, each with one scratch slot) hold a chunk's slot contents
+            # as its own trace has them (`table_chunk`: the stash until B, the tape until W, dys from B until W)
+            # and the inbox's messages [mb, s, h]. The tick's `switch` returns one of each besides — the F
+            # branch's stash and tape, B's dys, the message — with the chunk's and `rest`'s gradients (every
+            # branch returns them all, zeros where it computes none), written into the buffers after it; and for
+            # v > 1 the tick takes its chunk's parameters out of the stage's [v, …] (a dynamic slice).
             prog = pipeline.Pipeline(p.pipe, p.repeats, p.microbatches, m.n_layers, p.schedule).program
-            layers = max(prog.n_stash, prog.n_tape) + 2  # chunks of k layers
-            loop += (prog.n_dys + 1) * k * mb * s * _matmul_outputs(local) * jnp.dtype(m.dtype).itemsize
-            loop += (prog.n_inbox + 1) * mb * s * h
-            # The last chunk's F runs the head and the loss on its microbatch: one microbatch's at a time.
+            chunk = table_chunk(local, s, p.remat, k)
+            stash = k * mb * _scaled(chunk.stash, config, s, routed)
+            # the tape and dys as the groups see them, the rank's s/c tokens under context parallelism; under SP
+            # the column groups' inputs and the row groups' outputs (the stream, [mb, s/t, h]) split over `tensor`,
+            # the row groups' inputs and the column groups' outputs whole-sequence
+            split = p.tensor if p.sequence_parallel else 1
+            tape, dys = (k * mb * sum(nbytes / (split if shape[-1] == m.d_model else 1) for shape, nbytes, _ in entries)
+                         for entries in (chunk.tape, chunk.dys))
+            msg = mb * s * h / split  # the message: a chunk's output or its gradient, the stream
+            saved = (prog.n_stash + 1) * stash + (prog.n_tape + 1) * tape
+            weights = _stage_weights(config)
+            rest = param_bytes(config) - p.repeats * weights  # the embedding, final norm and head
+            loop += (prog.n_dys + 1) * dys + (prog.n_inbox + 1) * msg
+            loop += stash + tape + dys + msg + weights + rest + (weights if p.repeats > 1 else 0)
+            if backend == "cpu" and A > 1:
+                # XLA:CPU stacks a computation's temporaries on its callees' (`jaxpar.analysis.heap`): the step's
+                # own after the accumulation loop — the summed gradients scaled, and reduced over `data` — sit
+                # above the loop's, which hold the executor's gradient sums: one more whole gradient.
+                loop += param_bytes(config, 1)
+            # The last chunk's F runs the head and the loss on its microbatch: one microbatch's at a time, in the
+            # F branch (beside B's and W's working sets, not on top: `_table_branch`).
             outside_rows = mb
-            if p.remat != "none":
-                # Under remat the vjp residuals no longer include the matmul inputs, which the tape keeps apart
-                # until W: per layer each group's input in the compute dtype (the whole sequence: under SP the
-                # gathered one), beside the stash's residuals a slot — float32 on XLA:CPU, as every activation
-                # there (llama_8b's zbv tape slots are float32 buffers in its step on 64 simulated devices).
-                tape = _matmul_inputs(local) * jnp.dtype(m.dtype).itemsize
     else:
         layer_rows = outside_rows = b // A
         layers, kinds = 1, m.layer_kinds
         looped = _layers_loop(config, m.n_layers)
     # Traced for one row: every residual is [rows, …] (or [rows·s, …]), so the bytes scale with the rows.
     traced = {k: residuals(local, s, p.remat, k) for k in set(kinds)}
-    per_kind = {k: _scaled(r.stacked if looped else r.layer, config, s, routed) for k, r in traced.items()}
-    saved = layers * layer_rows * sum(per_kind[k] + tape * s for k in kinds)
+    if saved is None:
+        per_kind = {k: _scaled(r.stacked if looped else r.layer, config, s, routed) for k, r in traced.items()}
+        saved = layers * layer_rows * sum(per_kind[k] for k in kinds)
     first = traced[kinds[0]]
     outside = outside_rows * _scaled(first.outside, config, s)
     ring = p.context > 1 and p.context_impl == "ring"
@@ -526,14 +635,17 @@ def activation_bytes(config: Config, backend: str = "gpu") -> dict[str, float]:
             entries = [e for e in entries if len(e[0]) >= 4 and e[0][-2:] == (s, s)]
         return _scaled(entries, config, s, routed)
 
-    none = 0.0 if p.remat == "none" and not trips else layer_rows * max(recomputed(k) for k in set(kinds))
-    if backend == "cpu" and any(kinds):
-        # XLA:CPU's dense `ragged_dot`: one MoE layer's backward holds ~7 [X/ep, rows·k, F/t] float32 buffers at once
-        # (gate, up, their product and gradients; counted in the buffer assignment of moe_tiny's step) — the
-        # backward's working set where it is larger than the layer's activations (which it reuses).
-        moe = m.moe
-        none = max(none, 7 * (moe.n_experts // p.expert) * layer_rows * s * moe.top_k * routed[0]
-                   * (moe.d_ff // p.tensor) * 4)
+    if p.pipe > 1 and p.schedule != "circular":
+        # the running branch: F (the head and the loss on its microbatch, for the last chunk), B or W
+        none = max(_table_branch(config, local, s, layer_rows, kinds, routed, backend), outside)
+        outside = 0.0
+    else:
+        none = 0.0 if p.remat == "none" and not trips else layer_rows * max(recomputed(k) for k in set(kinds))
+        if backend == "cpu" and any(kinds):
+            # XLA:CPU's dense `ragged_dot`: one MoE layer's backward holds ~7 [X/ep, rows·k, F/t] float32 buffers at
+            # once (gate, up, their product and gradients; counted in the buffer assignment of moe_tiny's step) —
+            # the backward's working set where it is larger than the layer's activations (which it reuses).
+            none = max(none, _dense_experts(config, layer_rows, s, routed)[0])
     return {"layers": saved, "outside": outside, "loop": loop, "working_set": none}
 
 
