@@ -579,12 +579,18 @@ def activation_bytes(config: Config, backend: str = "gpu") -> dict[str, float]:
             prog = pipeline.Pipeline(p.pipe, p.repeats, p.microbatches, m.n_layers, p.schedule).program
             chunk = table_chunk(local, s, p.remat, k)
             stash = k * mb * _scaled(chunk.stash, config, s, routed)
-            # the tape and dys as the groups see them, the rank's s/c tokens under context parallelism; under SP
+            # The tape and dys as the groups see them, the rank's s/c tokens under context parallelism; under SP
             # the column groups' inputs and the row groups' outputs (the stream, [mb, s/t, h]) split over `tensor`,
-            # the row groups' inputs and the column groups' outputs whole-sequence
+            # the row groups' inputs and the column groups' outputs whole-sequence. The tape keeps the groups'
+            # inputs in the program's own dtypes, which XLA:CPU keeps too (bf16 values are bf16 buffers; what it
+            # widens is arithmetic — matmul outputs, and so the stash and dys): the stream's float32 where a group
+            # casts its input itself, and under SP the compute dtype (the entry casts the shard it gathers).
             split = p.tensor if p.sequence_parallel else 1
-            tape, dys = (k * mb * sum(nbytes / (split if shape[-1] == m.d_model else 1) for shape, nbytes, _ in entries)
-                         for entries in (chunk.tape, chunk.dys))
+            compute = jnp.dtype(config.model.dtype).itemsize
+            tape_entries = table_chunk(local_model(config.model, degrees), s, p.remat, k).tape
+            tape = k * mb * sum(math.prod(shape) * compute / split if split > 1 and shape[-1] == m.d_model else nbytes
+                                for shape, nbytes, _ in tape_entries)
+            dys = k * mb * sum(nbytes / (split if shape[-1] == m.d_model else 1) for shape, nbytes, _ in chunk.dys)
             msg = mb * s * h / split  # the message: a chunk's output or its gradient, the stream
             saved = (prog.n_stash + 1) * stash + (prog.n_tape + 1) * tape
             weights = _stage_weights(config)

@@ -4,7 +4,8 @@ A layout is a `ParallelConfig` (data, pipe, expert, context, tensor; schedule, r
 parallelism, collective matmul, context impl; ZeRO; remat) and `train.grad_accum`. Valid means the config's own
 checks accept it (every candidate is built through `Config`, so the planner can never propose what `jaxpar train`
 refuses) and `tensor` stays inside a host. Each valid layout gets `memory.predict_memory` and `cost.predict_time`;
-those over the memory budget are dropped, the rest ranked fastest first (less memory breaks ties).
+those over the memory budget are dropped, the rest ranked fastest first (less memory breaks ties; and the layouts within
+`TIE`, a thousandth, of the fastest step time count as tied with it, leanest first).
 
 Fields named in `fixed` keep the config's value; the rest are searched.
 """
@@ -20,6 +21,8 @@ from jaxpar.errors import PlanError, UsageError, divisors
 from jaxpar.parallel.schedule import SCHEDULES
 from jaxpar.planner.cost import Profile, Timing, predict_time
 from jaxpar.planner.memory import Memory, predict_memory, state_bytes
+
+TIE = 1e-3  # step times within this fraction of the fastest's rank as tied with it (the leanest first)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -131,6 +134,11 @@ def rank(config: Config, devices: int, profile: Profile, *, devices_per_host: in
         if fit:
             break
     fit.sort(key=lambda c: (c.timing.step, c.memory.total))
+    if fit:
+        # Step times within TIE of the fastest's count as equal (the time model cannot tell them apart: ZeRO-1's
+        # sharded update against the whole one is ~1e-6 of llama_8b's step): of those, the leanest goes first.
+        tied = sum(c.timing.step <= fit[0].timing.step * (1 + TIE) for c in fit)
+        fit[:tied] = sorted(fit[:tied], key=lambda c: c.memory.total)
     over.sort(key=lambda c: c.memory.total)
     return fit, over, valid
 
@@ -153,6 +161,9 @@ class _Device:
 def why(winner: Candidate, other: Candidate) -> str:
     """One sentence on why `winner` beats `other`: the part of the step time that differs most."""
     a, b = winner.timing, other.timing
+    if abs(b.step / a.step - 1) < TIE:
+        return (f"{winner.label()} ties {other.label()} (predicted step times within {TIE * 100:g} %) and needs "
+                f"{(other.memory.total - winner.memory.total) / 1e9:.3g} GB less per device")
     parts = {"compute": b.compute - a.compute, "bubble": (b.bubble - a.bubble) * b.step}
     for axis in set(a.comm) | set(b.comm):
         parts[f"{axis} communication"] = b.comm.get(axis, 0.0) - a.comm.get(axis, 0.0)
