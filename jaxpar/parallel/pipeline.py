@@ -323,12 +323,15 @@ class Chunk:
         self.stash_ref = [leaf for leaf, kind in zip(self.leaves_a, self.kinds) if kind[0] == "stash"]
 
     def zeros(self, ref):
+        """Zeros shaped and typed as the pytree `ref` (through `like`)."""
         return jax.tree.map(lambda r: self.like(jnp.zeros(r.shape, r.dtype), r), ref)
 
     def part(self, params, matmul: bool) -> list:
+        """The leaves of a chunk's parameter pytree that are matmul weights (matmul=True), or the others."""
         return [leaf for leaf, w in zip(jax.tree.leaves(params), self.is_matmul) if w == matmul]
 
     def join(self, weights: list, others: list):
+        """The chunk's parameter pytree from its two `part`s."""
         weights, others = iter(weights), iter(others)
         return jax.tree.unflatten(self.param_def, [next(weights) if w else next(others) for w in self.is_matmul])
 

@@ -479,25 +479,6 @@ def _stage_weights(config: Config) -> int:
     return sum(_shard_bytes(v, rules, degrees, 1) for v in stacked) // config.parallel.repeats
 
 
-def _matmul_outputs(local: ModelConfig) -> int:
-    """Per token of one layer, the widths of its matmul outputs as a tensor rank computes them — q, k, v; the
-    attention output; the MLP's gate and up (each routed expert's, top_k of them) and down: the gradients B hands
-    W (the executor's dys)."""
-    moe = local.moe
-    ffn = moe.top_k * moe.d_ff + moe.shared_d_ff if moe.enabled else local.d_ff
-    return (local.n_heads + 2 * local.n_kv_heads) * local.head_dim + 2 * local.d_model + 2 * ffn
-
-
-def _matmul_inputs(local: ModelConfig) -> int:
-    """Per token of one layer, the widths of its matmul groups' inputs as a tensor rank computes them — attention's
-    input and context, the MLP's input and hidden (each routed expert's, top_k of them, and the shared expert's):
-    what the executor's tape keeps for W."""
-    moe = local.moe
-    hidden = moe.top_k * moe.d_ff + moe.shared_d_ff if moe.enabled else local.d_ff
-    mlp_in = local.d_model * ((moe.top_k + (moe.shared_d_ff > 0)) if moe.enabled else 1)
-    return local.d_model + local.n_heads * local.head_dim + mlp_in + hidden
-
-
 def _dense_experts(config: Config, rows: int, s: int, routed: tuple[float, float]) -> tuple[float, float]:
     """XLA:CPU's dense `ragged_dot` (every local expert over all of a microbatch's routed rows M = rows·s·k, padded
     under expert parallelism): the float32 buffers a backward through one MoE layer's experts holds, counted in the
