@@ -419,7 +419,8 @@ def execute(program: Program, chunk_fn: Callable, layers, rest, tokens: Array, t
 
         F  `jax.vjp` of the chunk with respect to its input, its non-matmul parameters (norms, biases) and zero
            probes on the matmul outputs; the weights are closed over. Stashes the residuals (the vjp closure's
-           leaves that are activations, not weights or outside constants) and every matmul group's input (tape).
+           leaves that are activations, not weights, outside constants or the zero probes) and every matmul group's
+           input (tape).
         B  rebuilds the closure from its stash: the input gradient (sent on; the first chunk's goes into the
            embedding), the non-matmul parameters' gradients, and every matmul's output gradient dy (kept in dys).
         W  Σ xᵀ·dy over the chunk's matmuls, from the tape and dys slots.
