@@ -368,8 +368,7 @@ class Chunk:
         """B: the vjp closure again, from the live parameters, fresh zero probes and a stash slot."""
         plist = self.known(params_r)
         leaves = [plist[k[1]] if k[0] == "param" else k[1] if k[0] == "const" else
-                  self.like(jnp.zeros(k[1].shape, k[1].dtype), k[1]) if k[0] == "zero" else stash[k[1]]
-                  for k in self.kinds]
+                  self.zeros(k[1]) if k[0] == "zero" else stash[k[1]] for k in self.kinds]
         return jax.tree.unflatten(self.treedef, leaves)
 
 

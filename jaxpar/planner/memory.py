@@ -71,10 +71,10 @@ from jax._src import core as jax_core  # Var, Literal: the jaxpr the residuals a
 
 from jaxpar.config import Config, ModelConfig
 from jaxpar.model import KVCache, abstract_model, attention_mask, default_positions, layer_groups, run_layers
-from jaxpar.parallel.weightgrad import RECORD
 from jaxpar.parallel import pipeline
 from jaxpar.parallel.axes import AXES, BATCH_AXES, DATA, TENSOR
 from jaxpar.parallel.plan import padded_vocab, plan_rules
+from jaxpar.parallel.weightgrad import RECORD
 from jaxpar.planner import expected
 from jaxpar.sharding import logical_to_spec, zero_spec
 
@@ -370,7 +370,6 @@ def table_chunk(model: ModelConfig, seq: int, remat: str, k: int) -> TableChunk:
     cfg = dataclasses.replace(model, n_layers=k)
     graphdef, params = abstract_model(cfg)
     leaves, tree = jax.tree.flatten(params)
-    found = {}
 
     def trace(leaves, x):
         stacks = nnx.merge(graphdef, jax.tree.unflatten(tree, leaves)).stacks()
@@ -383,16 +382,16 @@ def table_chunk(model: ModelConfig, seq: int, remat: str, k: int) -> TableChunk:
             return y, (collected, stats)
 
         chunk = pipeline.Chunk(chunk_fn, stacks, jax.tree.map(lambda a: a * 1, stacks), x, lambda w: w)
-        found["counts"] = len(chunk.stash_ref), len(chunk.tape_ref)
-        return chunk.stash_ref + chunk.tape_ref + chunk.dys_ref
+        return chunk.stash_ref, chunk.tape_ref, chunk.dys_ref
 
-    closed = jax.make_jaxpr(trace)(leaves, jax.ShapeDtypeStruct((1, seq, model.d_model), jnp.float32))  # the stream
+    x = jax.ShapeDtypeStruct((1, seq, model.d_model), jnp.float32)  # the residual stream
+    closed, (stash, tape, _) = jax.make_jaxpr(trace, return_shape=True)(leaves, x)
     top = _Scope(closed.jaxpr, [True] * len(closed.jaxpr.invars))
     entries = []
     for v in closed.jaxpr.outvars:
         held = _buffer(v, top) if isinstance(v, jax_core.Var) else None
         entries.append(_entry(v.aval, held is not None and _is_dot(*held), stacked=True))
-    n_stash, n_tape = found["counts"]
+    n_stash, n_tape = len(stash), len(tape)
     return TableChunk(tuple(entries[:n_stash]), tuple(entries[n_stash:n_stash + n_tape]),
                       tuple(entries[n_stash + n_tape:]))
 
@@ -503,12 +502,10 @@ def _table_branch(config: Config, local: ModelConfig, s: int, rows: int, kinds, 
     B derives none, but returns every gradient the switch does), and the two add; inlined (one trip) they share
     the branch's heap. Measured: mixtral_8x7b's zb_h1 B on 128 simulated devices holds 14 [rows, F] float32
     buffers in its layer loop; moe_tiny's zbv, one layer a chunk, the larger of the two."""
-    p = config.parallel
     layer = rows * max(_scaled(residuals(local, s, "none", k).layer, config, s, routed) for k in set(kinds))
     if backend != "cpu":
         return layer
-    k = config.model.n_layers // (p.pipe * p.repeats)
-    looped = _layers_loop(config, k, single=True)
+    looped = _layers_loop(config, len(kinds), single=True)  # kinds: the chunk's layers
     inputs, weights = _dense_experts(config, rows, s, routed) if any(kinds) else (0.0, 0.0)
     join = (lambda a, b: a + b) if looped else max
     b_branch = join(layer, inputs) + (_stage_weights(config) if looped else 0)
