@@ -110,6 +110,8 @@ def _generate(args, overrides: list[str]) -> int:
     loaded = load(args.workdir, step=args.step, data=args.data, tensor=args.tensor, explicit=not args.gspmd,
                   sequence_parallel=args.sequence_parallel, overlap=args.overlap, quantize=args.quantize,
                   group_size=args.group_size)
+    if args.quantize and args.group_size is None:  # the group the default picked, where the model fixed it
+        print(f"jaxpar: weights {loaded.config.model.weights_label}", file=sys.stderr)
     temperature = 0.0 if args.greedy else args.temperature
     for text in generate_text(loaded, [args.prompt] * args.num_samples, max_new_tokens=args.max_new_tokens,
                               seed=args.seed, temperature=temperature, top_k=args.top_k, top_p=args.top_p):
@@ -130,8 +132,6 @@ def _analyze(args, overrides: list[str]) -> int:
 
 
 def _plan(args, overrides: list[str]) -> int:
-    import json
-
     from jaxpar.planner import cost, search
 
     if args.top < 1:
@@ -148,8 +148,8 @@ def _plan(args, overrides: list[str]) -> int:
         from jaxpar.analysis import verify
 
         result["verify"] = verify.verify(search.layout_config(config, result["winner"]), args.devices)
-    if args.format == "json":
-        print(json.dumps(result, indent=2))
+    if args.format == "json":  # strict JSON: a non-finite number is written as null
+        print(search.as_json(result))
     else:
         print(search.format_plan(result, args.top))
         if args.verify:
@@ -165,9 +165,10 @@ def _probe(args, overrides: list[str]) -> int:
     if overrides:
         raise UsageError(f"--config.{overrides[0]}: probe takes no config (it measures the machine)")
     out = pathlib.Path(args.out) if args.out else None
-    if out is not None and (out.is_dir() or not out.parent.is_dir()):
-        raise OutputError(f"--out {out}: {'is a directory' if out.is_dir() else 'its directory does not exist'}; "
-                          "name a file in an existing directory")
+    if out is not None:  # refused before measuring: only a new file, or a regular file it replaces whole
+        from jaxpar.planner.probe import check_out
+
+        check_out(out)
     import dataclasses
     import json
 
@@ -214,11 +215,10 @@ def _convert(args, overrides: list[str]) -> int:
         raise UsageError("convert needs exactly one of --from/--from-hf and one of --to/--to-hf, e.g. "
                          "`jaxpar convert --from-hf DIR --to WORKDIR`")
     from jaxpar.interop import hf
+    from jaxpar.store.lock import check_new_output
 
-    dst_hf = pathlib.Path(args.dst_hf) if args.dst_hf else None
-    if dst_hf is not None and dst_hf.exists() and (not dst_hf.is_dir() or any(dst_hf.iterdir())):
-        raise OutputError(f"--to-hf {dst_hf}: {'already holds files' if dst_hf.is_dir() else 'is not a directory'}; "
-                          "pass a new directory (nothing was overwritten)")
+    if args.dst_hf is not None:  # absent or empty, before seconds of reading (the export re-checks atomically;
+        check_new_output(args.dst_hf, "--to-hf")  # --to: convert and import_to_workdir check it themselves)
     if args.src_hf is not None and args.step is not None:
         raise UsageError(f"--step {args.step}: a Hugging Face directory has no steps; drop --step with --from-hf")
     if args.dst_hf is not None and (args.quantize or args.group_size is not None):
@@ -240,6 +240,10 @@ def _convert(args, overrides: list[str]) -> int:
 
         step = convert(args.src, args.dst, step=args.step, dtype=args.dtype, **quant)
         print(f"exported step {step} of {args.src} to {args.dst} (params only, canonical layout)")
+    if args.quantize:  # the group the default picked, where no --group-size was given
+        from jaxpar.store.checkpoint import read_saved_config
+
+        print(f"weights: {read_saved_config(args.dst).model.weights_label}")
     return 0
 
 

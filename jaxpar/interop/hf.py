@@ -46,9 +46,12 @@ someone else's or damaged.
 
 Trust. A model directory is data from the internet. Only JSON and safetensors are parsed; every config.json key
 read is type-checked (a size is a positive integer, a flag true or false, …) and the ModelConfig built from it
-validated, so a bad value is a one-line error instead of a ZeroDivisionError later; and weights are read only from
-files that resolve, links followed, inside the directory — `../x.safetensors`, an absolute path or a link out in
-`model.safetensors.index.json` is refused. One exception keeps the hub cache loadable: in
+validated, so a bad value is a one-line error instead of a ZeroDivisionError later; sizes are checked against the
+tensors' shapes in the safetensors headers before any array is built (a vocab_size of 10^12 is an error naming the
+key, not a MemoryError); and every file read or copied — config.json, tokenizer.json, tokenizer_config.json,
+special_tokens_map.json, generation_config.json, the index, the weights — must be a regular file that resolves, links
+followed, inside the directory: `../x.safetensors`, an absolute path or a link out in `model.safetensors.index.json`,
+a tokenizer.json linked to /etc/hostname, are refused. One exception keeps the hub cache loadable: in
 `<repo>/snapshots/<revision>/` the files may be links into `<repo>/blobs/`, which is how `huggingface_hub` stores
 them.
 
@@ -84,6 +87,7 @@ from jaxpar.model import abstract_model
 from jaxpar.parallel.plan import Plan
 from jaxpar.sharding import vocab_dims
 from jaxpar.store import checkpoint
+from jaxpar.store.lock import Staged, check_new_output, check_outside
 
 ARCHITECTURES = {  # Hugging Face class → (jaxpar family, model_type), from each family's table
     arch: (fam.name, model_type) for fam in FAMILIES.values() for arch, model_type in fam.hf.architectures.items()}
@@ -265,6 +269,33 @@ def _inside(path: pathlib.Path, file: pathlib.Path) -> bool:
     return any(target.is_relative_to(r) for r in allowed)
 
 
+# Every file jaxpar reads or copies from a model directory besides the weights (which SafetensorsDir checks itself).
+MEMBERS = ("config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+           "generation_config.json", INDEX)
+
+
+def _member(path: pathlib.Path, name: str) -> pathlib.Path | None:
+    """File `name` of model directory `path`, or None when there is none; an HFError when it resolves (links
+    followed) outside the directory (`_inside`) or is not a regular file — a link to /etc/hostname or /dev/zero is
+    refused, never read or copied."""
+    file = path / name
+    if not os.path.lexists(file):
+        return None
+    if not _inside(path, file):
+        raise HFError(f"{file}: resolves to {file.resolve()}, outside {path}; jaxpar reads only files inside the "
+                      "model directory — copy the file in")
+    if not file.is_file():
+        raise HFError(f"{file}: not a regular file (a directory, device or broken link); replace it with the "
+                      "model's file")
+    return file
+
+
+def _check_members(path: pathlib.Path) -> None:
+    """Hold every file of MEMBERS that `path` has to the directory (`_member`), before any of them is used."""
+    for name in MEMBERS:
+        _member(path, name)
+
+
 def _check_dtype(file: pathlib.Path, name: str, dtype: str) -> None:
     """Raise an HFError unless safetensors dtype `dtype` (e.g. 'F32', 'I32') is one import reads as a weight."""
     if dtype in FLOAT_DTYPES:
@@ -287,7 +318,7 @@ class SafetensorsDir:
 
     def __init__(self, path: pathlib.Path):
         self.path = path = _model_dir(path)
-        if (path / INDEX).is_file():
+        if _member(path, INDEX) is not None:
             weight_map = self._read_index(path / INDEX)
         elif (path / SINGLE).is_file():
             weight_map = None
@@ -348,6 +379,16 @@ class SafetensorsDir:
         """Every tensor name in the checkpoint."""
         return set(self.where)
 
+    def shape(self, name: str) -> tuple[int, ...]:
+        """Tensor `name`'s shape, from its file's header (no data is read)."""
+        if name not in self.where:
+            raise HFError(f"{self.path}: tensor {name!r} is missing from the checkpoint")
+        file = self.where[name]
+        try:
+            return tuple(self._open(file).get_slice(name).get_shape())
+        except (SafetensorError, OSError, TypeError) as e:
+            raise HFError(f"{self.path / file}: tensor {name!r} could not be read ({e})") from None
+
     def get(self, name: str, shape: tuple[int, ...] | None = None, index: tuple | None = None) -> np.ndarray:
         """Tensor `name` as a NumPy array in its stored dtype, checked against `shape` when given and, from the
         header before any data is read, against FLOAT_DTYPES. `index` (basic indices: ints and slices) reads only
@@ -372,7 +413,11 @@ class SafetensorsDir:
 def read_config(path: str | pathlib.Path) -> dict:
     """config.json of a Hugging Face directory, as a dict (HFError if the directory or file is missing, or the file
     is not one JSON object)."""
-    file = _model_dir(path) / "config.json"
+    directory = _model_dir(path)
+    file = directory / "config.json"
+    if _member(directory, "config.json") is None:
+        raise HFError(f"{file}: not found — is {path} a Hugging Face model directory?")
+    _check_members(directory)  # tokenizer.json, the index, …: refused now, before any of them is used
     try:
         hf = json.loads(file.read_text())
     except FileNotFoundError:
@@ -396,6 +441,8 @@ def is_hf_dir(path: str | pathlib.Path) -> bool:
     is wrong), not a jaxpar workdir."""
     path = pathlib.Path(path)
     file = path / "config.json"
+    if os.path.lexists(file) and not _inside(path, file):  # not read here: read_config says why it is refused
+        return (path / SINGLE).exists() or (path / INDEX).exists()
     if not file.is_file():
         return False
     try:
@@ -408,8 +455,9 @@ def is_hf_dir(path: str | pathlib.Path) -> bool:
 
 
 def _hf_shape(rule: Rule, abstract_layer_shape: tuple[int, ...]) -> tuple[int, ...]:
-    """The HF tensor's expected shape, from the jaxpar shape (without vocab padding) via the inverse map."""
-    return rule.to_hf(np.zeros(abstract_layer_shape, np.int8)).shape
+    """The HF tensor's expected shape, from the jaxpar shape (without vocab padding) via the inverse map, traced
+    on shapes only: a config.json of absurd sizes (a vocab of 10^12) allocates nothing here."""
+    return tuple(jax.eval_shape(rule.to_hf, jax.ShapeDtypeStruct(tuple(abstract_layer_shape), np.int8)).shape)
 
 
 def load_params(path: str | pathlib.Path, cfg: ModelConfig, abstract: nnx.State, layout: Plan = Plan(),
@@ -429,12 +477,11 @@ def load_params(path: str | pathlib.Path, cfg: ModelConfig, abstract: nnx.State,
     vocab_axes = vocab_dims(abstract)  # which dim of which parameter runs over the vocab (its logical axes)
     placed = nnx.to_pure_dict(shardings) if shardings is not None else None
     used: set[str] = set()
+    _check_shapes(files, cfg, like, rules, vocab_axes, path)  # every header against config.json, before any data
 
     def load(key_path, var):
         param = ".".join(str(k.key) for k in key_path)
-        if param not in rules:
-            raise HFError(f"{path}: jaxpar parameter {param!r} has no Hugging Face tensor (family {cfg.family})")
-        rule = rules[param]
+        rule = _rule_of(rules, param, cfg, path)
         # stored entry i of the stack → the model layer it holds
         layers = _stored_layers(rule, var, layout, cfg, path) if rule.stacked else None
         if isinstance(rule, ExpertRule):
@@ -443,12 +490,7 @@ def load_params(path: str | pathlib.Path, cfg: ModelConfig, abstract: nnx.State,
         shape, dtype = var.shape, var.dtype
         vocab_axis = vocab_axes.get(param)
         layer_shape = shape[1:] if rule.stacked else shape
-        true_shape = list(layer_shape)
-        if vocab_axis is not None:
-            true_shape[vocab_axis] = cfg.vocab_size
-        expected = _hf_shape(rule, tuple(true_shape))
-        if rule.parts > 1:
-            expected = (*expected[:-1], expected[-1] * rule.parts)
+        true_shape, expected = _expected_shape(rule, var, vocab_axis, cfg)
         cache: dict[int, np.ndarray] = {}
 
         def layer_array(layer: int | None, rule=rule, expected=expected, true_shape=true_shape,
@@ -506,6 +548,76 @@ def load_params(path: str | pathlib.Path, cfg: ModelConfig, abstract: nnx.State,
     params = jax.tree.map(lambda x: x, abstract)
     nnx.replace_by_pure_dict(params, arrays)
     return params
+
+
+def _rule_of(rules: dict[str, Rule], param: str, cfg: ModelConfig, path: pathlib.Path) -> Rule:
+    if param not in rules:
+        raise HFError(f"{path}: jaxpar parameter {param!r} has no Hugging Face tensor (family {cfg.family})")
+    return rules[param]
+
+
+def _expected_shape(rule: Rule, var, vocab_axis: int | None, cfg: ModelConfig) -> tuple[list[int], tuple[int, ...]]:
+    """(one layer's jaxpar shape without vocab padding, the HF tensor's shape it comes from) of non-expert
+    parameter `var` (stacked: [L, …])."""
+    layer_shape = var.shape[1:] if rule.stacked else var.shape
+    true_shape = list(layer_shape)
+    if vocab_axis is not None:
+        true_shape[vocab_axis] = cfg.vocab_size
+    expected = _hf_shape(rule, tuple(true_shape))
+    if rule.parts > 1:
+        expected = (*expected[:-1], expected[-1] * rule.parts)
+    return true_shape, expected
+
+
+def _check_shapes(files: "SafetensorsDir", cfg: ModelConfig, like: dict, rules: dict[str, Rule],
+                  vocab_axes: dict[str, int], path: pathlib.Path) -> None:
+    """Raise an HFError at the first tensor that config.json's sizes do not describe — missing, or of another shape
+    in its file's header — naming the config.json key where one explains it, before any tensor's data is read or
+    any array built for it (a vocab_size of 10^12 in a 515-token model is refused here, not a MemoryError later).
+    Only headers are read."""
+
+    def check(name: str, expected: tuple[int, ...]) -> None:
+        stored = files.shape(name)
+        if stored != tuple(expected):
+            raise HFError(f"{path / files.where[name]}: tensor {name!r} has shape {stored}, but config.json implies "
+                          f"{tuple(expected)}{_size_hint(cfg, path, expected, stored)}")
+
+    flat: list[tuple[str, Any]] = []
+    jax.tree_util.tree_map_with_path(lambda kp, v: flat.append((".".join(str(k.key) for k in kp), v)), like)
+    for param, var in flat:
+        rule = _rule_of(rules, param, cfg, path)
+        layers = rule.model_layers(cfg.n_layers) if rule.stacked else (None,)
+        if isinstance(rule, ExpertRule):
+            _, X, *one = var.shape
+            expected = _hf_shape(rule, tuple(one))
+            for layer in layers:
+                if rule.per_expert:
+                    for e in range(X):
+                        check(rule.name.format(l=layer, e=e), expected)
+                else:
+                    check(rule.name.format(l=layer), (X, expected[0] * rule.parts, *expected[1:]))
+            continue
+        _, expected = _expected_shape(rule, var, vocab_axes.get(param), cfg)
+        for layer in layers:
+            check(rule.name.format(l=layer) if layer is not None else rule.name, expected)
+
+
+def _size_hint(cfg: ModelConfig, path: pathlib.Path, expected: tuple[int, ...], stored: tuple[int, ...]) -> str:
+    """'; config.json's vocab_size = 10^12 does not describe these weights' for the config.json keys whose values
+    are the sizes in `expected` that `stored` lacks ('' when none is one key's value)."""
+    wrong = set(expected) - set(stored) if len(expected) == len(stored) else set(expected)
+    try:
+        hf = read_config(path)
+        family_name, model_type = ARCHITECTURES[architecture(hf, path)]
+        _, names = FAMILIES[family_name].hf.read(_Keys(hf, path), model_type)
+    except HFError:
+        return ""
+    keys = []
+    for field, key in names.items():
+        value = getattr(cfg.moe, field[4:], None) if field.startswith("moe.") else getattr(cfg, field, None)
+        if isinstance(value, int) and not isinstance(value, bool) and value in wrong:
+            keys.append(f"{key} = {value}")
+    return f"; config.json's {', '.join(sorted(set(keys)))} does not describe these weights" if keys else ""
 
 
 def _stored_layers(rule: Rule, var, layout: Plan, cfg: ModelConfig, path: pathlib.Path) -> list[int]:
@@ -566,8 +678,10 @@ def save_params(params: nnx.State, cfg: ModelConfig, path: str | pathlib.Path, *
     Hugging Face directory `path`: config.json, safetensors shards of at most `max_shard_bytes` (one
     `model.safetensors` when it fits, else shards plus the index), and tokenizer.json when given. `dtype`: the
     tensors' dtype (default: the params'). `names`: the imported checkpoint's tensor names, to keep GPT-2's prefix.
-    Parameters are fetched one layer at a time. The files are written into a temporary sibling directory and moved
-    into place when complete, so a crash never leaves a half-written model under `path`. With a Qwen2-MoE
+    Parameters are fetched one layer at a time. `path` must be new: absent or an empty directory (else an
+    OutputError, nothing written). The files are written into a temporary sibling directory and published with one
+    rename when complete (`jaxpar.store.lock.Staged`), so a crash never leaves a half-written model under `path`,
+    and of two exports into one directory the second is refused with the first's intact. With a Qwen2-MoE
     `base_config`, pass its `names` too: they tell Qwen2-MoE's tensor names for a model Mixtral could also hold."""
     path = pathlib.Path(path)
     if cfg.weights != "float":
@@ -575,33 +689,11 @@ def save_params(params: nnx.State, cfg: ModelConfig, path: str | pathlib.Path, *
                           "export writes float tensors", "export the float model (workdir) it was quantized from")
     if dtype is not None and dtype not in _DTYPES:
         raise HFError(f"{path}: dtype {dtype!r} cannot be exported; use one of {sorted(_DTYPES)}")
-    if path.exists() and not path.is_dir():
-        raise HFError(f"{path}: a file, not a directory; pass a new or existing directory to write the model to")
     _check_exportable(cfg)  # before any file is written
-    final, path = path, path.parent / f".{path.name}.partial-{os.getpid()}"
-    shutil.rmtree(path, ignore_errors=True)
-    path.mkdir(parents=True)
-    try:
-        _write_files(params, cfg, path, base_config=base_config, dtype=dtype, tokenizer=tokenizer,
+    with Staged(path, "--to-hf") as tmp:
+        _write_files(params, cfg, tmp, base_config=base_config, dtype=dtype, tokenizer=tokenizer,
                      max_shard_bytes=max_shard_bytes, names=names)
-        _publish(path, final)
-    finally:
-        shutil.rmtree(path, ignore_errors=True)
-    return final
-
-
-def _publish(tmp: pathlib.Path, final: pathlib.Path) -> None:
-    """Move a finished export into place: one rename when `final` is new or empty (a crash leaves either nothing or
-    the whole model), else file by file over an existing export (stale weight files removed first)."""
-    if final.is_dir() and not any(final.iterdir()):
-        final.rmdir()
-    if not final.exists():
-        os.replace(tmp, final)
-        return
-    for old in list(final.glob("model*.safetensors")) + [final / INDEX]:
-        old.unlink(missing_ok=True)
-    for file in sorted(tmp.iterdir(), key=lambda f: f.name == "config.json"):  # config.json last
-        os.replace(file, final / file.name)
+    return path
 
 
 def _write_files(params: nnx.State, cfg: ModelConfig, path: pathlib.Path, *, base_config, dtype, tokenizer,
@@ -663,7 +755,7 @@ def _write_files(params: nnx.State, cfg: ModelConfig, path: pathlib.Path, *, bas
     if tokenizer is not None:
         src = pathlib.Path(tokenizer)
         for file in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json"):
-            if (src / file).is_file():
+            if _member(src, file) is not None:  # held to its directory: a link out is refused, never copied
                 shutil.copyfile(src / file, path / file)
 
 
@@ -687,7 +779,7 @@ def init_config(config, path: str | pathlib.Path):
     path = pathlib.Path(path)
     model = model_config(read_config(path), path, **{k: getattr(config.model, k) for k in _NUMERICS})
     data = config.data
-    if data.tokenizer == "bytes" and (path / "tokenizer.json").is_file():
+    if data.tokenizer == "bytes" and _member(path, "tokenizer.json") is not None:
         data = dataclasses.replace(data, tokenizer=str(path.absolute() / "tokenizer.json"))
     train = dataclasses.replace(config.train, init_from_hf=str(path.absolute()))
     return dataclasses.replace(config, model=model, data=data, train=train)
@@ -702,15 +794,30 @@ def check_matches(cfg: ModelConfig, path: str | pathlib.Path) -> None:
             raise ConfigError(f"model.{field.name}", getattr(cfg, field.name),
                               f"differs from {path}/config.json, which implies {getattr(want, field.name)!r}",
                               "use `jaxpar train --init-from-hf DIR`, which takes the model section from DIR")
+    check_sizes(path, cfg)
+
+
+def check_sizes(path: str | pathlib.Path, cfg: ModelConfig) -> None:
+    """Raise an HFError unless every tensor `cfg` needs is in directory `path` with the shape `cfg` implies, read
+    from the safetensors headers alone: what `load_params` checks first, for a caller that must know before it
+    builds anything of the model's size (a training run initializes its state before it reads the weights)."""
+    path = _model_dir(path)
+    files = SafetensorsDir(path)
+    _, abstract = abstract_model(cfg)
+    rules = {r.param: r for r in _rules(cfg, files.names()) if not isinstance(r, ZeroRule)}
+    _check_shapes(files, cfg, nnx.to_pure_dict(abstract), rules, vocab_dims(abstract), path)
 
 
 def import_to_workdir(src: str | pathlib.Path, dst: str | pathlib.Path, *, dtype: str | None = None,
                       quantize: str | None = None, group_size: int | None = None) -> pathlib.Path:
     """Write the Hugging Face model `src` as a params-only jaxpar workdir `dst` (step 0): config.json, the
     checkpoint, its tokenizer.json, and hf_source.json (so that export reproduces the original names and config).
-    quantize: store the layers' matrices as 'int8' / 'int4' (`checkpoint.cast_and_quantize`)."""
+    `dst` must be new — absent or an empty directory, outside `src` — and is published whole or not at all
+    (`checkpoint.write_params_only`). quantize: store the layers' matrices as 'int8' / 'int4'
+    (`checkpoint.cast_and_quantize`)."""
     src, dst = pathlib.Path(src), pathlib.Path(dst)
     hf_cfg = read_config(src)
+    checkpoint.check_params_only_target(dst, src)  # a new directory outside src, before anything is read
     cfg = model_config(hf_cfg, src, **({"dtype": dtype, "param_dtype": dtype} if dtype else {}))
     if quantize is not None:
         checkpoint.quantize_config(cfg, quantize, group_size)  # a bad group size fails before anything is read
@@ -718,13 +825,13 @@ def import_to_workdir(src: str | pathlib.Path, dst: str | pathlib.Path, *, dtype
     params = load_params(src, cfg, abstract)
     files = {SOURCE: json.dumps({"config": hf_cfg, "tensor_names": sorted(checkpoint_names(src))}, indent=1).encode()}
     tokenizer = "bytes"
-    if (src / "tokenizer.json").is_file():
-        files["tokenizer.json"] = (src / "tokenizer.json").read_bytes()
+    if (tokenizer_file := _member(src, "tokenizer.json")) is not None:
+        files["tokenizer.json"] = tokenizer_file.read_bytes()
         tokenizer = str(dst.absolute() / "tokenizer.json")
     config = Config(model=cfg, data=DataConfig(tokenizer=tokenizer))
     config = dataclasses.replace(config, train=dataclasses.replace(config.train, seq_len=min(128, cfg.max_seq_len)))
     params, config = checkpoint.cast_and_quantize(params, config, None, quantize, group_size)
-    # Everything is written under the workdir's lock, after the check that dst holds no checkpoints yet.
+    # Written beside dst and published whole with one rename, only onto an absent or empty directory.
     checkpoint.write_params_only(dst, config, params, step=0, files=files)
     return dst
 
@@ -734,6 +841,9 @@ def export_workdir(src: str | pathlib.Path, dst: str | pathlib.Path, *, step: in
     """Write checkpoint `step` (default: latest) of jaxpar workdir `src` as a Hugging Face directory `dst`.
     Returns the step. An imported workdir keeps its original config.json fields and tensor names."""
     src = pathlib.Path(src)
+    checkpoint.read_saved_config(src)  # a missing source is named first
+    check_outside(src, dst, "--to-hf")
+    check_new_output(dst, "--to-hf")  # before seconds of reading; the publication re-checks it atomically
     config, params, step = checkpoint.read_canonical(src, step)
     source = json.loads((src / SOURCE).read_text()) if (src / SOURCE).is_file() else {}
     # The byte tokenizer has no file to copy (and "bytes" must not be read as a path relative to the cwd).

@@ -45,8 +45,9 @@ from jaxpar.errors import CheckpointError, InputNotFound
 from jaxpar.model import abstract_model, quantize_state
 from jaxpar.parallel.plan import Plan, make_plan
 from jaxpar.sharding import vocab_dim
+from jaxpar.store import quiet
 from jaxpar.store.fingerprint import fingerprints, leaf_path
-from jaxpar.store.lock import WorkdirLock
+from jaxpar.store.lock import Staged, check_new_output, check_outside
 
 
 class TrainState(Protocol):
@@ -76,6 +77,33 @@ class Damaged(Exception):
     """A step whose restored values differ from the checksums stored with it."""
 
 
+class Mismatch(Exception):
+    """A step whose arrays' shapes or names (from its metadata) are not the ones the reader's config describes."""
+
+
+def _check_stored_shapes(mngr: ocp.CheckpointManager, step: int, item: str, target) -> None:
+    """Raise Mismatch naming the first array of `item` whose stored shape (from the step's metadata, no data read)
+    differs from `target`'s, or that one of them lacks — before orbax restores anything: orbax's own refusal comes
+    from its background threads, with tracebacks on stderr and a fix (`strict=False`) that is not the user's."""
+    try:
+        meta = ocp.StandardCheckpointHandler().metadata(pathlib.Path(mngr.directory) / str(step) / item)
+    except Exception as e:  # noqa: BLE001 — unreadable metadata: damaged, like unreadable data
+        raise Damaged(f"{item}: its metadata cannot be read ({type(e).__name__}: {' '.join(str(e).split())[:200]})") \
+            from None
+    shapes = lambda tree: {leaf_path(p): tuple(x.shape)  # noqa: E731
+                           for p, x in jax.tree_util.tree_flatten_with_path(tree)[0]}
+    stored, wanted = shapes(getattr(meta, "tree", meta)), shapes(target)
+    for path in sorted(stored.keys() | wanted.keys()):
+        if stored.get(path) != wanted.get(path):
+            if path not in stored:
+                what = "the config describes it, the step does not hold it"
+            elif path not in wanted:
+                what = f"the step holds it {stored[path]}, the config does not describe it"
+            else:
+                what = f"{stored[path]} in the step, {wanted[path]} by the config"
+            raise Mismatch(f"{item}/{path}: {what} — the workdir's config.json does not match its checkpoints")
+
+
 def restore_latest_good(mngr: ocp.CheckpointManager, restore: Callable[[int], object], *,
                         quarantine: bool = False) -> tuple[object, int]:
     """restore(step) for the newest step that restores exactly; a damaged one (missing, truncated or undecodable
@@ -83,30 +111,94 @@ def restore_latest_good(mngr: ocp.CheckpointManager, restore: Callable[[int], ob
     one before it is tried. Steps still being written are never listed: orbax writes into a temporary directory and
     renames it only when complete. Every process sees the same outcome.
 
+    A reader races the cleanup of a run still training there (`checkpoint.keep`): the step it picked can be deleted
+    while it reads it, and the older ones with it. A step that fails and has meanwhile disappeared, or been
+    superseded by a newer one, is not damaged: the listing is read again and the newest step tried (up to
+    `_RESTARTS` times), without a warning.
+
     With `quarantine` (the training run, which will save those steps again) the damaged steps newer than the one
     that restored are moved aside to WORKDIR/damaged-checkpoints/. Nothing moves unless an older step restores:
     when every step fails, the cause is more likely the reader than the data (a changed optimizer, too little
     memory), so the workdir is left as it is and the error names what failed."""
-    steps = sorted(mngr.all_steps(), reverse=True)
+    steps = _listed_steps(mngr)
     if not steps:
         raise CheckpointError(f"no checkpoint under {mngr.directory}; run `jaxpar train` first")
     failed: list[tuple[int, str]] = []
-    for step in steps:
+    restarts, i = 0, 0
+    while i < len(steps):
+        step = steps[i]
         try:
             result, problem = restore(step), ""
         except Exception as e:  # noqa: BLE001 — any failure to read a step means: use the previous one
             detail = " ".join(str(e).split())[:300]
-            result, problem = None, detail if isinstance(e, Damaged) else f"{type(e).__name__}: {detail}"
+            result, problem = None, detail if isinstance(e, (Damaged, Mismatch)) else f"{type(e).__name__}: {detail}"
         if _all_processes_ok(not problem):
             for bad, why in failed:
                 where = f"; moved to {_quarantine(mngr, bad)}" if quarantine else ""
                 warnings.warn(f"checkpoint step {bad} under {mngr.directory} is damaged ({why}){where}; fell back "
                               f"to step {step}", stacklevel=2)
             return result, step
+        if restarts < _RESTARTS and not _all_processes_ok(not _superseded(mngr, step, steps)):
+            restarts += 1  # deleted under us by a run's cleanup: start again from the newest step there is now
+            steps = [s for s in _listed_steps(mngr) if s not in {bad for bad, _ in failed}]
+            i = 0
+            continue
         failed.append((step, problem or "damaged on another process"))
-    raise CheckpointError(f"no checkpoint under {mngr.directory} restores (steps {steps}; step {failed[0][0]}: "
-                          f"{failed[0][1][:200]}); nothing was moved. If the config changed, restore it; else "
-                          "inspect the files or start a new --workdir")
+        i += 1
+    if not failed:  # every step listed was deleted while it was read
+        raise CheckpointError(f"the checkpoints under {mngr.directory} were deleted while being read "
+                              f"({restarts} times): a run is saving and removing them faster than they can be read "
+                              "(checkpoint.keep); read again, or raise checkpoint.keep")
+    raise CheckpointError(f"no checkpoint under {mngr.directory} restores (steps {[s for s, _ in failed]}; step "
+                          f"{failed[0][0]}: {failed[0][1][:200]}); nothing was moved. If the config changed, restore "
+                          "it; else inspect the files or start a new --workdir")
+
+
+_RESTARTS = 50  # how often a reader starts again from the newest step when the one it read was deleted meanwhile
+
+
+def _listed_steps(mngr: ocp.CheckpointManager, wait: bool = True) -> list[int]:
+    """The manager's steps, newest first, read from the disk again (`reload`). A step deleted while the listing is
+    read (a run's cleanup) makes orbax raise FileNotFoundError: the listing is read again. With `wait`, an empty
+    listing while a save is under way (a run's cleanup can remove the old step before the new one is listed) waits
+    up to ~3 s for that save."""
+    for attempt in range(10):
+        steps = _reload(mngr)
+        if steps or not wait or not _saving(mngr):
+            return steps
+        time.sleep(0.05 * (attempt + 1))
+    return _reload(mngr)
+
+
+def _reload(mngr: ocp.CheckpointManager) -> list[int]:
+    for attempt in range(20):
+        try:
+            mngr.reload()
+            return sorted(mngr.all_steps(), reverse=True)
+        except (FileNotFoundError, NotADirectoryError):  # a step directory deleted while orbax listed it
+            time.sleep(0.01 * (attempt + 1))
+    mngr.reload()
+    return sorted(mngr.all_steps(), reverse=True)
+
+
+def _saving(mngr: ocp.CheckpointManager) -> bool:
+    """True when the checkpoints directory holds a step orbax is still writing (its temporary directory)."""
+    try:
+        return any(".orbax-checkpoint-tmp" in p.name for p in pathlib.Path(mngr.directory).iterdir())
+    except OSError:
+        return False
+
+
+def _superseded(mngr: ocp.CheckpointManager, step: int, listed: list[int]) -> bool:
+    """True when step `step`, which failed to restore, was deleted meanwhile, or a step newer than every one in
+    `listed` has appeared: the failure is the race with a run's cleanup, not damage."""
+    if not (pathlib.Path(mngr.directory) / str(step)).is_dir():
+        return True
+    try:
+        now = _listed_steps(mngr, wait=False)
+    except Exception:  # noqa: BLE001 — a listing that keeps failing says nothing about this step
+        return False
+    return step not in now or bool(now and listed and now[0] > listed[0])
 
 
 def _all_processes_ok(ok: bool) -> bool:
@@ -297,11 +389,12 @@ def restore_params(workdir: str | pathlib.Path, abstract_params: nnx.State, layo
     `abstract_params`, placed with `shardings` when given, verified against their checksums. Returns (params,
     step). A named step that is missing or damaged is a CheckpointError; read-only: nothing in the workdir moves."""
     _require_workdir(workdir)  # a clear error for a path that is not a workdir (before orbax creates anything)
-    mngr = manager(workdir)
+    mngr = _reader_manager(workdir)
 
     def read(s: int) -> dict:
         sums = _read_checksums(mngr, s)
         target = _with_saved_dtypes(_canonical_target(abstract_params, shardings, vocab_size), sums and sums["params"])
+        _check_stored_shapes(mngr, s, "params", target)
         restored = mngr.restore(s, args=ocp.args.Composite(params=ocp.args.StandardRestore(target)))["params"]
         if sums is not None:
             _verify("params", restored, sums["params"])
@@ -315,13 +408,30 @@ def restore_params(workdir: str | pathlib.Path, abstract_params: nnx.State, layo
             try:
                 restored = read(step)
             except Exception as e:  # noqa: BLE001 — whatever fails, the step asked for cannot be served
-                raise CheckpointError(f"checkpoint step {step} under {mngr.directory} is damaged "
+                if not (pathlib.Path(mngr.directory) / str(step)).is_dir():
+                    raise CheckpointError(f"checkpoint step {step} under {mngr.directory} was deleted while being "
+                                          "read (a run's cleanup: checkpoint.keep); pass a step it keeps, or none "
+                                          "for the newest") from None
+                what = "does not match the config" if isinstance(e, Mismatch) else "is damaged"
+                raise CheckpointError(f"checkpoint step {step} under {mngr.directory} {what} "
                                       f"({' '.join(str(e).split())[:300]}); pass another step") from None
         else:
             restored, step = restore_latest_good(mngr, read)
     finally:
         mngr.close()
     return _into_layout(restored, abstract_params, layout, shardings), step
+
+
+def _reader_manager(workdir: str | pathlib.Path) -> ocp.CheckpointManager:
+    """`manager(workdir)` for a reader: orbax lists the steps when it opens, and a step a running trainer deletes
+    meanwhile (its cleanup) makes that raise FileNotFoundError or NotADirectoryError; the listing is read again."""
+    quiet.contain_orbax_aftermath()
+    for attempt in range(20):
+        try:
+            return manager(workdir)
+        except (FileNotFoundError, NotADirectoryError):  # a step directory deleted while orbax listed it
+            time.sleep(0.01 * (attempt + 1))
+    return manager(workdir)
 
 
 def _into_layout(canonical: dict, like: nnx.State, layout: Plan, shardings: nnx.State | None) -> nnx.State:
@@ -421,21 +531,36 @@ def read_canonical(workdir: str | pathlib.Path, step: int | None = None) -> tupl
     return config, params, step
 
 
+def check_params_only_target(workdir: str | pathlib.Path, source: str | pathlib.Path | None = None) -> None:
+    """Raise unless `write_params_only` may create `workdir`: it must be absent or an empty directory (a workdir
+    with checkpoints is a CheckpointError, anything else holding files an OutputError: a conversion never writes
+    into a directory it did not create) and lie outside `source`, the directory being converted. Made before the
+    source is read, so a refusal costs nothing; the publication re-checks it atomically."""
+    workdir = pathlib.Path(workdir)
+    if source is not None:
+        check_outside(source, workdir)
+    checkpoints = workdir / "checkpoints"
+    if checkpoints.is_dir() and not checkpoints.is_symlink() and any(checkpoints.iterdir()):
+        raise CheckpointError(f"{workdir} already holds checkpoints; pass a new directory to write to (nothing "
+                              "was written)")
+    check_new_output(workdir)
+
+
 def write_params_only(workdir: str | pathlib.Path, config: Config, params: nnx.State, step: int, *,
                       files: dict[str, bytes] | None = None) -> None:
     """A params-only workdir: config.json, the `files` given (name → bytes, e.g. a tokenizer.json) and one
     checkpoint holding canonical `params` with their checksums (what `jaxpar generate`, `restore_params` and the
-    Hugging Face export read). `workdir` must not hold checkpoints already (CheckpointError: nothing is written at
-    all); it is locked while written."""
+    Hugging Face export read). `workdir` must be absent or an empty directory (`check_params_only_target`:
+    CheckpointError / OutputError, nothing written). The workdir is written whole beside its target and published
+    with one rename (`jaxpar.store.lock.Staged`): a crash leaves nothing under `workdir`, and of two conversions
+    into one directory the second is refused with the first's result intact."""
     workdir = pathlib.Path(workdir)
-    with WorkdirLock(workdir, purpose="convert"):
-        if (workdir / "checkpoints").is_dir() and any((workdir / "checkpoints").iterdir()):
-            raise CheckpointError(f"{workdir} already holds checkpoints; pass a new directory to write to (nothing "
-                                  "was written)")
+    check_params_only_target(workdir)
+    with Staged(workdir) as tmp:
         for name, data in (files or {}).items():
-            (workdir / name).write_bytes(data)
-        (workdir / "config.json").write_text(config.to_json())
-        mngr = manager(workdir)
+            (tmp / name).write_bytes(data)
+        (tmp / "config.json").write_text(config.to_json())
+        mngr = manager(tmp)
         pure = nnx.to_pure_dict(params)
         try:
             _save(mngr, step, ocp.args.Composite(params=ocp.args.StandardSave(pure),
@@ -450,7 +575,10 @@ def convert(src: str | pathlib.Path, dst: str | pathlib.Path, *, step: int | Non
     """Write a params-only export of checkpoint `step` (default: latest) of workdir `src` as workdir `dst`:
     canonical params, optionally cast to `dtype` and quantized (`quantize` 'int8' / 'int4', `quantize_config`), and
     its config.json. A layout change needs no conversion — any layout restores these — so this is for handing a
-    model on (to `jaxpar generate`, to a finetune). Returns the step exported."""
+    model on (to `jaxpar generate`, to a finetune). `dst` must be a new (absent or empty) directory outside `src`
+    (`check_params_only_target`). Returns the step exported."""
+    _require_workdir(src)
+    check_params_only_target(dst, src)  # before seconds of reading
     config, params, step = read_canonical(src, step)
     params, config = cast_and_quantize(params, config, dtype, quantize, group_size)
     write_params_only(dst, config, params, step)
@@ -458,12 +586,19 @@ def convert(src: str | pathlib.Path, dst: str | pathlib.Path, *, step: int | Non
 
 
 def quantize_config(model: ModelConfig, quantize: str | None, group_size: int | None) -> ModelConfig:
-    """`model` stored quantized as `quantize` ('int8', or 'int4' in groups of `group_size`, default 128): a
-    ConfigError for a model that is quantized already (rounding twice compounds the error) or groups it cannot
-    take."""
+    """`model` stored quantized as `quantize` ('int8', or 'int4' in groups of `group_size`; None: the largest group
+    up to 128 that divides every quantized matrix's width, `ModelConfig.int4_groups`, named by
+    `ModelConfig.weights_label`): a ConfigError for a model that is quantized already (rounding twice compounds the
+    error) or groups it cannot take (an explicit `group_size` that does not divide them is refused, not replaced)."""
     if model.weights != "float":
         raise ConfigError("quantize", quantize, f"the model is stored quantized already (model.weights = "
                           f"{model.weights})", "quantize the float workdir it came from")
+    if quantize == "int4" and group_size is None:
+        groups = model.int4_groups()
+        if not groups:
+            raise ConfigError("quantize", quantize, "no int4 group size up to 128 divides every quantized matrix's "
+                              "width", "quantize to int8 (a scale per output channel)")
+        group_size = groups[0]
     group = {} if group_size is None else {"weight_group": group_size}
     return dataclasses.replace(model, weights=quantize, **group)  # validates: ConfigError names the field
 
