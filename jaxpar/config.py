@@ -40,6 +40,7 @@ def _f(default: Any, help: str) -> Any:
 
 DTYPES = ("float32", "bfloat16", "float16")
 WEIGHT_FORMATS = ("float", "int8", "int4")  # jaxpar.matmul.Quantized
+DEFAULT_GROUP = 128  # int4's group size when none is given: the largest up to this that fits the model (int4_groups)
 REMAT_POLICIES = ("none", "full", "dots", "selective")
 # What `parallel.auto` chooses (the planner's search, jaxpar.planner.search): these parallel fields and
 # train.grad_accum. `parallel.keep` names the ones to leave as the config has them.
@@ -126,7 +127,8 @@ class ModelConfig:
     sliding_window: int = _f(0, "attend only to the last this-many positions, the query's own included (Mistral); "
                              "0: full causal attention")
     attention: str = _f("auto", "attention kernel via jax.nn.dot_product_attention: 'xla', 'cudnn' (flash attention "
-                        "on NVIDIA GPUs, bf16/fp16), or 'auto' (cudnn where it applies, else xla)")
+                        "on NVIDIA GPUs, bf16/fp16; untested until a GPU run shows it), or 'auto' (cudnn where it "
+                        "applies, else xla)")
     scan_unroll: int = _f(4, "layers per iteration of the scan over layers (per pipeline stage): the loop runs "
                           "ceil(n/u) iterations of u unrolled layers, so XLA schedules across their boundaries and "
                           "keeps fewer per-layer buffers; compile time grows with u, never with depth. 1: one layer "
@@ -142,7 +144,8 @@ class ModelConfig:
                       "channel). Embeddings, the LM head and the MoE router stay float. Made by `jaxpar convert "
                       "--quantize` or `load(..., quantize=)`")
     weight_group: int = _f(128, "int4: consecutive inputs of an output channel sharing one scale; must divide "
-                           "every quantized matrix's input width (d_model, heads*head_dim, d_ff)")
+                           "every quantized matrix's input width (d_model, heads*head_dim, d_ff). `jaxpar convert "
+                           "--quantize int4` without --group-size picks the largest up to 128 that does")
     # The `moe` section is part of the model's shape, so it rides inside ModelConfig (everything that builds a model
     # from a ModelConfig — the plan, checkpoints, Hugging Face import — gets it for free); on the command line, in
     # config files and in config.json it is its own section `moe.*` (config_from_dict / Config.to_dict move it).
@@ -230,11 +233,27 @@ class ModelConfig:
             try:
                 self.scale_param(spec)
             except ValueError as e:
-                ok = [g for g in (256, 128, 64, 32, 16, 8) if all(_tiles(p, g) for p in specs.values())]
+                ok = self.int4_groups()
                 raise ConfigError("model.weight_group", self.weight_group,
                                   f"cannot group {name} {list(spec.shape)} ({e})",
-                                  f"use model.weight_group among {ok}" if ok else "use model.weights=int8 "
+                                  f"use model.weight_group {ok[0]} (the largest up to {DEFAULT_GROUP} that divides "
+                                  f"every quantized width; others: {ok[1:6]})" if ok else "use model.weights=int8 "
                                   "(a scale per output channel)") from None
+
+    def int4_groups(self, limit: int = 0) -> list[int]:
+        """The int4 group sizes up to `limit` (default DEFAULT_GROUP), largest first, that split every matrix int4
+        quantizes into whole groups (each contracted width; `families.base.Param.scale`): what `weight_group` may
+        be. The first is the default of `jaxpar convert --quantize int4` and `load(quantize='int4')` without a
+        group size."""
+        limit = limit or DEFAULT_GROUP
+        family = FAMILIES[self.family]
+        specs = [p for moe in set(self.layer_kinds) for p in family.layer_params(self, moe).values() if p.contract]
+        return [g for g in range(limit, 0, -1) if all(_tiles(p, g) for p in specs)]
+
+    @property
+    def weights_label(self) -> str:
+        """How the layers' matrices are stored, in words: 'float', 'int8', 'int4 in groups of 32'."""
+        return f"int4 in groups of {self.weight_group}" if self.weights == "int4" else self.weights
 
     @property
     def layer_kinds(self) -> tuple[bool, ...]:
@@ -491,9 +510,10 @@ class Config:
         if p.context > 1 and t.seq_len % (2 * p.context * (p.tensor if p.sequence_parallel else 1)):
             # zigzag: 2c chunks, rank r holding chunks r and 2c-1-r; SP then splits each rank's seq_len/c over tensor
             k = 2 * p.context * (p.tensor if p.sequence_parallel else 1)
-            by = f"2 × parallel.context = {2 * p.context}" + (f" × parallel.tensor = {p.tensor} (sequence "
-                                                               "parallel)" if p.sequence_parallel else "")
-            raise ConfigError("train.seq_len", t.seq_len, f"must be divisible by {by} = {k}: context parallelism "
+            by = (f"2 × parallel.context × parallel.tensor = 2 × {p.context} × {p.tensor} = {k} (sequence parallel "
+                  "splits each chunk over tensor)" if p.sequence_parallel else
+                  f"2 × parallel.context = 2 × {p.context} = {k}")
+            raise ConfigError("train.seq_len", t.seq_len, f"must be divisible by {by}: context parallelism "
                               "cuts the sequence into 2 chunks per context rank",
                               f"use seq_len {_nearest_multiples(t.seq_len, k)}, or a smaller parallel.context")
         if p.sequence_parallel and t.seq_len % p.tensor:
@@ -643,8 +663,51 @@ def _tree_of(recipe: pathlib.Path) -> pathlib.Path:
     return recipe.resolve().parent
 
 
+# What a YAML recipe may expand to, its aliases followed (a recipe is a few dozen nodes): an alias bomb ("billion
+# laughs": each level a list of aliases to the one before) is a few lines that expand to 10^9 nodes.
+MAX_YAML_NODES = 100_000
+
+
+class _YamlTooLarge(Exception):
+    """A YAML document that expands past MAX_YAML_NODES, or refers to itself (its message says which)."""
+
+
 class _YamlLoader(yaml.SafeLoader):
-    """SafeLoader that also reads `1e-3` as a float (YAML 1.2 does; PyYAML's 1.1 rules want `1.0e-3`)."""
+    """SafeLoader that also reads `1e-3` as a float (YAML 1.2 does; PyYAML's 1.1 rules want `1.0e-3`), and refuses a
+    document whose aliases expand it past MAX_YAML_NODES nodes or into itself, before constructing anything."""
+
+    def construct_document(self, node):
+        _expanded_size(node)
+        return super().construct_document(node)
+
+
+def _expanded_size(root) -> int:
+    """Nodes of a composed YAML document with every alias expanded, counted once per distinct node (an alias is the
+    node it names), without recursion; `_YamlTooLarge` past MAX_YAML_NODES or on a node that contains itself."""
+    children = lambda n: ([x for pair in n.value for x in pair] if isinstance(n, yaml.MappingNode)  # noqa: E731
+                          else list(n.value) if isinstance(n, yaml.SequenceNode) else [])
+    sizes: dict[int, int] = {}
+    path: set[int] = set()  # the nodes being expanded (the current one's ancestors)
+    stack = [(root, False)]
+    while stack:
+        node, finished = stack.pop()
+        key = id(node)
+        if finished:
+            path.discard(key)
+            sizes[key] = 1 + sum(sizes[id(c)] for c in children(node))
+            if sizes[key] > MAX_YAML_NODES:
+                raise _YamlTooLarge(f"expands to more than {MAX_YAML_NODES:,} values once its aliases are followed "
+                                    "(an alias bomb, or no config)")
+            continue
+        if key in sizes:
+            continue
+        if key in path:
+            raise _YamlTooLarge(f"holds an alias inside the node it names (line {node.start_mark.line + 1}): it "
+                                "would expand forever")
+        path.add(key)
+        stack.append((node, True))
+        stack.extend((c, False) for c in children(node) if id(c) not in sizes)
+    return sizes[id(root)]
 
 
 _YamlLoader.add_implicit_resolver(
@@ -665,6 +728,12 @@ def _load_file(path: str, seen: frozenset = frozenset(), allowed: tuple[pathlib.
     elif p.suffix in (".yaml", ".yml"):
         try:
             d = yaml.load(p.read_text(), Loader=_YamlLoader) or {}
+        except _YamlTooLarge as e:
+            raise ConfigError("--config", path, str(e), "write each value out (a recipe needs no nested "
+                              "aliases)") from None
+        except RecursionError:
+            raise ConfigError("--config", path, "nests its values too deeply to read", "flatten the YAML (a "
+                              "recipe's sections are one or two levels deep)") from None
         except (yaml.YAMLError, UnicodeDecodeError) as e:
             mark = getattr(e, "problem_mark", None)
             where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark else ""

@@ -27,7 +27,24 @@ class ConfigError(JaxparError, ValueError):
 
     def __init__(self, field: str, value: Any, rule: str, fix: str):
         self.field, self.value, self.rule, self.fix = field, value, rule, fix
-        super().__init__(f"{field} = {value!r}: {rule}. Fix: {fix}")
+        super().__init__(f"{short(field, 300, repr_=False)} = {short(value)}: {rule}. Fix: {fix}")
+
+
+def short(value: Any, limit: int = 100, repr_: bool = True) -> str:
+    """`repr(value)` (or `str`) cut to `limit` characters and an ellipsis: a value a message quotes may be a whole
+    file's worth (a long list, a string, a YAML alias expanded), and the message must stay one short line."""
+    if repr_:  # reprlib: a nested container is not rendered whole first (a billion-element repr would not fit)
+        import reprlib
+
+        r = reprlib.Repr()
+        r.maxlevel, r.maxlist, r.maxtuple, r.maxdict, r.maxset = 4, 24, 24, 12, 12
+        r.maxstring, r.maxother, r.maxlong = 10 * limit, 10 * limit, 10 * limit
+        text = r.repr(value)
+    else:
+        text = str(value)
+    if len(text) <= limit:
+        return text
+    return f"{text[:limit]}…"
 
 
 def divisors(n: int) -> list[int]:
@@ -77,4 +94,4 @@ class OutputError(JaxparError):
     kind = "cannot write"
 
 
-__all__ = ["CheckpointError", "ConfigError", "divisors", "GenerateError", "InputNotFound", "JaxparError", "OutputError", "UsageError", "WorkdirLocked"]
+__all__ = ["CheckpointError", "ConfigError", "divisors", "short", "GenerateError", "InputNotFound", "JaxparError", "OutputError", "UsageError", "WorkdirLocked"]

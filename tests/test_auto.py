@@ -81,3 +81,26 @@ def test_auto_trains_with_the_planners_layout(profile_file, tmp_path):
                            memory_gb=probe.device_memory_gb(jax.devices()[0]), fixed={"pipe"})["winner"]
     assert {k: saved[k] for k in expected["parallel"]} == expected["parallel"], log
     assert expected["layout"] in log
+
+
+def test_auto_names_the_kept_fields_that_leave_no_layout_and_the_profile_field_it_refuses(tmp_path):
+    """parallel.auto keeps what the config file sets (tiny: pipe 2, tensor 2, …), which one device cannot run: the
+    error names those fields, values that run, and how to set them; the values it names then plan. A profile with a
+    field out of range is refused naming the field (issue 35)."""
+    path = tmp_path / "h100.json"  # a datasheet profile claims no machine: usable here without probing
+    probe.write(cost.profile_for("h100"), path)
+    asked = ["parallel.auto=true", f"parallel.profile={path}"]
+    with pytest.raises(search.PlanError) as err:
+        auto.choose(load_config("configs/tiny.py", asked), jax.devices()[:1], log=None)
+    msg = str(err.value)
+    assert "keeps parallel.microbatches = 4, parallel.pipe = 2, parallel.repeats = 2, parallel.tensor = 2" in msg
+    assert "parallel.microbatches=1 parallel.pipe=1 parallel.repeats=1 parallel.tensor=1" in msg
+    assert "on the command line" in msg and "config file" in msg
+    named = [f"parallel.{f}=1" for f in ("microbatches", "pipe", "repeats", "tensor")]
+    chosen = auto.choose(load_config("configs/tiny.py", asked + named), jax.devices()[:1], log=None)
+    assert chosen.mesh_shape == (1, 1, 1, 1, 1)
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({**dataclasses.asdict(cost.profile_for("h100")), "overlap": 5}))
+    with pytest.raises(ConfigError, match=f"parallel.profile {bad}: field overlap = 5: must lie in"):
+        auto.choose(load_config("configs/tiny.py", ["parallel.auto=true", f"parallel.profile={bad}"]),
+                    jax.devices()[:1], log=None)

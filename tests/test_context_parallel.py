@@ -82,7 +82,7 @@ def test_context_parallel_composes(reference, layout, schedule, extra):
 
 
 @pytest.mark.parametrize("fields,match", [
-    (["parallel.context=4", "train.seq_len=36"], r"train.seq_len = 36: .*2 × parallel.context = 8.*Fix"),
+    (["parallel.context=4", "train.seq_len=36"], r"train.seq_len = 36: .*2 × parallel.context = 2 × 4 = 8.*Fix"),
     (["parallel.context=2", "parallel.tensor=2", "parallel.sequence_parallel=true", "train.seq_len=12"],
      r"train.seq_len = 12: .*Fix"),
     (["parallel.context=2", "parallel.context_impl=striped"], r"parallel.context_impl = 'striped'.*Fix"),

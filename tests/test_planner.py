@@ -150,3 +150,112 @@ def test_time_model_rates_matmuls_by_width_and_charges_the_pipeline_loop_and_fre
     fresh = (cost.predict_time(flat[1], dataclasses.replace(even, fresh_byte=per_byte), 8).compute
              - cost.predict_time(flat[1], even, 8).compute)
     assert fresh > 0 and fresh == pytest.approx((mem.gradients + mem.activations + mem.workspace) * per_byte, rel=1e-9)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Inputs the planner refuses, and how fast (issue 35)
+
+
+@pytest.mark.parametrize("edit, field", [
+    ({"intra_host": -1.0}, "field intra_host"), ({"inter_host": 0}, "field inter_host"),
+    ({"overlap": 5}, "field overlap"), ({"pipeline_byte": float("nan")}, "field pipeline_byte"),
+    ({"latency": float("inf")}, "field latency"), ({"memory_gb": -3}, "field memory_gb"),
+    ({"flops": {"bfloat16": 1e12}}, "field flops"), ({"flops": {"float32": True}}, "field flops"),
+    ({"links": {"all_reduce": {"two": 1e9}}}, "field links['all_reduce']"),
+    ({"links": {"all_reduce": {"2": -1e9}}}, "field links['all_reduce']['2']"),
+    ({"links": {"broadcast": {}}}, "field links"), ({"matmul": {"float32": {"64": float("nan")}}}, "field matmul"),
+    ({"devices": -1}, "field devices"), ({"name": 3}, "field name"), ({"speed": 1}, "field speed"),
+], ids=lambda x: "-".join(x) if isinstance(x, dict) else None)
+def test_every_profile_field_is_checked_and_named(tmp_path, edit, field):
+    """A machine profile's every field: numbers finite, rates and sizes > 0, fixed costs >= 0, the overlap a
+    fraction, tables keyed by known names and whole numbers — refused by name (file and field), never by `assert`
+    (a check `python -O` would skip), and the same rules hold for a profile built in Python."""
+    import dataclasses
+
+    path = tmp_path / "p.json"
+    path.write_text(json.dumps({**dataclasses.asdict(cost.profile_for("h100")), **edit}))
+    with pytest.raises(cost.ConfigError) as err:
+        cost.load_profile(str(path))
+    assert str(err.value).startswith(f"--profile {path}: {field}"), str(err.value)
+    if "speed" not in edit:
+        with pytest.raises(cost.ConfigError, match="field"):
+            dataclasses.replace(cost.profile_for("h100"), **edit)
+
+
+def test_no_assert_checks_input():
+    """`assert` vanishes under `python -O`: the package keeps it only for invariants no input reaches (the pipeline's
+    own label replay and a validated table's lowering)."""
+    import ast
+    import pathlib
+
+    allowed = {("pipeline.py", "output_order"), ("schedule.py", "lower")}
+    found = []
+    for path in pathlib.Path(cost.__file__).parents[1].rglob("*.py"):
+        for fn in ast.walk(ast.parse(path.read_text())):
+            if isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)) and (path.name, fn.name) not in allowed:
+                found += [f"{path.name}:{n.lineno} in {fn.name}" for n in ast.walk(fn) if isinstance(n, ast.Assert)]
+    assert not found, found
+
+
+def test_a_budget_below_the_state_floor_is_refused_before_any_layout_is_predicted(monkeypatch):
+    """`plan --memory-gb 1e-300` (176-262 s before): the parameters and Adam moments alone exceed the budget on any
+    device count up to 4096, so nothing is traced or predicted."""
+    def boom(*args, **kwargs):
+        raise AssertionError("a layout was predicted")
+
+    monkeypatch.setattr(search, "predict_memory", boom)
+    monkeypatch.setattr(search, "predict_time", boom)
+    config = load_config("configs/tiny.py")
+    with pytest.raises(search.PlanError, match="state alone needs at least 0.00121 GB per device.*0.00965 GB.*"
+                       "up to 4096"):
+        search.plan(config, 8, cost.profile_for("h100"), memory_gb=1e-300)
+    floor = memory.state_floor(config, 8)
+    assert floor <= sum(state_bytes(load_config("configs/tiny.py", ["parallel.zero=3"]).resolve_for_devices(8))
+                        .values())
+
+
+def test_no_valid_layout_names_the_fields_that_block_it_and_the_device_counts_that_work():
+    config = load_config("configs/tiny.py")
+    with pytest.raises(search.PlanError, match=r"on 7 devices, whatever the fields .* plan for 4 or 8 devices"):
+        search.plan(config, 7, cost.profile_for("h100"))
+    msg = search.blocked(config, 1, fixed={"tensor", "remat"}, release="RELEASE")
+    assert "keeps parallel.tensor = 2" in msg and "parallel.tensor=1" in msg and msg.endswith("Fix: RELEASE")
+    assert "remat" not in msg  # only the fields that block are named
+
+
+def test_plan_json_is_strict(monkeypatch, capsys):
+    """`plan --format json` writes RFC 8259 JSON: a non-finite number is null, never Infinity / NaN."""
+    result = {"winner": {"time": {"step_s": float("inf"), "mfu": float("nan")}}, "ranked": [1.5, -float("inf")]}
+    monkeypatch.setattr(search, "plan", lambda *a, **k: result)
+
+    def refuse(name):
+        raise ValueError(f"not JSON: {name}")
+
+    assert main(["plan", "--config", "configs/tiny.py", "--devices", "8", "--format", "json"]) == 0
+    out = json.loads(capsys.readouterr().out, parse_constant=refuse)
+    assert out == {"winner": {"time": {"step_s": None, "mfu": None}}, "ranked": [1.5, None]}
+
+
+def test_probe_out_replaces_only_a_regular_file(tmp_path, monkeypatch, capsys):
+    """`probe --out` refuses a symlink, a pipe or a directory before measuring; `probe.write` replaces a regular file
+    whole through a temporary file beside it (none left behind)."""
+    import os
+
+    from jaxpar.errors import OutputError
+    from jaxpar.planner import probe
+
+    monkeypatch.setattr(probe, "measure", lambda *a, **k: pytest.fail("measured before refusing --out"))
+    (tmp_path / "target").write_text("keep\n")
+    os.symlink(tmp_path / "target", tmp_path / "link")
+    os.mkfifo(tmp_path / "pipe")
+    for name, needle in (("link", "symbolic link"), ("pipe", "not a regular file"), (".", "directory")):
+        assert main(["probe", "--out", str(tmp_path / name)]) == 2
+        assert needle in capsys.readouterr().err
+        with pytest.raises(OutputError, match=needle):
+            probe.write(cost.profile_for("h100"), tmp_path / name)
+    assert (tmp_path / "target").read_text() == "keep\n" and (tmp_path / "link").is_symlink()
+    out = tmp_path / "profile.json"
+    out.write_text("old")
+    probe.write(cost.profile_for("h100"), out)
+    assert cost.load_profile(str(out)) == cost.profile_for("h100")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["link", "pipe", "profile.json", "target"]

@@ -60,8 +60,11 @@ def load(path: str | pathlib.Path, *, data: int = 1, tensor: int | None = None, 
     layout, as `parallel.sequence_parallel` / `parallel.overlap` ('collective_matmul') in training; decode steps
     (one token a row) run plain tensor parallelism.
     quantize: 'int8' or 'int4' — store the layers' weight matrices quantized (`ModelConfig.weights`; int4 in groups
-    of `group_size`, default 128), quantized on the devices after loading; a workdir written by `jaxpar convert
-    --quantize` loads as it is stored (asking it for another format is a ConfigError: it would quantize twice).
+    of `group_size`, default the largest up to 128 that divides every quantized width and that `tensor` splits
+    into whole groups: `loaded.config.model.weights_label` names it), quantized on the devices after loading; a
+    workdir written by `jaxpar convert --quantize` loads as it is stored (asking it for another format is a
+    ConfigError: it would quantize twice), at the saved tensor degree or the largest divisor of it that keeps its
+    int4 groups whole.
     A layout the model cannot take (heads not divisible by tensor, int4 groups a tensor rank would split, …) is a
     ConfigError naming the field.
     """
@@ -86,12 +89,14 @@ def load(path: str | pathlib.Path, *, data: int = 1, tensor: int | None = None, 
         model_cfg = saved.model
         default_tensor = saved.parallel.tensor
     stored = model_cfg
-    model_cfg = _quantized(model_cfg, quantize, group_size)
     if tensor is None:
         tensor = default_tensor if len(devices) >= data * default_tensor else 1
+        if model_cfg.weights == "int4" and quantize is None:  # stored int4: a degree that keeps its groups whole
+            tensor = max(t for t in range(1, tensor + 1) if tensor % t == 0 and _groups_whole(model_cfg, t))
     for name, value in (("data", data), ("tensor", tensor)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ConfigError(f"parallel.{name}", value, "must be a positive integer", f"pass --{name} 1 or more")
+    model_cfg = _quantized(model_cfg, quantize, group_size, tensor)
     if data * tensor > len(devices):
         name, value = ("parallel.data", data) if data > len(devices) else ("parallel.tensor", tensor)
         raise ConfigError(name, value, f"data*tensor = {data}*{tensor} needs more than the "
@@ -121,14 +126,19 @@ def load(path: str | pathlib.Path, *, data: int = 1, tensor: int | None = None, 
                        hf_cfg, plan)
 
 
-def _quantized(cfg: ModelConfig, quantize: str | None, group_size: int | None) -> ModelConfig:
-    """The model config to run: `cfg` as stored, or quantized to `quantize` (validated: ConfigError)."""
+def _quantized(cfg: ModelConfig, quantize: str | None, group_size: int | None, tensor: int = 1) -> ModelConfig:
+    """The model config to run: `cfg` as stored, or quantized to `quantize` (validated: ConfigError). int4 without
+    a `group_size` on a float model: the largest group up to 128 that divides every quantized matrix's width
+    (`ModelConfig.int4_groups`) and that a `tensor`-way split leaves whole on each rank (`plan._check_scales`, the
+    rule `make_plan` applies); an explicit `group_size` is taken as given, and refused if it does not fit."""
     if quantize is None and group_size is None:
         return cfg
     if quantize not in ("int8", "int4"):
         raise ConfigError("quantize", quantize, "must be 'int8' or 'int4' (group_size needs one of them)",
                           "pass quantize='int8' (a scale per output channel) or 'int4' (per group_size inputs)")
     if cfg.weights == "float":
+        if quantize == "int4" and group_size is None:
+            group_size = _default_group(cfg, tensor)
         return checkpoint.quantize_config(cfg, quantize, group_size)
     if (quantize, group_size) not in ((cfg.weights, None), (cfg.weights, cfg.weight_group)):
         stored = cfg.weights + (f" in groups of {cfg.weight_group}" if cfg.weights == "int4" else "")
@@ -136,6 +146,28 @@ def _quantized(cfg: ModelConfig, quantize: str | None, group_size: int | None) -
                           f"this model is stored quantized as {stored}: quantizing it again would compound the "
                           "rounding", "load it as stored (no quantize), or quantize the float model it came from")
     return cfg
+
+
+def _default_group(cfg: ModelConfig, tensor: int) -> int | None:
+    """The largest int4 group (up to 128) of `cfg` whose scales a `tensor`-way split leaves whole; None when none
+    does (`quantize_config` then names what does not fit)."""
+    return next((g for g in cfg.int4_groups()
+                 if _groups_whole(dataclasses.replace(cfg, weights="int4", weight_group=g), tensor)), None)
+
+
+def _groups_whole(model: ModelConfig, tensor: int) -> bool:
+    """Whether a `tensor`-way split leaves each rank whole int4 groups of `model` (the rule `make_plan` applies)."""
+    from jaxpar.parallel.axes import AXES
+    from jaxpar.parallel.plan import _check_scales, plan_rules
+
+    degrees = {**{a: 1 for a in AXES}, "tensor": tensor}
+    if model.n_heads % tensor or model.d_ff % tensor:
+        return False
+    try:
+        _check_scales(model, dict(plan_rules(model, degrees)), degrees)
+    except ConfigError:
+        return False
+    return True
 
 
 def _stop_ids(path: pathlib.Path, hf_cfg: dict | None, tokenizer) -> tuple[int, ...]:

@@ -40,6 +40,8 @@ import functools
 
 import numpy as np
 
+from jaxpar.errors import ConfigError
+
 F, B, W = "F", "B", "W"
 
 SCHEDULES = ("gpipe", "circular", "1f1b", "interleaved_1f1b", "zb_h1", "zbv")
@@ -288,22 +290,33 @@ def build(name: str, stages: int, chunks: int, microbatches: int) -> Table:
 
 
 def validate(table: Table) -> None:
-    """Assert the table is a complete, causal schedule: every F/B/W of every (microbatch, chunk) exactly once, on
-    the chunk's stage, after what it needs (at an earlier tick)."""
+    """Check the table is a complete, causal schedule: every F/B/W of every (microbatch, chunk) exactly once, on
+    the chunk's stage, after what it needs (at an earlier tick). A table that is not raises `ConfigError` (a table
+    built by hand reaches this, so it is an input check, not an `assert`)."""
     C, m = table.n_chunks, table.microbatches
+
+    def refuse(rule: str) -> None:
+        raise ConfigError("schedule table", table.name, rule, "run every F, B and W of every (microbatch, chunk) "
+                          "once, on its chunk's stage, after the actions it needs")
+
     when = {}
     for t, row in enumerate(table.ticks):
         for s, a in enumerate(row):
             if a is None:
                 continue
-            assert a not in when, f"{a} twice"
-            assert table.placement[a.chunk] == s, f"{a} on stage {s}, not {table.placement[a.chunk]}"
+            if a in when:
+                refuse(f"{a} runs twice (ticks {when[a]} and {t})")
+            if not 0 <= a.chunk < C or table.placement[a.chunk] != s:
+                refuse(f"{a} runs on stage {s}, and its chunk is not placed there")
             when[a] = t
     need = {Action(k, j, c) for k in (F, B, W) for j in range(m) for c in range(C)}
-    assert set(when) == need, f"missing {sorted(map(str, need - set(when)))[:5]}"
+    if set(when) != need:
+        missing, extra = sorted(map(str, need - set(when))), sorted(map(str, set(when) - need))
+        refuse(f"misses {missing[:5]}" if missing else f"runs actions outside the table: {extra[:5]}")
     for a, t in when.items():
         for d in needs(a, C):
-            assert when[d] < t, f"{a} at tick {t} before {d} at {when[d]}"
+            if when[d] >= t:
+                refuse(f"{a} at tick {t} runs before {d} (tick {when[d]}), which it needs")
 
 
 def format_table(table: Table) -> str:

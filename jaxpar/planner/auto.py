@@ -57,7 +57,11 @@ def choose(config: Config, devices: list, log: Callable[[str], None] | None = pr
     profile = machine_profile(config, devices)
     budget = probe.device_memory_gb(devices[0])
     base = dataclasses.replace(config, parallel=dataclasses.replace(config.parallel, auto=False, keep=(), profile=""))
-    result = search.plan(base, n, profile, hosts=jax.process_count(), memory_gb=budget, fixed=kept)
+    # The kept fields come from the config file as well as the command line: say how to free or change them.
+    release = ("set them to those values on the command line (--config.parallel.FIELD=VALUE; train.grad_accum the "
+               "same), or delete them from the config file: parallel.auto keeps every parallel field (and "
+               "train.grad_accum) the config file or an override sets, and any field set to a non-default value")
+    result = search.plan(base, n, profile, hosts=jax.process_count(), memory_gb=budget, fixed=kept, release=release)
     win = result["winner"]
     chosen = search.layout_config(base, win)
     if log is not None and jax.process_index() == 0:

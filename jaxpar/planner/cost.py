@@ -80,6 +80,9 @@ class Profile:
     machine: dict = dataclasses.field(default_factory=dict)
     devices: int = 0
 
+    def __post_init__(self):
+        check_profile(self)
+
     def rate(self, dtype: str, width: int | None = None) -> float:
         """Achievable matmul FLOP/s for compute `dtype` (float32's where the dtype has no entry); with `width` and a
         probed table, that of a token-major matmul [M, w] @ [w, w] of that width — narrow matmuls run below the
@@ -109,6 +112,86 @@ class Profile:
     def flops_peak(self, dtype: str) -> float | None:
         """The datasheet peak the MFU column divides by (None for a probed CPU: no datasheet)."""
         return self.peak.get(dtype) or self.peak.get("float32") if self.peak else None
+
+
+# What each field of a profile may hold (`check_profile`): seconds, rates and fractions are finite numbers, rates
+# and sizes above 0, fixed costs at least 0, the overlap a fraction.
+DTYPES = ("float32", "bfloat16", "float16")  # the compute dtypes a profile rates (jaxpar.config.DTYPES)
+LINK_KINDS = ("all_reduce", "all_to_all", "permute")  # the collectives a profile rates (jaxpar.planner.probe.KINDS)
+_POSITIVE = ("intra_host", "inter_host", "memory_gb")
+_NON_NEGATIVE = ("latency", "latency_inter", "layer_overhead", "pipeline_byte", "fresh_byte")
+
+
+def _number(name: str, value, low: float, *, above: bool, high: float | None = None) -> float:
+    """`value` as a finite real number at least (`above`: above) `low` (and at most `high`), else a ConfigError
+    naming profile field `name`."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ConfigError(f"field {name}", value, f"must be a number, got {type(value).__name__}",
+                          "write a number (what `jaxpar probe` measures)")
+    ok = math.isfinite(value) and (value > low if above else value >= low) and (high is None or value <= high)
+    if not ok:
+        rule = (f"must lie in [{low:g}, {high:g}]" if high is not None else
+                f"must be a finite number {'>' if above else '>='} {low:g}")
+        raise ConfigError(f"field {name}", value, rule, "fix the value, or measure this machine again with "
+                          "`jaxpar probe --out FILE`")
+    return value
+
+
+def _rates(name: str, table, keys: tuple[str, ...] | None, *, int_keys: bool = False) -> None:
+    """A table {key: positive finite number} (keys among `keys`; `int_keys`: integer-like strings >= 1)."""
+    if not isinstance(table, dict):
+        raise ConfigError(f"field {name}", table, f"must be a mapping, got {type(table).__name__}",
+                          "write {key: number, ...}")
+    for key, value in table.items():
+        if keys is not None and key not in keys:
+            raise ConfigError(f"field {name}", key, f"names an unknown key (known: {', '.join(keys)})",
+                              "use one of those")
+        if int_keys:
+            if isinstance(key, bool) or not isinstance(key, (int, str)) or not str(key).isdigit() or int(key) < 1:
+                raise ConfigError(f"field {name}", key, "must be keyed by whole numbers >= 1 (widths or group "
+                                  "sizes)", "key each entry by its width or group size, e.g. \"8\"")
+        _number(f"{name}[{key!r}]", value, 0.0, above=True)
+
+
+def check_profile(profile: "Profile") -> None:
+    """Every field of `profile` holds what the time model can use, else a ConfigError naming the field ("field
+    intra_host = -1.0: must be a finite number > 0") — checked wherever a profile is made (loaded, probed,
+    replaced), never by `assert`."""
+    for name in ("name", "source"):
+        if not isinstance(getattr(profile, name), str):
+            raise ConfigError(f"field {name}", getattr(profile, name), "must be a string", "write a name")
+    for name in _POSITIVE:
+        _number(name, getattr(profile, name), 0.0, above=True)
+    for name in _NON_NEGATIVE:
+        _number(name, getattr(profile, name), 0.0, above=False)
+    _number("overlap", profile.overlap, 0.0, above=False, high=1.0)
+    _rates("flops", profile.flops, DTYPES)
+    if "float32" not in profile.flops:
+        raise ConfigError("field flops", profile.flops, "needs a float32 rate (the fallback of every dtype)",
+                          "add \"float32\": FLOP/s")
+    _rates("peak", profile.peak, DTYPES)
+    for kind, sub in _table("matmul", profile.matmul, DTYPES).items():
+        _rates(f"matmul[{kind!r}]", sub, None, int_keys=True)
+    for kind, sub in _table("links", profile.links, LINK_KINDS).items():
+        _rates(f"links[{kind!r}]", sub, None, int_keys=True)
+    if not isinstance(profile.machine, dict) or not all(
+            isinstance(k, str) and (v is None or isinstance(v, (str, int, float))) for k, v in profile.machine.items()):
+        raise ConfigError("field machine", profile.machine, "must be a mapping of names to plain values",
+                          "write it as `jaxpar probe` does, or drop it (a hand-written profile claims no machine)")
+    if isinstance(profile.devices, bool) or not isinstance(profile.devices, int) or profile.devices < 0:
+        raise ConfigError("field devices", profile.devices, "must be a whole number >= 0",
+                          "write the devices it was measured on (0: not measured)")
+
+
+def _table(name: str, table, keys: tuple[str, ...]) -> dict:
+    if not isinstance(table, dict):
+        raise ConfigError(f"field {name}", table, f"must be a mapping, got {type(table).__name__}",
+                          "write {key: {size: number}}")
+    for key in table:
+        if key not in keys:
+            raise ConfigError(f"field {name}", key, f"names an unknown key (known: {', '.join(keys)})",
+                              "use one of those")
+    return table
 
 
 # Defaults per device kind: the datasheet's dense peak times an achievable fraction (large transformer matmuls reach
@@ -146,13 +229,31 @@ def load_profile(path: str, *, field: str = "--profile", this_machine: bool = Tr
     """A profile written by `jaxpar probe`; refused (a ConfigError naming `field`) when unreadable or incomplete, and
     (`this_machine`) when it was measured on other hardware than this process runs on."""
     p = pathlib.Path(path)
+    again = "run `jaxpar probe --out FILE` on the machine to plan for"
     try:
+        if not p.is_file():
+            raise ConfigError(field, path, "does not exist" if not p.exists() else "is not a file", again)
         d = json.loads(p.read_text())
+    except OSError as e:
+        raise ConfigError(field, path, f"cannot be read ({e.strerror or e})", again) from None
+    except (ValueError, RecursionError) as e:  # not JSON, not UTF-8, or nested past the parser
+        raise ConfigError(field, path, f"is not a profile written by `jaxpar probe` (not JSON: {e})", again) from None
+    if not isinstance(d, dict):
+        raise ConfigError(field, path, f"is not a profile written by `jaxpar probe` (it holds a {type(d).__name__}, "
+                          "not a mapping of fields)", again)
+    known = {f.name: f for f in dataclasses.fields(Profile)}
+    unknown = [k for k in d if k not in known]
+    missing = [k for k, f in known.items() if k not in d and f.default is dataclasses.MISSING
+               and f.default_factory is dataclasses.MISSING]
+    if unknown or missing:
+        name = (unknown or missing)[0]
+        raise ConfigError(f"{field} {path}: field {name}", "unknown" if unknown else "missing",
+                          f"{'is not a profile field' if unknown else 'is required'} (fields: {', '.join(known)})",
+                          again)
+    try:
         prof = Profile(**d)
-        assert prof.flops.get("float32", 0) > 0 and prof.intra_host > 0 and prof.inter_host > 0
-    except (OSError, ValueError, TypeError, AssertionError) as e:
-        raise ConfigError(field, path, f"is not a profile written by `jaxpar probe` ({type(e).__name__})",
-                          "run `jaxpar probe --out FILE` on the machine to plan for") from None
+    except ConfigError as e:  # `check_profile`: name the file and the field
+        raise ConfigError(f"{field} {path}: {e.field}", e.value, e.rule, e.fix) from None
     if this_machine:
         from jaxpar.planner.probe import check_machine  # (probe imports jax's device machinery; cost does not)
 

@@ -133,6 +133,14 @@ def param_bytes(config: Config, zero_data: int = 1) -> int:
     return _param_shards(config.model, tuple(degrees_of(config).items()), zero_data)
 
 
+def state_floor(config: Config, devices: int) -> float:
+    """A lower bound of every layout's predicted memory per device on `devices`: the model's parameters and Adam's
+    two moments, each byte held by some device, spread evenly (no layout built, nothing traced: what lets the search
+    give up at once on a budget no layout can meet)."""
+    whole = _param_shards(config.model, tuple((a, 1) for a in AXES), 1)
+    return 3 * whole / devices
+
+
 def state_bytes(config: Config) -> dict[str, int]:
     """params, optimizer, gradients and batch bytes per device: exact sums over the shards (see the docstring)."""
     p, degrees = config.parallel, degrees_of(config)

@@ -30,6 +30,7 @@ import json
 import os
 import pathlib
 import platform
+import stat
 import statistics
 import time
 
@@ -39,7 +40,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxpar import flops
-from jaxpar.errors import ConfigError
+from jaxpar.errors import ConfigError, OutputError
 from jaxpar.planner.cost import GB, Profile, profile_for
 
 # Collectives as an axis of the step runs them, and the bytes each device sends for an S-byte buffer over g devices
@@ -285,12 +286,45 @@ def measure(devices: list | None = None, *, repeats: int = 7) -> Profile:
     )
 
 
-def write(profile: Profile, path: str | pathlib.Path) -> None:
-    """Write `profile` as JSON (`cost.load_profile` reads it), atomically: a crash leaves no half-written file."""
+def check_out(path: str | pathlib.Path, flag: str = "--out") -> None:
+    """Refuse (OutputError) a place a profile cannot go: a path that exists and is not a regular file (a directory,
+    a device node, a pipe, a socket) or is a symbolic link (writing would replace the link, not what it names), or
+    whose directory does not exist. Checked before measuring, and again when writing."""
     path = pathlib.Path(path)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(json.dumps(dataclasses.asdict(profile), indent=2, sort_keys=True) + "\n")
-    os.replace(tmp, path)
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        st = None
+    except OSError as e:
+        raise OutputError(f"{flag} {path}: cannot be inspected ({e.strerror or e}); name a file in an existing "
+                          "directory") from None
+    if st is not None and not stat.S_ISREG(st.st_mode):
+        what = ("is a symbolic link" if stat.S_ISLNK(st.st_mode) else "is a directory" if stat.S_ISDIR(st.st_mode)
+                else "exists and is not a regular file (a device, pipe or socket)")
+        raise OutputError(f"{flag} {path}: {what}; name a new file, or a profile file to replace (nothing was "
+                          "written)")
+    if not path.parent.is_dir():
+        raise OutputError(f"{flag} {path}: its directory does not exist; name a file in an existing directory")
+
+
+def write(profile: Profile, path: str | pathlib.Path) -> None:
+    """Write `profile` as JSON (`cost.load_profile` reads it), atomically: into a new temporary file beside `path`
+    (created exclusively, never through a link), then renamed over it, so a crash leaves no half-written file and
+    only a regular file is ever replaced (`check_out`)."""
+    path = pathlib.Path(path)
+    check_out(path)
+    text = json.dumps(dataclasses.asdict(profile), indent=2, sort_keys=True, allow_nan=False) + "\n"
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}-{os.urandom(4).hex()}")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o666)
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 @functools.cache

@@ -14,13 +14,14 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import math
 from typing import Iterable, Iterator
 
 from jaxpar.config import PLANNED, REMAT_POLICIES, Config, ConfigError, resolve_attention
 from jaxpar.errors import PlanError, UsageError, divisors
 from jaxpar.parallel.schedule import SCHEDULES
 from jaxpar.planner.cost import Profile, Timing, predict_time
-from jaxpar.planner.memory import Memory, predict_memory, state_bytes
+from jaxpar.planner.memory import Memory, predict_memory, state_bytes, state_floor
 
 TIE = 1e-3  # step times within this fraction of the fastest's rank as tied with it (the leanest first)
 
@@ -106,13 +107,15 @@ def layouts(config: Config, devices: int, devices_per_host: int, fixed: Iterable
 
 
 def rank(config: Config, devices: int, profile: Profile, *, devices_per_host: int | None = None,
-         memory_gb: float | None = None, fixed: Iterable[str] = ()) -> tuple[list[Candidate], list[Candidate], int]:
+         memory_gb: float | None = None, fixed: Iterable[str] = (),
+         leanest: bool = True) -> tuple[list[Candidate], list[Candidate], int]:
     """(those that fit, fastest first; those predicted not to, smallest first; how many valid layouts there are) for
     `config` on `devices`.
 
     A layout whose state alone (parameters, optimizer state, gradients, batch: exact, and shared by every remat
     policy) exceeds the budget is dropped before its activations and time are predicted — at scale most are (llama_8b
-    on 64 devices: ~6 in 7). Only when nothing fits are they all predicted, to name the leanest (`smallest_fit`)."""
+    on 64 devices: ~6 in 7). Only when nothing fits (and `leanest`) are they all predicted, to name the leanest
+    (`smallest_fit`)."""
     per_host = devices_per_host or devices
     budget = (memory_gb if memory_gb is not None else profile.memory_gb) * 1e9
     device = _Device(profile)
@@ -131,7 +134,7 @@ def rank(config: Config, devices: int, profile: Profile, *, devices_per_host: in
             mem = predict_memory(layout, device.platform)
             cand = Candidate(layout, mem, predict_time(layout, profile, per_host, mem))
             (fit if mem.total <= budget else over).append(cand)
-        if fit:
+        if fit or not leanest:
             break
     fit.sort(key=lambda c: (c.timing.step, c.memory.total))
     if fit:
@@ -177,34 +180,105 @@ def smallest_fit(config: Config, profile: Profile, devices: int, devices_per_hos
     """When nothing fits: the memory per device the leanest layout needs (`over`: `rank`'s layouts over the budget,
     smallest first), and the smallest power-of-two device count (up to 4096) on which some layout fits it."""
     need = over[0].memory.total / 1e9
+    head = f"the leanest layout on {devices} devices ({over[0].label()}) needs {need:.3g} GB per device"
+    return head + _more_devices(config, profile, devices, devices_per_host, memory_gb, fixed)
+
+
+def _more_devices(config: Config, profile: Profile, devices: int, devices_per_host: int, memory_gb: float,
+                  fixed: Iterable[str]) -> str:
+    """The end of a no-fit message: the smallest power-of-two multiple of `devices` (up to 4096) on which a layout
+    fits the budget ("; N devices fit it in M GB (layout)"), or that none does. A count whose state floor (`memory.state_floor`) alone exceeds the budget is skipped without
+    building a layout, and each count's search stops at the layouts whose state fits (no leanest to name)."""
     n = devices
     while n < 4096:
         n *= 2
+        if state_floor(config, n) > memory_gb * 1e9:
+            continue
         fit, _, _ = rank(config, n, profile, devices_per_host=min(devices_per_host, n), memory_gb=memory_gb,
-                      fixed=fixed)
+                         fixed=fixed, leanest=False)
         if fit:
-            return (f"the leanest layout on {devices} devices ({over[0].label()}) needs {need:.2f} GB per device; "
-                    f"{n} devices fit it in {memory_gb:g} GB ({fit[0].label()})")
-    return f"the leanest layout on {devices} devices ({over[0].label()}) needs {need:.2f} GB per device"
+            return f"; {n} devices fit it in {memory_gb:g} GB ({fit[0].label()})"
+    return f"; no device count up to 4096 fits it in {memory_gb:g} GB"
+
+
+def _setting(config: Config, name: str):
+    """A planned field's value: `grad_accum` from the train section, the rest from the parallel one."""
+    return config.train.grad_accum if name == "grad_accum" else getattr(config.parallel, name)
+
+
+def blocked(config: Config, devices: int, hosts: int = 1, fixed: Iterable[str] = (),
+            release: str = "drop those --config.parallel overrides (a field set on the command line is kept as "
+                               "set), or set them to the values named") -> str:
+    """Why no layout of `config` is valid on `devices` over `hosts` with the `fixed` fields kept, and what to do: the
+    fewest kept fields whose values no layout on these devices takes (with values one does take), or, when no
+    layout exists even with every field free, the device counts nearby that have one. `release`: how a user frees
+    a kept field (it depends on where the kept fields came from)."""
+    fixed, per_host = set(fixed), devices // hosts
+    best = None
+    for layout in layouts(config, devices, per_host, ()):
+        change = {f: _setting(layout, f) for f in sorted(fixed)
+                  if _setting(layout, f) != _setting(config, f) and not (f == "data" and config.parallel.data == -1)}
+        if best is None or len(change) < len(best):
+            best = change
+            if len(best) <= 1:
+                break
+    word = "device" if devices == 1 else "devices"
+    if best == {}:  # a free layout takes every kept value, yet none keeps them all (a combination the checks refuse)
+        return (f"no valid layout of this model on {devices} {word} keeps all of {', '.join(map(_path, sorted(fixed)))}"
+                f" at once (the config's checks refuse every combination with them). Fix: {release}")
+    if best:
+        kept = ", ".join(f"{_path(f)} = {_setting(config, f)!r}" for f in best)
+        works = " ".join(f"{_path(f)}={v}" for f, v in best.items())
+        return (f"no valid layout of this model on {devices} {word} keeps {kept} (the config's checks refuse every "
+                f"combination with them); one runs with {works}. Fix: {release}")
+    counts = [n for n in (*range(devices - 1, 0, -1), *range(devices + 1, 2 * devices + 1)) if n % hosts == 0]
+    below = next((n for n in counts if n < devices and any(True for _ in layouts(config, n, n // hosts, ()))), None)
+    above = next((n for n in counts if n > devices and any(True for _ in layouts(config, n, n // hosts, ()))), None)
+    m, t = config.model, config.train
+    why = (f"data*pipe*expert*context*tensor must multiply to {devices}, with data*expert dividing train.batch_size "
+           f"= {t.batch_size}, pipe dividing model.n_layers = {m.n_layers}, tensor dividing model.n_heads = "
+           f"{m.n_heads} within a host of {per_host}")
+    near = " or ".join(str(n) for n in (below, above) if n is not None)
+    return (f"no layout of this model runs on {devices} {word}, whatever the fields ({why}). Fix: "
+            + (f"plan for {near} devices" if near else "change the model's sizes or train.batch_size")
+            + (f" (then: {release})" if fixed else ""))
+
+
+def _path(name: str) -> str:
+    return "train.grad_accum" if name == "grad_accum" else f"parallel.{name}"
 
 
 def plan(config: Config, devices: int, profile: Profile, *, hosts: int = 1, memory_gb: float | None = None,
-         fixed: Iterable[str] = ()) -> dict:
+         fixed: Iterable[str] = (), release: str | None = None) -> dict:
     """The planner's answer for `config` on `devices` split over `hosts` hosts: every layout that fits the memory
     budget per device (default: the profile's device memory), fastest first, the winner and why. A model that fits
-    no layout raises `PlanError` naming the memory or device count that would fit."""
-    if devices < 1 or hosts < 1 or devices % hosts:
+    no layout raises `PlanError` naming the memory or device count that would fit; one with no valid layout at all
+    names the kept fields that block it (`blocked`; `release`: how to free them, in the error's fix).
+
+    Before anything is predicted: a budget below what the parameters and Adam moments alone need per device
+    (`memory.state_floor`) is refused at once, with the device count whose floor fits it."""
+    if (isinstance(devices, bool) or not isinstance(devices, int) or isinstance(hosts, bool)
+            or not isinstance(hosts, int) or devices < 1 or hosts < 1 or devices % hosts):
         raise UsageError(f"--devices {devices} --hosts {hosts}: the devices must split evenly over the hosts "
-                         "(both positive)")
+                         "(both positive whole numbers)")
     budget = profile.memory_gb if memory_gb is None else memory_gb
-    if not budget > 0:
-        raise UsageError(f"--memory-gb {memory_gb}: a memory budget per device must be positive")
+    if isinstance(budget, bool) or not isinstance(budget, (int, float)) or not math.isfinite(budget) or budget <= 0:
+        raise UsageError(f"--memory-gb {budget}: a memory budget per device must be a positive finite number"
+                         if memory_gb is not None else
+                         f"profile {profile.name}: memory_gb = {budget}: the device memory must be positive")
     per_host = devices // hosts
+    if next(iter(layouts(config, devices, per_host, fixed)), None) is None:
+        raise PlanError(blocked(config, devices, hosts, fixed, *([release] if release else [])))
+    floor = state_floor(config, devices)
+    if floor > budget * 1e9:
+        word = "device" if devices == 1 else "devices"
+        raise PlanError(f"no layout fits {budget:g} GB per device on {devices} {word}: the model's state alone needs "
+                        f"at least {floor / 1e9:.3g} GB per device there (its parameters and Adam moments, "
+                        f"{floor * devices / 1e9:.3g} GB" + (f", spread over all {devices})" if devices > 1 else ")")
+                        + _more_devices(config, profile, devices, per_host, budget, fixed)
+                        + " (raise --memory-gb or --devices)")
     fit, over, valid = rank(config, devices, profile, devices_per_host=per_host, memory_gb=budget, fixed=fixed)
     if not fit:
-        if not valid:
-            raise PlanError(f"no valid layout of this model on {devices} devices with the fixed fields "
-                            f"{sorted(fixed)}: every combination is refused by the config's checks")
         raise PlanError(f"no layout fits {budget:g} GB per device on {devices} devices: "
                         + smallest_fit(config, profile, devices, per_host, budget, over, fixed)
                         + " (raise --memory-gb or --devices)")
@@ -218,6 +292,28 @@ def plan(config: Config, devices: int, profile: Profile, *, hosts: int = 1, memo
         out["runner_up"] = _row(runner, peak)
         out["why"] = why(fit[0], runner)
     return out
+
+
+def as_json(result: dict) -> str:
+    """`plan()`'s result (with `verify`'s, if any) as strict JSON (RFC 8259, what every parser reads): a number that
+    is not finite (an infinite or NaN prediction or error) is written as null, never as `Infinity` / `NaN`."""
+    import json
+    import numbers
+
+    def finite(x):
+        if x is None or isinstance(x, (bool, int, str)):
+            return x
+        if isinstance(x, numbers.Integral):  # NumPy's integers
+            return int(x)
+        if isinstance(x, numbers.Real):  # floats, NumPy's included
+            return float(x) if math.isfinite(x) else None
+        if isinstance(x, dict):
+            return {str(k): finite(v) for k, v in x.items()}
+        if isinstance(x, (list, tuple)):
+            return [finite(v) for v in x]
+        return str(x)
+
+    return json.dumps(finite(result), indent=2, allow_nan=False)
 
 
 def layout_config(config: Config, row: dict) -> Config:
