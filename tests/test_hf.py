@@ -65,6 +65,7 @@ def test_logits_match_transformers(name, tensor):
         logits = jax.jit(lambda m, x: m(x))(loaded.model, ids)
     want = load_file(str(FIXTURES / name / "reference_logits.safetensors"))["logits"]
     got = np.asarray(logits)[..., :want.shape[-1]]
+    print(f"{name} tensor {tensor}: max |Δ| {np.abs(got - want).max():.2e} (logits reach {np.abs(want).max():.1f})")
     assert np.abs(got - want).max() < 1e-4
 
 

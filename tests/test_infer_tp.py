@@ -75,17 +75,17 @@ def test_explicit_decoding_greedy_equals_one_device_and_sampling_is_layout_free(
     assert not all((s == want).all() for s in sampled[layouts[0]])  # sampling did sample
 
 
-@pytest.mark.parametrize("sampling", [dict(temperature=0.0), dict(temperature=1.0, top_k=5)], ids=["greedy", "top_k"])
+@pytest.mark.parametrize("sampling", [dict(temperature=0.0), dict(temperature=1.0, top_k=5),
+                                      dict(temperature=1.0, top_p=0.9)], ids=["greedy", "top_k", "top_p"])
 def test_decode_step_sends_two_all_reduces_of_bh_a_layer(sampling):
     """One compiled decode step at tensor 4: the tensor-axis collectives are 2L + 1 all-reduces of [b, 1, h]
     (attention out and MLP down per layer, the vocab-parallel embedding) and the sampler's per-row scalars — for
-    greedy a pmax and a pmin of [b]; for top-k also the t·k candidates (values and ids) and a pmax — and no
-    collective holds more than b·h elements (no O(V) traffic)."""
+    greedy a pmax and a pmin of [b]; for top-k also the t·k candidates (values and ids) and a pmax; for top-p the
+    bisection's 48 all-reduces of [b] masses — and no collective holds more than b·h elements (no O(V) traffic)."""
     cfg = FAMILIES["llama"]
     b, t = 4, 4
     model, plan = placed(cfg, t)
-    fn, args = decode.explicit_decode_step(model, plan, batch=b, slots=16, top_p=1.0,
-                                           **{"top_k": 0, **sampling})
+    fn, args = decode.explicit_decode_step(model, plan, batch=b, slots=16, **{"top_k": 0, "top_p": 1.0, **sampling})
     cols = [c for c in collectives(fn.lower(*args).compile(), plan.mesh) if "tensor" in c.axes]
     big = [c for c in cols if c.elements == b * cfg.d_model]
     assert all(c.kind == "all-reduce" for c in big) and sum(c.count for c in big) == 2 * cfg.n_layers + 1
@@ -93,6 +93,9 @@ def test_decode_step_sends_two_all_reduces_of_bh_a_layer(sampling):
     assert max(c.elements for c in cols) == b * cfg.d_model
     if sampling["temperature"] == 0:
         assert sorted((c.kind, c.elements) for c in small) == [("all-reduce", b), ("all-reduce", b)]
+    elif "top_p" in sampling:  # the bisection loop's psum of the [b] masses runs 48 times (trip count applied)
+        assert ("all-reduce", b, 48) in {(c.kind, c.elements, c.count) for c in small}
+        assert all(c.kind == "all-reduce" and c.elements <= 2 * b for c in small)
     else:
         k = sampling["top_k"]
         assert {(c.kind, c.elements) for c in small} == {("all-gather", b * k * t), ("all-reduce", b)}

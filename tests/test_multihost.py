@@ -247,12 +247,21 @@ def test_pipe_across_processes_matches_one_process_to_rounding(references, tmp_p
     assert "data 0 pipe 1: tensor -> [2048, 2049, 2050, 2051] (process 1)" in run.stdout
     losses, ref_losses = logged_losses(workdir), logged_losses(ref_dir)
     assert sorted(losses) == sorted(ref_losses) == list(range(1, STEPS + 1))
-    np.testing.assert_allclose([losses[s] for s in losses], [ref_losses[s] for s in losses], rtol=1e-5)
+    got_l, want_l = np.array([losses[s] for s in losses]), np.array([ref_losses[s] for s in losses])
     _, got, step = read_canonical(workdir)
     _, want, ref_step = read_canonical(ref_dir)
     assert step == ref_step == STEPS
-    for g, w in zip(leaves(got), leaves(want), strict=True):
-        np.testing.assert_allclose(g, w, rtol=0, atol=1e-6)  # measured: at most 6e-8 after 10 steps
+    pairs = list(zip(leaves(got), leaves(want), strict=True))
+    loss_rel = np.abs(got_l - want_l).max(0) / np.abs(want_l).max(0)  # (loss, grad_norm) over the 10 steps
+    param_abs = max(float(np.abs(g - w).max()) for g, w in pairs)
+    param_rel = max(float(np.abs(g - w).max() / np.abs(w).max()) for g, w in pairs)  # each on its own largest
+    print(f"(1, 2, 4) 2 processes vs 1: loss rel {loss_rel[0]:.2e}, grad norm rel {loss_rel[1]:.2e}; "
+          f"parameters max |Δ| {param_abs:.2e}, relative to each parameter's largest {param_rel:.2e}")
+    # Measured (2026-12-04): loss equal, gradient norm 1.1e-7 relative; parameters 1.2e-7 absolute (6e-8 in an
+    # earlier run), 3.9e-7 of a parameter's largest value. Asserted with a margin of about 8.
+    np.testing.assert_allclose(got_l, want_l, rtol=1e-6)
+    for g, w in pairs:
+        np.testing.assert_allclose(g, w, rtol=0, atol=1e-6)
 
 
 PROBE = """

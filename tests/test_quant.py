@@ -147,12 +147,18 @@ def test_quantized_checkpoint_restores_onto_another_tensor_degree(tmp_path):
         load(dst, quantize="int8")
 
 
+# fixture -> lowest next-token agreement with bf16 asserted for (int8, int4): the measured share of the 512 positions
+# less a margin of 0.05 (int8) and about 0.1 (int4). Measured: llama 0.947, 0.477; qwen2_moe_mixed 0.846, 0.225.
+AGREEMENT = {"llama": (0.9, 0.37), "qwen2_moe_mixed": (0.8, 0.12)}
+
+
 @pytest.mark.parametrize("fixture", ["llama", "qwen2_moe_mixed"])
 def test_quantized_fixture_loss_stays_near_bf16(fixture):
-    """On the imported HF fixtures (bf16 compute, 8 held-out windows of 64 tokens): loss within 1 % of bf16 for
-    int8 and 3 % for int4 (groups of 8), and int8 picks bf16's next token at ≥ 80 % of positions. (These fixtures'
-    weights are random and 10x HF's init — every position is a near-tie for a trained model's standards — so the
-    90 %-of-greedy-tokens bar is checked on the trained model, tests/test_train.py.)"""
+    """On the imported HF fixtures (bf16 compute, 8 held-out windows of 64 tokens): loss within 0.2 % of bf16 for
+    int8 and 1.5 % for int4 (groups of 8) (measured: llama +0.023 % / +0.18 %, qwen2_moe_mixed +0.099 % / +0.93 %),
+    and the next-token argmax equal to bf16's at the share of positions in AGREEMENT. (These fixtures' weights are
+    random and 10x HF's init — every position is a near-tie by a trained model's standards, which int4's rounding
+    flips at half of them — so the greedy-token bars are checked on the trained model, tests/test_train.py.)"""
     path = f"{FIXTURES}/{fixture}"
     results = {}
     for fmt, group in ((None, None), ("int8", None), ("int4", 8)):
@@ -163,8 +169,9 @@ def test_quantized_fixture_loss_stays_near_bf16(fixture):
         logits = decode.explicit_prefill_logits(loaded.model, loaded.plan, windows[:, :-1].astype(np.int32),
                                                 np.zeros(8, np.int32))
         results[fmt] = next_token_nll(logits, windows[:, 1:]), logits.argmax(-1)
-    (base, top), (int8, top8), (int4, _) = results.values()
-    print(f"{fixture}: held-out loss bf16 {base:.4f} int8 {int8:.4f} int4 {int4:.4f}; "
-          f"int8 next-token agreement {(top8 == top).mean():.3f}")
-    assert abs(int8 / base - 1) <= 0.01 and abs(int4 / base - 1) <= 0.03
-    assert (top8 == top).mean() >= 0.8
+    (base, top), (int8, top8), (int4, top4) = results.values()
+    print(f"{fixture}: held-out loss bf16 {base:.6f} int8 {int8:.6f} ({(int8 / base - 1) * 100:+.4f} %) int4 "
+          f"{int4:.6f} ({(int4 / base - 1) * 100:+.4f} %); next-token agreement int8 {(top8 == top).mean():.4f} "
+          f"int4 {(top4 == top).mean():.4f}")
+    assert abs(int8 / base - 1) <= 0.002 and abs(int4 / base - 1) <= 0.015
+    assert (top8 == top).mean() >= AGREEMENT[fixture][0] and (top4 == top).mean() >= AGREEMENT[fixture][1]

@@ -122,9 +122,14 @@ def test_generate_cli_layouts_agree(trained, capsys):
 
 
 def test_quantized_model_keeps_held_out_loss_and_greedy_text(trained):
-    """The trained workdir in bf16, int8 and int4 (groups of 32) at tensor 2: held-out loss (16 windows of 64) within
-    1 % (int8) and 3 % (int4) of bf16's, and ≥ 90 % of 200 greedy tokens the same as bf16's (int8)."""
+    """The trained workdir in bf16, int8 and int4 (groups of 32) at tensor 2, on 16 held-out windows of 64 bytes:
+    held-out loss within 0.05 % of bf16's (measured: int8 0.001 %, int4 0.009 %), the next-token argmax equal to
+    bf16's at ≥ 99 % (int8) and ≥ 95 % (int4) of the 1024 positions (measured: 99.8 %, 97.9 %), and all 200 greedy
+    tokens after "def " equal to bf16's for both. (This 60-step model's greedy continuation is a run of spaces, each
+    token by a top-1 margin ≥ 3.2 logits against a quantization change ≤ 0.04: the loss and the teacher-forced
+    argmax are the informative checks.)"""
     from jaxpar.data import load_tokens, make_tokenizer
+    from jaxpar.infer import decode
 
     workdir, result = trained
     stream = load_tokens(result.config.data, make_tokenizer("bytes"), "eval", seq_len=64)
@@ -133,13 +138,20 @@ def test_quantized_model_keeps_held_out_loss_and_greedy_text(trained):
     got = {}
     for fmt, group in ((None, None), ("int8", None), ("int4", 32)):
         loaded = load(workdir, dtype="bfloat16", quantize=fmt, group_size=group)
-        got[fmt] = held_out_loss(loaded, windows), generate_tokens(loaded, prompt, max_new_tokens=200,
-                                                                  temperature=0.0)[0]
-    (base, text), (int8, text8), (int4, text4) = got.values()
-    print(f"held-out loss bf16 {base:.4f} int8 {int8:.4f} int4 {int4:.4f}; greedy tokens equal to bf16's: int8 "
-          f"{(text8 == text).mean():.3f} int4 {(text4 == text).mean():.3f}")
-    assert abs(int8 / base - 1) <= 0.01 and abs(int4 / base - 1) <= 0.03
-    assert len(text8) == 200 and (text8 == text).mean() >= 0.9
+        top = [np.asarray(decode.explicit_prefill_logits(loaded.model, loaded.plan, rows[:, :-1].astype(np.int32),
+                                                         np.zeros(len(rows), np.int32))).argmax(-1)
+               for rows in (windows[:8], windows[8:])]  # held_out_loss's batches of 8: its compiled prefill
+        got[fmt] = (held_out_loss(loaded, windows), np.concatenate(top),
+                    generate_tokens(loaded, prompt, max_new_tokens=200, temperature=0.0)[0])
+    base, top, text = got.pop(None)
+    for (fmt, (loss, top_q, text_q)), agree in zip(got.items(), (0.99, 0.95), strict=True):
+        print(f"{fmt}: held-out loss {loss:.6f} vs bf16 {base:.6f} ({(loss / base - 1) * 100:+.4f} %); next-token "
+              f"argmax equal at {(top_q == top).mean():.4f} of positions; greedy tokens equal "
+              f"{(text_q == text).mean():.3f}")
+        assert abs(loss / base - 1) <= 5e-4, fmt
+        assert (top_q == top).mean() >= agree, fmt
+        assert len(text_q) == 200, fmt
+        np.testing.assert_array_equal(text_q, text, err_msg=fmt)
 
 
 def test_rerun_continues_from_checkpoint(trained, tmp_path):
