@@ -1,9 +1,9 @@
 """Where a train step's time goes: a `jax.profiler` trace of jaxpar's step, summed per compiled HLO op.
 
-    python -m bench.ops [--layout DxTxP] [--repeats V] [--microbatches M] [--steps 10] [--top 25] [overrides ...]
+    python -m bench.ops [--size tiny|compute] [--dtype float32|bfloat16] [--layout DxTxP] [--repeats V] [--microbatches M] [--steps 10] [--top 25] [overrides ...]
 
 The model is bench/versus.py's tiny Llama (d_model 128, 4 layers, 4 heads of 32, MLP 512, vocab 256, seq 64,
-batch 8, fp32) unless overrides (`model.n_layers=8`, …) say otherwise; the layout runs on D·T·P simulated CPU
+batch 8, fp32; `--size compute`: its compute-bound one; `--dtype bfloat16`: bf16 compute) unless overrides (`model.n_layers=8`, …) say otherwise; the layout runs on D·T·P simulated CPU
 devices (set before jax starts, so the script re-executes itself with XLA_FLAGS). It prints the bare step's time
 (wall and process CPU), then the traced steps' op time summed over every device — by op kind (fusions, dots,
 all-reduce, collective-permute, while, …) and the top ops with their HLO line. Collective ops include the time a
@@ -38,6 +38,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--microbatches", type=int, default=None, help="pipeline microbatches (default: pipe)")
     parser.add_argument("--steps", type=int, default=10, help="steps timed, and traced")
     parser.add_argument("--top", type=int, default=25)
+    parser.add_argument("--size", choices=("tiny", "compute"), default="tiny", help="bench/versus.py's sizes")
+    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     args, overrides = parser.parse_known_args(argv)
     d, t, p = (int(x) for x in args.layout.split("x"))
     n = d * t * p
@@ -46,7 +48,7 @@ def main(argv: list[str] | None = None) -> int:
         env = dict(os.environ, XLA_FLAGS=f"{os.environ.get('XLA_FLAGS', '')} {flag}".strip(), JAX_PLATFORMS="cpu")
         os.execve(sys.executable, [sys.executable, "-m", "bench.ops", *(argv or sys.argv[1:])], env)
 
-    from bench.versus import JAXPAR_MODEL
+    from bench.versus import SIZES, jaxpar_overrides
     from jaxpar import perf
 
     perf.retain_host_memory()  # as `jaxpar train` does, before the backend starts
@@ -58,7 +60,7 @@ def main(argv: list[str] | None = None) -> int:
     m = args.microbatches or (p if p > 1 else 1)
     layout = [f"parallel.data={d}", f"parallel.tensor={t}", f"parallel.pipe={p}",
               f"parallel.repeats={args.repeats if p > 1 else 1}", f"parallel.microbatches={m}"]
-    model = [f"{k}={v}" for k, v in JAXPAR_MODEL.items()]
+    model = [f"{k}={v}" for k, v in jaxpar_overrides(SIZES[args.size], args.dtype).items()]
     config = load_config("configs/tiny.py", model + layout + [o.removeprefix("--config.") for o in overrides])
     config = config.resolve_for_devices(n)
     trainer = build_trainer(config, jax.devices()[:n] if n > 1 else None)

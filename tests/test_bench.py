@@ -23,20 +23,68 @@ SMALL = ONE_DEVICE + ["model.d_model=32", "model.n_layers=2", "model.n_heads=4",
 
 
 def test_gpu_script_dry_run():
-    """bench/gpu.sh --dry-run: the GPU script's whole path on CPU with a tiny model, the planner's section included."""
-    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
+    """bench/gpu.sh --dry-run: the GPU script's whole path on CPU with a tiny model, the one-GPU rows (remat none,
+    dots, full) and the planner's section included. ~45 s on an idle 2-core VM; the timeouts (gpu.sh's own for a dry
+    run, 840 s, and this one) are safety nets for a loaded machine, not limits the test measures."""
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS", "GPU_BENCH_TIMEOUT_S")}
     proc = subprocess.run(["bash", "bench/gpu.sh", "--dry-run", "--steps", "2"], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=120, check=False)
+                          capture_output=True, text=True, timeout=900, check=False)
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1].removeprefix("GPU-RESULT "))
     assert result["device"] == "cpu" and result["mfu"] is None  # no datasheet peak for a CPU
     assert result["tokens_per_s"] > 0 and result["tflops_per_device"] > 0 and result["matmul_ceiling_tflops"] > 0
-    assert "MFU vs datasheet peak" in proc.stdout
+    assert "MFU vs datasheet peak" in proc.stdout and "stopped" not in result
+    one_gpu = result["one_gpu"]  # section 3b: the preset's stand-in on one device at each remat policy
+    assert one_gpu["layout"] == {"data": 1, "tensor": 1, "pipe": 1} and one_gpu["params"] == result["params"]
+    assert [row["remat"] for row in one_gpu["rows"]] == ["none", "dots", "full"], one_gpu["rows"]
+    for row in one_gpu["rows"]:
+        assert row["tokens_per_s"] > 0 and row["tflops_per_device"] > 0 and row["mfu_vs_ceiling"] > 0, row
+        assert row["mfu"] is None and row["hfu"] is None and row["step_memory_gb"] > 0, row
+        assert f"one GPU, remat {row['remat']}: compile" in proc.stdout
     planner = result["planner"]  # section 5: the probe's prediction of the step above, and the planner's own layout
     assert planner["ran"]["predicted_step_s"] > 0 and planner["ran"]["measured_step_s"] == result["step_s"]
     assert planner["planned"]["measured_step_s"] > 0 and planner["planned"]["predicted_gb"] > 0
     heap = planner["heap"]  # where the step's temp allocation goes (analysis.heap), read from a dump of its compile
     assert heap["live"] <= heap["allocation"] and abs(heap["stacked"] / heap["allocation"] - 1) < 0.1, heap
+
+
+def test_gpu_script_skips_rows_without_time_and_stops_at_its_limit():
+    """Section 3b skips a row, with the reason, when the last row's time would eat into the later sections' share,
+    records a row that runs out of memory, and retries a cuDNN failure with XLA attention once; with almost no time
+    the watchdog prints the figures measured so far as the GPU-RESULT line and exits 3 (the child's 11 s budget is
+    the behaviour under test; the 600 s timeout is a safety net)."""
+    from bench import gpu
+
+    config = load_config("configs/tiny.py", SMALL)
+    load = lambda remat, more: config  # noqa: E731
+
+    def untimed(c):
+        raise AssertionError("a row skipped for time was timed")
+
+    def oom(c):
+        raise RuntimeError("RESOURCE_EXHAUSTED: Out of memory while trying to allocate 1 bytes")
+
+    out = gpu.one_gpu_rows("tiny", load, untimed, jax.devices()[0], 1e12, 60.0, lambda: gpu.ROWS_LEFT_S + 30)
+    assert [r["remat"] for r in out["rows"]] == list(gpu.REMATS) and all("s left" in r["skipped"] for r in out["rows"])
+    out = gpu.one_gpu_rows("tiny", load, oom, jax.devices()[0], 1e12, 0.0, lambda: 1e6)
+    assert [r["skipped"] for r in out["rows"]] == ["out of memory at 4 sequences"] * 3 and out["params"] > 0
+
+    asked = []  # a cuDNN failure is retried once with XLA attention, which the later rows then keep
+
+    def cudnn(c):
+        raise RuntimeError("cuDNN fused attention failed")
+    out = gpu.one_gpu_rows("tiny", lambda remat, more: asked.append(list(more)) or config, cudnn,
+                           jax.devices()[0], 1e12, 0.0, lambda: 1e6)
+    assert asked == [[], ["model.attention=xla"]] + [["model.attention=xla"]] * 2
+    assert all(r["skipped"].startswith("failed: cuDNN") for r in out["rows"])
+
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(ROOT), "GPU_BENCH_TIMEOUT_S": "11"}
+    env.pop("XLA_FLAGS", None)  # one CPU device, as gpu.sh's dry run has
+    proc = subprocess.run([sys.executable, "-m", "bench.gpu", "--dry-run"], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=600, check=False)
+    assert proc.returncode == 3, proc.stderr[-3000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1].removeprefix("GPU-RESULT "))
+    assert result["device"] == "cpu" and result["stopped"].startswith("time limit reached during "), result
 
 
 def test_plain_step_matches_jaxpar_step():
@@ -84,7 +132,7 @@ print(json.dumps({"added": added, "flags": env["XLA_FLAGS"], "cpu": cpu, "late":
 """
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(ROOT)}
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=120, check=False)
+                          timeout=600, check=False)  # a safety net: the child runs in seconds
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     assert out["total"] == 64.0 and out["cpu"] == [] and out["late"] == []

@@ -28,7 +28,7 @@ def test_demo_command_trains_and_samples(tmp_path):
 def test_config_error_is_one_clean_line_with_exit_status_2(tmp_path):
     cmd = [sys.executable, "-m", "jaxpar.cli", "train", "--config", "configs/tiny.py", "--config.parallel.tensor=3",
            "--workdir", str(tmp_path)]
-    out = subprocess.run(cmd, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=120)
+    out = subprocess.run(cmd, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=600)
     assert out.returncode == 2
     lines = out.stderr.strip().splitlines()
     assert len(lines) == 1 and "parallel.tensor" in lines[0] and "Fix:" in lines[0], out.stderr
@@ -39,7 +39,7 @@ def test_mesh_product_error_names_data(tmp_path):
     cmd = [sys.executable, "-m", "jaxpar.cli", "train", "--config", "configs/tiny.py", "--config.parallel.data=3",
            "--workdir", str(tmp_path)]
     out = subprocess.run(cmd, cwd=ROOT, env={**ENV, "XLA_FLAGS": "--xla_force_host_platform_device_count=8"},
-                         capture_output=True, text=True, timeout=120)
+                         capture_output=True, text=True, timeout=600)
     assert out.returncode == 2 and "parallel.data" in out.stderr and "8 available devices" in out.stderr, out.stderr
     assert not (tmp_path / "checkpoints").exists()  # failed before anything was written
 
@@ -48,7 +48,7 @@ def test_schedule_command_prints_grid_and_draws(tmp_path):
     png = tmp_path / "schedule.png"
     cmd = [sys.executable, "-m", "jaxpar.cli", "schedule", "--pipe", "2", "--repeats", "2", "--microbatches", "4",
            "--png", str(png)]
-    out = subprocess.run(cmd, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=120)
+    out = subprocess.run(cmd, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr
     assert "stage1   - 0.0 1.0 2.0 3.0 0.1 1.1 2.1 3.1" in out.stdout
     assert "bubble (p − 1)/(v·m + p − 1) = 0.111" in out.stdout

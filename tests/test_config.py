@@ -499,7 +499,7 @@ def test_cli_bad_config_is_one_line(tmp_path, flag, field):
     cmd = [sys.executable, "-m", "jaxpar.cli", "train", "--config", "configs/tiny.py", flag,
            "--workdir", str(tmp_path)]
     proc = subprocess.run(cmd, cwd=ROOT, env={**os.environ, "JAX_PLATFORMS": "cpu"}, capture_output=True, text=True,
-                          timeout=120)
+                          timeout=600)
     lines = [line for line in proc.stderr.splitlines() if line.strip()]
     assert proc.returncode == 2, proc.stderr
     assert len(lines) == 1, proc.stderr

@@ -393,7 +393,7 @@ def test_command_line_export_writes_the_same_files(trained, tmp_path):
     """`jaxpar convert --from W --to-hf D` (a real process) writes what export_workdir writes."""
     export_workdir(trained["gpt2"], tmp_path / "api")
     run = subprocess.run([sys.executable, "-m", "jaxpar.cli", "convert", "--from", str(trained["gpt2"]), "--to-hf",
-                          str(tmp_path / "cli")], capture_output=True, text=True, timeout=120, cwd=tmp_path)
+                          str(tmp_path / "cli")], capture_output=True, text=True, timeout=600, cwd=tmp_path)
     assert run.returncode == 0, run.stderr
     files = sorted(p.name for p in (tmp_path / "api").iterdir())
     assert sorted(p.name for p in (tmp_path / "cli").iterdir()) == files

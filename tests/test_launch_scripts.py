@@ -60,7 +60,7 @@ def test_sbatch_wires_every_process(tmp_path, tasks_per_node):
            "SLURM_NTASKS": str(NODES * tasks_per_node), "SLURM_NTASKS_PER_NODE": str(tasks_per_node),
            "SLURM_GPUS_ON_NODE": str(GPUS)}
     run = subprocess.run(["bash", str(ROOT / "scripts/slurm/train.sbatch"), "--config", "configs/llama_1b.py",
-                          "--config.parallel.tensor=8"], env=env, capture_output=True, text=True, timeout=60,
+                          "--config.parallel.tensor=8"], env=env, capture_output=True, text=True, timeout=600,
                          check=False)
     assert run.returncode == 0, run.stderr
     calls = [json.loads(line) for line in run.stdout.splitlines() if line.startswith("{")]

@@ -30,7 +30,7 @@ SMALL = ["model.d_model=32", "train.batch_size=16", "train.seq_len=32", "train.l
          "train.eval_batches=1", "train.warmup_steps=2", f"train.steps={STEPS}", "checkpoint.every=2",
          "checkpoint.keep=10"]
 LAYOUTS = {(2, 2, 2): [], (1, 2, 4): ["parallel.data=1", "parallel.tensor=4"]}  # (data, pipe, tensor) -> overrides
-TIMEOUT = 240  # per subprocess run; a healthy one takes ~30 s on 2 cores
+TIMEOUT = 600  # per subprocess run, a safety net for a loaded machine; a healthy one takes ~30 s on 2 cores
 
 
 # ---------------------------------------------------------------- settings and device order (no processes) ----

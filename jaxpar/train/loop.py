@@ -21,6 +21,7 @@ from jaxpar.distributed import batch_rows
 from jaxpar.errors import CheckpointError, ConfigError, OutputError
 from jaxpar.interop import hf
 from jaxpar.mesh import describe_mesh
+from jaxpar.model import count_params
 from jaxpar.store import checkpoint
 from jaxpar.store.lock import WorkdirLock
 from jaxpar.train.metrics import MetricsWriter, StepProfiler
@@ -178,6 +179,8 @@ def _prepare(config: Config, workdir: pathlib.Path, devices: list, progress: boo
                        process_count=rows_count)
     # Batches are placed on the step's devices by the loader's prefetch thread, two steps ahead.
     loader = data_lib.make_loader(train_tokens, seed=train.seed, place=trainer.put, prefetch=2, **loader_args)
+    if jax.process_index() == 0:  # the model's own count (vocab unpadded), as Megatron and MaxText print theirs
+        print(f"jaxpar: {count_params(model_cfg):,} parameters", flush=True)
     if trainer.plan.padded_vocab != model_cfg.vocab_size and jax.process_index() == 0:
         print(f"jaxpar: vocab {model_cfg.vocab_size} padded to {trainer.plan.padded_vocab} (a multiple of "
               f"parallel.tensor={config.parallel.tensor}); the pad rows are zero and their logits masked")
