@@ -93,8 +93,9 @@ def useful_flops(args, extra: list[str]) -> float:
     from jaxpar.config import load_config
     from jaxpar.train import build_trainer
 
+    model = [o for o in extra if not o.removeprefix("--config.").startswith("parallel.")]  # no layout on one device
     config = load_config("configs/tiny.py", overrides(args.size, args.dtype, "1x1x1", args.remat, args.unroll)
-                         + extra).resolve_for_devices(1)
+                         + model).resolve_for_devices(1)
     trainer = build_trainer(config, None)
     return dot_flops(trainer.train_step.lower(trainer.state, trainer.random_batch(config)).compile().as_text())
 

@@ -83,8 +83,12 @@ def build_trainer(config: Config, devices: list | Mesh | None, *, explicit: bool
     tx = make_optimizer(config.train)
     graphdef, state, shardings = create_state(plan.model, tx, config.train.seed, plan, abstract=abstract)
     specs = param_specs(state.params, plan.rules, plan.param_zero_data) if plan.mesh is not None else None
+    # ZeRO-1: the gradients leave split as the optimizer state is (a reduce-scatter, not an all-reduce)
+    grad_specs = (param_specs(state.params, plan.rules, plan.opt_zero_data)
+                  if plan.mesh is not None and plan.opt_zero_data != plan.param_zero_data else None)
     grads_of, step_grads = (sharded_loss_and_grads(graphdef, plan, grad_accum=config.train.grad_accum,
-                                                   remat=parallel.remat, param_specs=specs, stats=stats)
+                                                   remat=parallel.remat, param_specs=specs, grad_specs=grad_specs,
+                                                   stats=stats)
                             for stats in (False, model.moe.enabled))  # the step also reports MoE statistics
     moe_layers = model.moe_layer_count
     train_step, eval_step = compile_steps(make_train_step(step_grads, tx, lr_schedule(config.train), moe_layers),

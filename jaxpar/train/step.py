@@ -147,7 +147,7 @@ def scheduled_loss_and_grads(graphdef: nnx.GraphDef, params: nnx.State, batch: j
 
 def loss_and_grads(graphdef: nnx.GraphDef, *, grad_accum: int = 1, remat: str = "none",
                    par: Parallel = SINGLE_DEVICE, grad_axes: tuple[str, ...] = (), pipe: Pipeline | None = None,
-                   pipe_replicated=None, zero_dims=None, expert_split=None, stats: bool = False
+                   pipe_replicated=None, zero_dims=None, grad_dims=None, expert_split=None, stats: bool = False
                    ) -> Callable[[nnx.State, jax.Array], tuple[jax.Array, nnx.State]]:
     """(params, batch int [B, T+1]) → (mean loss, gradients), on whatever rows it is given; with `stats`, also the
     MoE layers' statistics summed over every row and layer (jaxpar.model.moe; {} for a dense model).
@@ -172,6 +172,10 @@ def loss_and_grads(graphdef: nnx.GraphDef, *, grad_accum: int = 1, remat: str = 
     all-gathered once before the step's first chunk, and their gradients reduce-scattered over `data` (instead of
     all-reduced) after the last, then averaged over the other gradient axes — the whole model is gathered for the
     step, not layer by layer.
+
+    grad_dims (ZeRO-1, and ZeRO-3 where it equals zero_dims): per parameter, the dim along which its *gradient* leaves
+    split over `data` (-1: replicated) — the split of the optimizer state, so that the update runs on 1/data of
+    every gradient and a reduce-scatter (half an all-reduce's bytes) replaces the all-reduce. Default: zero_dims.
 
     expert_split: per parameter, whether it is split over `expert` (the experts of MoE layers): its gradient holds
     every expert rank's tokens' contributions already (the all-to-all's transpose brought them), so it is divided
@@ -226,7 +230,8 @@ def loss_and_grads(graphdef: nnx.GraphDef, *, grad_accum: int = 1, remat: str = 
             sums = jax.tree.map(lambda a: jax.lax.psum(a, PIPE), sums)  # each stage counted its own layers
         if grad_axes:
             loss = jax.lax.pmean(loss, grad_axes)
-            dims = zero_dims if zero_dims is not None else jax.tree.map(lambda _: -1, grads)
+            dims = next((d for d in (grad_dims, zero_dims) if d is not None), None)
+            dims = dims if dims is not None else jax.tree.map(lambda _: -1, grads)
             split = expert_split if expert_split is not None else jax.tree.map(lambda _: False, grads)
             grads = jax.tree.map(lambda g, d, e: _mean(g, d, grad_axes, e), grads, dims, split)
             sums = jax.tree.map(lambda a: jax.lax.psum(a, grad_axes), sums)
@@ -262,10 +267,12 @@ def _zero_dims(param_specs: nnx.State):
 
 
 def sharded_loss_and_grads(graphdef: nnx.GraphDef, plan: Plan, *, grad_accum: int = 1, remat: str = "none",
-                           param_specs: nnx.State | None = None, stats: bool = False):
+                           param_specs: nnx.State | None = None, grad_specs: nnx.State | None = None,
+                           stats: bool = False):
     """`loss_and_grads` over the global batch: under shard_map on the plan's mesh when the plan is sharded (params
     laid out by `param_specs`, rows over the batch axes), else as one global computation (single device, or GSPMD
-    on a mesh)."""
+    on a mesh). grad_specs: how the gradients leave (default param_specs); ZeRO-1 passes the optimizer state's
+    specs, split over `data`, so the gradients are reduce-scattered rather than all-reduced."""
     if not plan.sharded:
         if plan.pipeline is not None:  # make_plan refuses this combination; never drop a pipeline silently
             raise ValueError("a pipeline needs the explicit shard_map step (an explicit plan)")
@@ -274,8 +281,10 @@ def sharded_loss_and_grads(graphdef: nnx.GraphDef, plan: Plan, *, grad_accum: in
     expert_split = jax.tree.map(lambda spec: EXPERT in _mesh_axes(spec), param_specs)
     local = loss_and_grads(graphdef, grad_accum=grad_accum, remat=remat, par=plan.parallel, grad_axes=plan.grad_axes,
                            pipe=plan.pipeline, pipe_replicated=replicated, zero_dims=_zero_dims(param_specs),
+                           grad_dims=None if grad_specs is None else _zero_dims(grad_specs),
                            expert_split=expert_split, stats=stats)
-    out_specs = (P(), param_specs, P()) if stats else (P(), param_specs)
+    grad_specs = param_specs if grad_specs is None else grad_specs
+    out_specs = (P(), grad_specs, P()) if stats else (P(), grad_specs)
     return jax.shard_map(local, mesh=plan.mesh, in_specs=(param_specs, plan.batch_spec), out_specs=out_specs,
                          check_vma=True)
 
