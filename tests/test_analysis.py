@@ -50,6 +50,19 @@ def test_flops_count_every_layer_not_one_loop_body():
     assert report["flops"]["xla_cost_flops"] < 0.6 * report["flops"]["dot_flops"]
 
 
+def test_zero1_reduce_scatters_the_gradients():
+    """ZeRO-1: the gradients leave the backward split over `data` as Adam's moments are — a reduce-scatter of their
+    bytes, no all-reduce of them — and the updated parameters come back by an all-gather of the same bytes: 2(d−1)/d
+    of the gradient bytes on `data` (planner/cost.py's count), not an all-reduce's 2(d−1)/d plus the gather."""
+    from jaxpar.model import count_params
+
+    config = load_config(None, SMALL + ["parallel.data=8", "parallel.tensor=1", "parallel.zero=1"])
+    by = analyze(config, activations=False)["collectives"]["by_kind_and_axes"]
+    grads = 4 * count_params(config.model)  # float32; every SMALL parameter has a dim divisible by 8
+    assert by["reduce-scatter@data"]["bytes"] == by["all-gather@data"]["bytes"] >= 0.99 * grads, by
+    assert by.get("all-reduce@data", {"bytes": 0})["bytes"] < 0.01 * grads, by  # scalars only: the loss, the norms
+
+
 MEMORY = ["model.vocab_size=256", "model.d_model=64", "model.n_layers=2", "model.n_heads=8", "model.n_kv_heads=8",
           "model.d_ff=128", "model.max_seq_len=64", "train.seq_len=64", "train.batch_size=8"]
 
