@@ -75,7 +75,7 @@ from jaxpar.infer import decode, sampling  # noqa: E402
 from jaxpar.infer.decode import CACHE_AXES  # noqa: E402
 from jaxpar.config import ConfigError  # noqa: E402
 from jaxpar.model import KVCache, Transformer, abstract_model, quantize_state  # noqa: E402
-from jaxpar.parallel.plan import make_plan  # noqa: E402
+from jaxpar.plan import make_plan  # noqa: E402
 from jaxpar.sharding import constrain, param_shardings  # noqa: E402
 
 

@@ -86,7 +86,7 @@ def decode_speed(model, devices, dry: bool) -> dict:
     from jaxpar.config import ParallelConfig
     from jaxpar.infer import decode
     from jaxpar.model import Transformer, abstract_model, quantize_state
-    from jaxpar.parallel.plan import make_plan
+    from jaxpar.plan import make_plan
 
     cfg = dataclasses.replace(model, dtype="bfloat16", param_dtype="bfloat16", attention="xla")  # masked decoding
     B, P, N = (2, 16, 8) if dry else (8, 128, 128)

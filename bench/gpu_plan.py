@@ -40,7 +40,7 @@ def planner_check(config, devices: list, measured_s: float, compiled_gb: float,
     `time_steps(config) → (compiled step, compile s, median step s, losses)` times a config as section 3 did."""
     from jaxpar.analysis.hlo import memory
     from jaxpar.config import PLANNED, ParallelConfig
-    from jaxpar.planner import auto, probe
+    from jaxpar.planner import auto, probe, profile as machine
 
     backend = "cpu" if devices[0].platform == "cpu" else "gpu"
     start = time.perf_counter()
@@ -54,7 +54,7 @@ def planner_check(config, devices: list, measured_s: float, compiled_gb: float,
           f"{out['ran']['predicted_step_s'] * 1e3:.1f} ms, measured {measured_s * 1e3:.1f} ms", flush=True)
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "profile.json")
-        probe.write(profile, path)
+        machine.write(profile, path)
         asked = dataclasses.replace(config, parallel=ParallelConfig(auto=True, profile=path),
                                     train=dataclasses.replace(config.train, grad_accum=1))
         chosen = auto.choose(asked, devices, log=print)

@@ -132,14 +132,15 @@ def _analyze(args, overrides: list[str]) -> int:
 
 
 def _plan(args, overrides: list[str]) -> int:
-    from jaxpar.planner import cost, search
+    from jaxpar.planner import profile as machine, search
 
     if args.top < 1:
         raise UsageError(f"--top {args.top}: show at least one layout")
     if args.profile and args.device_kind:
         raise UsageError("--profile and --device-kind both name the machine; pass one")
     config = load_config(args.config, overrides, args.config_root)
-    profile = cost.load_profile(args.profile) if args.profile else cost.profile_for(args.device_kind or "h100")
+    profile = (machine.load_profile(args.profile) if args.profile
+               else machine.profile_for(args.device_kind or "h100"))
     # A parallel field (or train.grad_accum) set on the command line stays as set; the planner chooses the rest.
     fixed = {o.partition("=")[0].split(".", 1)[1] for o in overrides
              if o.startswith("parallel.") or o.startswith("train.grad_accum")}
@@ -166,20 +167,20 @@ def _probe(args, overrides: list[str]) -> int:
         raise UsageError(f"--config.{overrides[0]}: probe takes no config (it measures the machine)")
     out = pathlib.Path(args.out) if args.out else None
     if out is not None:  # refused before measuring: only a new file, or a regular file it replaces whole
-        from jaxpar.planner.probe import check_out
+        from jaxpar.planner.profile import check_out
 
         check_out(out)
     import dataclasses
     import json
 
-    from jaxpar.planner import probe
+    from jaxpar.planner import probe, profile as machine
 
     profile = probe.measure()
     if out is None:
         print(json.dumps(dataclasses.asdict(profile), indent=2, sort_keys=True))
         return 0
     try:
-        probe.write(profile, out)
+        machine.write(profile, out)
     except OSError as e:
         raise OutputError(f"--out {out}: cannot be written ({e.strerror or e})") from None
     fast = max(profile.flops.values())

@@ -223,7 +223,7 @@ def run_layers(stacks: Stacks, x: Array, positions: Array, mask: Array | None, c
     with a dynamic-update-slice and read back with a dynamic-slice. A few layers per trip remove most of that (on
     the tiny model's single-device step, about a quarter of its time) while the program still holds at most
     `scan_unroll` copies of the layer, whatever the depth. (Under sequence parallelism the plan sets it to 1:
-    see `jaxpar.parallel.plan.make_plan`.)"""
+    see `jaxpar.plan.make_plan`.)"""
     sizes = {name: jax.tree.leaves(params)[0].shape[0] for name, params in stacks.items()}
     pattern = cfg.layer_pattern[:sum(sizes.values())]
     if {name: pattern.count(name) for name in sizes} != sizes:

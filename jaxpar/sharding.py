@@ -16,7 +16,7 @@ mesh axis splits, and why); as of today it reads
 | vocab    | tensor                | vocab-parallel embedding and LM head                                     |
 | (others) | —                     | replicated: embed, head_dim, norm                                        |
 
-One exception is derived from it, per model and mesh (`jaxpar.parallel.plan.make_plan`): with fewer kv heads than
+One exception is derived from it, per model and mesh (`jaxpar.plan.make_plan`): with fewer kv heads than
 tensor ranks (GQA, K < t) the kv heads cannot be split, so `kv_heads` is replicated and each rank uses the head of
 its query group.
 """

@@ -106,7 +106,7 @@ assert tr.batch_size // par.data // par.microbatches == 2
 # %% [markdown]
 # ## 2. Mesh
 #
-# `build_trainer(config, devices)` starts from one *plan* (`jaxpar.parallel.plan.make_plan`): it checks the layout
+# `build_trainer(config, devices)` starts from one *plan* (`jaxpar.plan.make_plan`): it checks the layout
 # against the devices once and lays the 8 devices out as a `2 × 2 × 1 × 1 × 2` array with the axes of
 # `jaxpar/parallel/axes.py`, `("data", "pipe", "expert", "context", "tensor")`. Tensor is innermost (fastest
 # varying), so device $i$ sits at $(d, p, t)$ with $i = 4d + 2p + t$ (the size-1 axes add nothing to the index).

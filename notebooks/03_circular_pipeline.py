@@ -271,7 +271,7 @@ for p, v, m in [(4, 1, 4), (4, 2, 4)]:  # same p and m: GPipe, then 2 passes (k 
 # %%
 from jaxpar.config import ModelConfig, ParallelConfig
 from jaxpar.model import Transformer
-from jaxpar.parallel.plan import make_plan
+from jaxpar.plan import make_plan
 from jaxpar.sharding import param_shardings, param_specs
 from jaxpar.train.step import loss_and_grads, sharded_loss_and_grads
 

@@ -14,7 +14,7 @@ import numpy as np
 from flax import nnx
 
 from jaxpar.model import Transformer
-from jaxpar.parallel.plan import make_plan
+from jaxpar.plan import make_plan
 from jaxpar.sharding import param_shardings, param_specs
 from jaxpar.train.step import loss_and_grads, sharded_loss_and_grads
 

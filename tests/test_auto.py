@@ -13,7 +13,7 @@ import pytest
 
 from jaxpar.cli import main
 from jaxpar.config import ConfigError, ParallelConfig, config_from_dict, load_config
-from jaxpar.planner import auto, cost, probe, search
+from jaxpar.planner import auto, probe, profile as machine, search
 from jaxpar.train import fit
 
 # A model small enough that the search and one compile take seconds: 5 heads (tensor 1 or 5), 3 layers (pipe 1 or 3).
@@ -33,8 +33,8 @@ def profile_file(tmp_path_factory):
 
 
 def test_probe_measures_this_machine_and_refuses_another(profile_file, tmp_path):
-    prof = cost.load_profile(str(profile_file))
-    assert prof.devices == len(jax.devices()) and prof.machine == probe.machine()
+    prof = machine.load_profile(str(profile_file))
+    assert prof.devices == len(jax.devices()) and prof.machine == machine.machine()
     assert all(rate > 0 for rate in prof.flops.values()) and prof.latency > 0 and prof.layer_overhead > 0
     assert 0.0 <= prof.overlap <= 1.0 and prof.memory_gb > 0
     for kind in probe.KINDS:  # every collective at every group size an axis of 8 devices can have
@@ -42,10 +42,10 @@ def test_probe_measures_this_machine_and_refuses_another(profile_file, tmp_path)
     assert prof.bandwidth("permute", 4, inside=True) == prof.links["permute"]["4"]
     assert prof.bandwidth("permute", 4, inside=False) == prof.inter_host
     other = tmp_path / "other.json"
-    probe.write(dataclasses.replace(prof, machine={**prof.machine, "cores": prof.machine["cores"] + 1}), other)
+    machine.write(dataclasses.replace(prof, machine={**prof.machine, "cores": prof.machine["cores"] + 1}), other)
     with pytest.raises(ConfigError, match="another machine"):
-        cost.load_profile(str(other))
-    assert cost.load_profile(str(other), this_machine=False).machine["cores"] == prof.machine["cores"] + 1
+        machine.load_profile(str(other))
+    assert machine.load_profile(str(other), this_machine=False).machine["cores"] == prof.machine["cores"] + 1
 
 
 def test_the_fields_a_user_set_stay():
@@ -77,7 +77,7 @@ def test_auto_trains_with_the_planners_layout(profile_file, tmp_path):
     assert saved["auto"] is False and saved["keep"] == [] and saved["pipe"] == 1
     base = load_config(None, [f"model.{k}={v}" for k, v in MODEL.items()] + [f"train.{k}={v}" for k, v in TRAIN.items()]
                        + ["data.source=synthetic", "parallel.pipe=1"])
-    expected = search.plan(base, 8, cost.load_profile(str(profile_file)),
+    expected = search.plan(base, 8, machine.load_profile(str(profile_file)),
                            memory_gb=probe.device_memory_gb(jax.devices()[0]), fixed={"pipe"})["winner"]
     assert {k: saved[k] for k in expected["parallel"]} == expected["parallel"], log
     assert expected["layout"] in log
@@ -88,7 +88,7 @@ def test_auto_names_the_kept_fields_that_leave_no_layout_and_the_profile_field_i
     error names those fields, values that run, and how to set them; the values it names then plan. A profile with a
     field out of range is refused naming the field (issue 35)."""
     path = tmp_path / "h100.json"  # a datasheet profile claims no machine: usable here without probing
-    probe.write(cost.profile_for("h100"), path)
+    machine.write(machine.profile_for("h100"), path)
     asked = ["parallel.auto=true", f"parallel.profile={path}"]
     with pytest.raises(search.PlanError) as err:
         auto.choose(load_config("configs/tiny.py", asked), jax.devices()[:1], log=None)
@@ -100,7 +100,7 @@ def test_auto_names_the_kept_fields_that_leave_no_layout_and_the_profile_field_i
     chosen = auto.choose(load_config("configs/tiny.py", asked + named), jax.devices()[:1], log=None)
     assert chosen.mesh_shape == (1, 1, 1, 1, 1)
     bad = tmp_path / "bad.json"
-    bad.write_text(json.dumps({**dataclasses.asdict(cost.profile_for("h100")), "overlap": 5}))
+    bad.write_text(json.dumps({**dataclasses.asdict(machine.profile_for("h100")), "overlap": 5}))
     with pytest.raises(ConfigError, match=f"parallel.profile {bad}: field overlap = 5: must lie in"):
         auto.choose(load_config("configs/tiny.py", ["parallel.auto=true", f"parallel.profile={bad}"]),
                     jax.devices()[:1], log=None)

@@ -8,7 +8,7 @@ import pytest
 from flax import nnx
 
 from jaxpar.config import load_config
-from jaxpar.parallel.plan import make_plan
+from jaxpar.plan import make_plan
 from jaxpar.store import checkpoint
 from jaxpar.train import build_trainer, fit
 

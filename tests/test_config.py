@@ -316,7 +316,7 @@ def test_d_ff_not_divisible_by_tensor():
 
 
 def test_vocab_not_divisible_by_tensor_is_padded_not_refused():
-    # Like Megatron's make-vocab-size-divisible-by: jaxpar.parallel.plan.make_plan pads the embedding instead.
+    # Like Megatron's make-vocab-size-divisible-by: jaxpar.plan.make_plan pads the embedding instead.
     assert config_from_dict(_tiny(model={"vocab_size": 257})).model.vocab_size == 257
 
 

@@ -230,7 +230,7 @@ def test_training_starts_from_hf_weights_on_a_pipelined_layout(tmp_path):
     (≈ lr per element) of the Hugging Face tensor it came from — so each landed in the right place (pipeline layer
     order, vocab padding, head split)."""
     from jaxpar.train import fit
-    from jaxpar.parallel.plan import make_plan
+    from jaxpar.plan import make_plan
 
     base = Config(parallel=ParallelConfig(data=2, pipe=2, tensor=2, microbatches=2),
                   train=TrainConfig(batch_size=4, seq_len=16, steps=1, lr=1e-3, warmup_steps=0, eval_every=0,

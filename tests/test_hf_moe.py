@@ -38,7 +38,7 @@ from jaxpar.config import ConfigError, MoEConfig, ParallelConfig
 from jaxpar.infer.text import load
 from jaxpar.interop import hf
 from jaxpar.model import abstract_model
-from jaxpar.parallel.plan import make_plan
+from jaxpar.plan import make_plan
 from jaxpar.sharding import param_shardings, param_specs
 from jaxpar.train.step import sharded_loss_and_grads
 

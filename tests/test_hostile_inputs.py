@@ -93,10 +93,11 @@ class Paths:
         }.items():
             (self.configs / name).write_text(body)
         self.hf = {kind: self._bad_hf(kind) for kind in HF_DAMAGE}
-        from jaxpar.planner import cost, probe  # a probed profile, as another machine would have written it
+        from jaxpar.planner import profile as machine  # a probed profile, as another machine would have written it
 
-        other = dataclasses.replace(cost.profile_for("h100"), machine={**probe.machine(), "cpu": "Another CPU 9000"})
-        probe.write(other, self.configs / "other.json")
+        here = machine.machine()
+        other = dataclasses.replace(machine.profile_for("h100"), machine={**here, "cpu": "Another CPU 9000"})
+        machine.write(other, self.configs / "other.json")
 
     def _bad_hf(self, kind: str) -> pathlib.Path:
         dst = self.root / f"hf_{kind}"
@@ -542,13 +543,13 @@ CASES = [
          "--config.parallel.repeats=1 --config.parallel.microbatches=1 --config.parallel.context=1", "needs",
          lambda c, t: _plan(devices=1, memory_gb=0.005, fixed=dict(pipe=1, repeats=1, microbatches=1, context=1))),
     Case("plan-unknown-device-kind", "plan --config configs/tiny.py --devices 8 --device-kind tpu9",
-         "--device-kind", lambda c, t: __import__("jaxpar.planner.cost").planner.cost.profile_for("tpu9")),
+         "--device-kind", lambda c, t: __import__("jaxpar.planner.profile").planner.profile.profile_for("tpu9")),
     Case("plan-missing-profile", "plan --config configs/tiny.py --devices 8 --profile {tmp}/none.json", "--profile",
-         lambda c, t: __import__("jaxpar.planner.cost").planner.cost.load_profile(str(t / "none.json"))),
+         lambda c, t: __import__("jaxpar.planner.profile").planner.profile.load_profile(str(t / "none.json"))),
     Case("plan-not-a-profile", "plan --config configs/tiny.py --devices 8 --profile {configs}/bad.yaml", "--profile",
-         lambda c, t: __import__("jaxpar.planner.cost").planner.cost.load_profile(str(c.configs / "bad.yaml"))),
+         lambda c, t: __import__("jaxpar.planner.profile").planner.profile.load_profile(str(c.configs / "bad.yaml"))),
     Case("plan-other-machine-profile", "plan --config configs/tiny.py --devices 8 --profile {configs}/other.json",
-         "another machine", lambda c, t: __import__("jaxpar.planner.cost").planner.cost.load_profile(
+         "another machine", lambda c, t: __import__("jaxpar.planner.profile").planner.profile.load_profile(
              str(c.configs / "other.json"))),
     Case("plan-two-machines", "plan --config configs/tiny.py --devices 8 --profile x.json --device-kind h100",
          "--profile"),
@@ -585,10 +586,10 @@ CASES = [
 
 def _plan(devices: int = 8, hosts: int = 1, memory_gb: float | None = None, fixed: dict | None = None):
     """`jaxpar.planner.search.plan` on the tiny config, with `fixed` parallel fields set and kept."""
-    from jaxpar.planner import cost, search
+    from jaxpar.planner import profile as machine, search
 
     config = load_config("configs/tiny.py", [f"parallel.{k}={v}" for k, v in (fixed or {}).items()])
-    return search.plan(config, devices, cost.profile_for("h100"), hosts=hosts, memory_gb=memory_gb,
+    return search.plan(config, devices, machine.profile_for("h100"), hosts=hosts, memory_gb=memory_gb,
                        fixed=set(fixed or ()))
 
 

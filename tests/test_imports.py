@@ -29,7 +29,7 @@ LAYERS = (
     ("config",),                                          # typed config, every check
     ("parallel",),                                        # one file per parallelism: f/g, SP, the pipeline
     ("mesh", "sharding"),                                 # devices → mesh; logical axes → specs
-    ("model", "flops", "data", "parallel.plan"),          # the transformer; FLOPs of its shape; tokens; the
+    ("model", "flops", "data", "plan"),                   # the transformer; FLOPs of its shape; tokens; the
                                                           # layout planner (it builds meshes and specs)
     ("planner",),                                         # the analytic model of a step (FLOPs, bytes, memory,
                                                           # time) and the search over layouts it ranks
@@ -96,6 +96,50 @@ def test_every_import_goes_down_the_layers():
             violations.append(f"{path.relative_to(ROOT)}:{line} imports {target} "
                               f"(layer {LAYER[name]} {name} {relation} {LAYER[own]} {own})")
     assert not violations, "imports against LAYERS:\n" + "\n".join(violations)
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Every strongly connected component of more than one module (Tarjan's algorithm): each holds an import
+    cycle."""
+    index, low, stack, on, out = {}, {}, [], set(), []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on.add(v)
+        for w in sorted(graph.get(v, ())):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            part = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                part.append(w)
+                if w == v:
+                    break
+            if len(part) > 1:
+                out.append(sorted(part))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def test_no_import_cycle_between_modules():
+    """LAYERS lets modules of one name import each other (`planner.cost`, `planner.probe`); a cycle between two
+    modules, even through an import inside a function, still means neither can be read or changed alone."""
+    graph = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        module = _module_of(path)
+        graph[module] = {t for _, t in _imports(path.read_text(), module, path.name == "__init__.py")
+                         if t != module and not (path.name == "__init__.py" and t.startswith(module + "."))}
+    assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert not _cycles(graph), "import cycles: " + "; ".join(" <-> ".join(c) for c in _cycles(graph))
 
 
 def test_the_static_check_sees_every_kind_of_import():

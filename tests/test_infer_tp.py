@@ -14,7 +14,7 @@ from jaxpar.analysis import collectives
 from jaxpar.config import ModelConfig, MoEConfig, ParallelConfig
 from jaxpar.infer import decode
 from jaxpar.model import KVCache, Transformer
-from jaxpar.parallel.plan import make_plan
+from jaxpar.plan import make_plan
 
 # Prime vocab (padded at every tensor degree), GQA with 2 kv heads (replicated at tensor 4), odd-ish widths.
 BASE = dict(vocab_size=263, d_model=24, n_layers=3, n_heads=4, n_kv_heads=2, head_dim=6, d_ff=40, max_seq_len=64,

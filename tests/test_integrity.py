@@ -17,7 +17,7 @@ from flax import nnx
 from jaxpar.config import ConfigError, load_config
 from jaxpar.errors import CheckpointError, WorkdirLocked
 from jaxpar.model import abstract_model
-from jaxpar.parallel.plan import make_plan
+from jaxpar.plan import make_plan
 from jaxpar.store import checkpoint
 from jaxpar.store.checkpoint import restore_params
 from jaxpar.store.fingerprint import fingerprints

@@ -293,7 +293,7 @@ def test_attention_kernel_is_chosen_where_the_config_meets_its_devices():
     import dataclasses
 
     from jaxpar.config import resolve_attention
-    from jaxpar.parallel.plan import make_plan
+    from jaxpar.plan import make_plan
 
     @dataclasses.dataclass
     class Device:

@@ -13,7 +13,7 @@ from jaxpar import sharding
 from jaxpar.config import ConfigError, ModelConfig, ParallelConfig, load_config
 from jaxpar.mesh import describe_mesh, hybrid_device_order, make_mesh
 from jaxpar.parallel import axes
-from jaxpar.parallel.plan import make_plan
+from jaxpar.plan import make_plan
 
 # The rules table as it was written out by hand before the axis table existed, plus the two new axes' names.
 OLD_RULES = {"batch": ("data", "pipe"), "heads": "tensor", "kv_heads": "tensor", "mlp": "tensor", "vocab": "tensor",

@@ -12,7 +12,7 @@ import pytest
 from jaxpar.analysis.verify import abstract_step, compiled_memory
 from jaxpar.cli import main
 from jaxpar.config import load_config
-from jaxpar.planner import cost, memory, search
+from jaxpar.planner import cost, memory, profile as machine, search
 from jaxpar.planner.memory import predict_memory, state_bytes
 
 FLAT = ["parallel.pipe=1", "parallel.repeats=1", "parallel.microbatches=1"]
@@ -97,7 +97,7 @@ def test_the_pick_compiles_within_a_budget_that_rules_out_the_naive_layouts():
     config = load_config("configs/tiny.py", ["parallel.context=1"])
     naive = predict_memory(load_config("configs/tiny.py", FLAT + ["parallel.tensor=1"]).resolve_for_devices(8))
     budget_gb = 0.6 * naive.total / 1e9
-    result = search.plan(config, 8, cost.profile_for("h100"), memory_gb=budget_gb, fixed={"context"})
+    result = search.plan(config, 8, machine.profile_for("h100"), memory_gb=budget_gb, fixed={"context"})
     winner = result["winner"]
     assert winner["memory"]["total"] <= budget_gb * 1e9 and "why" in result
     chosen = load_config("configs/tiny.py", [f"parallel.{k}={v}" for k, v in winner["parallel"].items()]
@@ -136,7 +136,7 @@ def test_time_model_rates_matmuls_by_width_and_charges_the_pipeline_loop_and_fre
     import numpy as np
 
     flat = {t: load_config("configs/tiny.py", FLAT + [f"parallel.tensor={t}"]).resolve_for_devices(8) for t in (1, 4)}
-    even = dataclasses.replace(cost.profile_for("h100"), matmul={"float32": {"32": 2e12, "4096": 2e12}})
+    even = dataclasses.replace(machine.profile_for("h100"), matmul={"float32": {"32": 2e12, "4096": 2e12}})
     assert cost.matmul_rate(flat[4], even) == pytest.approx(2e12, rel=1e-12)
     sloped = dataclasses.replace(even, matmul={"float32": {"32": 1e12, "4096": 4e12}})
     rates = {t: cost.matmul_rate(c, sloped) for t, c in flat.items()}
@@ -173,13 +173,13 @@ def test_every_profile_field_is_checked_and_named(tmp_path, edit, field):
     import dataclasses
 
     path = tmp_path / "p.json"
-    path.write_text(json.dumps({**dataclasses.asdict(cost.profile_for("h100")), **edit}))
-    with pytest.raises(cost.ConfigError) as err:
-        cost.load_profile(str(path))
+    path.write_text(json.dumps({**dataclasses.asdict(machine.profile_for("h100")), **edit}))
+    with pytest.raises(machine.ConfigError) as err:
+        machine.load_profile(str(path))
     assert str(err.value).startswith(f"--profile {path}: {field}"), str(err.value)
     if "speed" not in edit:
-        with pytest.raises(cost.ConfigError, match="field"):
-            dataclasses.replace(cost.profile_for("h100"), **edit)
+        with pytest.raises(machine.ConfigError, match="field"):
+            dataclasses.replace(machine.profile_for("h100"), **edit)
 
 
 def test_no_assert_checks_input():
@@ -208,7 +208,7 @@ def test_a_budget_below_the_state_floor_is_refused_before_any_layout_is_predicte
     config = load_config("configs/tiny.py")
     with pytest.raises(search.PlanError, match="state alone needs at least 0.00121 GB per device.*0.00965 GB.*"
                        "up to 4096"):
-        search.plan(config, 8, cost.profile_for("h100"), memory_gb=1e-300)
+        search.plan(config, 8, machine.profile_for("h100"), memory_gb=1e-300)
     floor = memory.state_floor(config, 8)
     assert floor <= sum(state_bytes(load_config("configs/tiny.py", ["parallel.zero=3"]).resolve_for_devices(8))
                         .values())
@@ -217,7 +217,7 @@ def test_a_budget_below_the_state_floor_is_refused_before_any_layout_is_predicte
 def test_no_valid_layout_names_the_fields_that_block_it_and_the_device_counts_that_work():
     config = load_config("configs/tiny.py")
     with pytest.raises(search.PlanError, match=r"on 7 devices, whatever the fields .* plan for 4 or 8 devices"):
-        search.plan(config, 7, cost.profile_for("h100"))
+        search.plan(config, 7, machine.profile_for("h100"))
     msg = search.blocked(config, 1, fixed={"tensor", "remat"}, release="RELEASE")
     assert "keeps parallel.tensor = 2" in msg and "parallel.tensor=1" in msg and msg.endswith("Fix: RELEASE")
     assert "remat" not in msg  # only the fields that block are named
@@ -237,7 +237,7 @@ def test_plan_json_is_strict(monkeypatch, capsys):
 
 
 def test_probe_out_replaces_only_a_regular_file(tmp_path, monkeypatch, capsys):
-    """`probe --out` refuses a symlink, a pipe or a directory before measuring; `probe.write` replaces a regular file
+    """`probe --out` refuses a symlink, a pipe or a directory before measuring; `profile.write` replaces a regular file
     whole through a temporary file beside it (none left behind)."""
     import os
 
@@ -252,10 +252,10 @@ def test_probe_out_replaces_only_a_regular_file(tmp_path, monkeypatch, capsys):
         assert main(["probe", "--out", str(tmp_path / name)]) == 2
         assert needle in capsys.readouterr().err
         with pytest.raises(OutputError, match=needle):
-            probe.write(cost.profile_for("h100"), tmp_path / name)
+            machine.write(machine.profile_for("h100"), tmp_path / name)
     assert (tmp_path / "target").read_text() == "keep\n" and (tmp_path / "link").is_symlink()
     out = tmp_path / "profile.json"
     out.write_text("old")
-    probe.write(cost.profile_for("h100"), out)
-    assert cost.load_profile(str(out)) == cost.profile_for("h100")
+    machine.write(machine.profile_for("h100"), out)
+    assert machine.load_profile(str(out)) == machine.profile_for("h100")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["link", "pipe", "profile.json", "target"]

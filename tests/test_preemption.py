@@ -46,7 +46,7 @@ def final_params(workdir):
     """Canonical parameters of the newest checkpoint, on the host."""
     cfg = load_config("configs/tiny.py", SMALL)
     _, abstract = abstract_model(cfg.model)
-    from jaxpar.parallel.plan import make_plan
+    from jaxpar.plan import make_plan
 
     params, step = restore_params(workdir, abstract, make_plan(cfg.model),
                                   cfg.model.vocab_size)

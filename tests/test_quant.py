@@ -21,7 +21,7 @@ from jaxpar.infer import decode
 from jaxpar.infer.text import load, next_token_nll
 from jaxpar.matmul import Quantized, quantize
 from jaxpar.model import KVCache, Transformer, quantize_state
-from jaxpar.parallel.plan import make_plan
+from jaxpar.plan import make_plan
 
 # Widths every int4 group of 8 tiles: d_model 32, heads*head_dim 4*8 (a group is one head of wo), d_ff 48 (6 groups:
 # tensor 2 splits them, tensor 4 cannot — the hostile case), experts' d_ff 16. Prime vocab, GQA (2 kv heads).

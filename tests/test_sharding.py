@@ -11,7 +11,7 @@ from jaxpar.config import ConfigError, ModelConfig, TrainConfig
 from jaxpar.mesh import make_mesh
 from jaxpar.model import abstract_model
 from jaxpar.parallel.axes import AXES
-from jaxpar.parallel.plan import make_plan
+from jaxpar.plan import make_plan
 from jaxpar.sharding import logical_to_spec, param_specs
 from jaxpar.train.state import create_state, make_optimizer
 

@@ -14,7 +14,7 @@ from jaxpar.config import ConfigError, ParallelConfig, load_config
 from jaxpar.mesh import make_mesh
 from jaxpar.model import Transformer
 from jaxpar.parallel.tensor import copy_to_tensor, reduce_from_tensor, vocab_parallel_cross_entropy
-from jaxpar.parallel.plan import make_plan
+from jaxpar.plan import make_plan
 from jaxpar.sharding import param_shardings, param_specs
 from jaxpar.train.step import loss_and_grads
 

@@ -29,7 +29,7 @@ from jaxpar.analysis.hlo import (branch_flops, collective_summary, collectives, 
 from jaxpar.config import Config
 from jaxpar.parallel import context_parallel as cp, expert, pipeline, schedule
 from jaxpar.parallel.axes import CONTEXT, EXPERT, PIPE, TENSOR
-from jaxpar.parallel.plan import batch_sharding
+from jaxpar.plan import batch_sharding
 from jaxpar.train.loop import build_trainer
 
 

@@ -254,7 +254,7 @@ def generate(model: nnx.Module, input_ids: Sequence[Sequence[int]] | np.ndarray,
     do_sample=False is greedy; otherwise sampling at `temperature` with optional top_k (0: off — HF's default is
     50) and top_p (1.0: off). eos_token_id: one id or several; a row that emits one is finished and padded with
     pad_token_id (default: the first eos id, else 0). seed fixes the sampling. `mesh`: run under it (the params'
-    shardings decide the layout, GSPMD partitions). `plan` (jaxpar.parallel.plan, explicit): run under its
+    shardings decide the layout, GSPMD partitions). `plan` (jaxpar.plan, explicit): run under its
     shard_map with explicit tensor parallelism and the vocab-parallel sampler (`_explicit_generate`) — greedy
     tokens equal the single-device ones; sampled tokens are the same at every tensor degree (Gumbel-max on the
     whole vocab's noise), though not the GSPMD path's draws. The prompt plus max_new_tokens must fit the model's

@@ -25,7 +25,7 @@ from jaxpar.infer import decode
 from jaxpar.infer.sampling import check_sampling_args
 from jaxpar.interop import hf
 from jaxpar.model import abstract_model, quantize_state
-from jaxpar.parallel.plan import Plan, make_plan
+from jaxpar.plan import Plan, make_plan
 from jaxpar.sharding import param_shardings
 from jaxpar.store import checkpoint
 
@@ -158,7 +158,7 @@ def _default_group(cfg: ModelConfig, tensor: int) -> int | None:
 def _groups_whole(model: ModelConfig, tensor: int) -> bool:
     """Whether a `tensor`-way split leaves each rank whole int4 groups of `model` (the rule `make_plan` applies)."""
     from jaxpar.parallel.axes import AXES
-    from jaxpar.parallel.plan import _check_scales, plan_rules
+    from jaxpar.plan import _check_scales, plan_rules
 
     degrees = {**{a: 1 for a in AXES}, "tensor": tensor}
     if model.n_heads % tensor or model.d_ff % tensor:

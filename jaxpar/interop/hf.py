@@ -84,7 +84,7 @@ from jaxpar.errors import JaxparError
 from jaxpar.families import FAMILIES, Rule, family
 from jaxpar.families.moe_hf import FUSED, ExpertRule, ZeroRule
 from jaxpar.model import abstract_model
-from jaxpar.parallel.plan import Plan
+from jaxpar.plan import Plan
 from jaxpar.sharding import vocab_dims
 from jaxpar.store import checkpoint
 from jaxpar.store.lock import Staged, check_new_output, check_outside

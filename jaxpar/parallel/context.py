@@ -23,7 +23,7 @@ widens neither the model nor another strategy.
 Every weight the methods receive is contracted through `dot` (jaxpar.matmul), the seam weight formats replace.
 A `tape` (jaxpar.parallel.weightgrad) sees every matmul group the model runs: the zero-bubble pipeline schedules use
 it to split a chunk's backward into its input gradients (B) and its weight gradients (W).
-The plan (jaxpar.parallel.plan: `plan.parallel`) builds the context once per model and mesh.
+The plan (jaxpar.plan: `plan.parallel`) builds the context once per model and mesh.
 """
 
 from __future__ import annotations

@@ -21,7 +21,8 @@ import jax
 
 from jaxpar import flops
 from jaxpar.config import PLANNED, Config, ConfigError, ParallelConfig, TrainConfig
-from jaxpar.planner import cost, probe, search
+from jaxpar.planner import probe, search
+from jaxpar.planner.profile import Profile, load_profile, profile_for
 
 
 def kept_fields(config: Config) -> set[str]:
@@ -34,13 +35,13 @@ def kept_fields(config: Config) -> set[str]:
     return kept
 
 
-def machine_profile(config: Config, devices: list) -> cost.Profile:
+def machine_profile(config: Config, devices: list) -> Profile:
     """The profile the choice is made with (see the module docstring)."""
     if config.parallel.profile:
-        return cost.load_profile(config.parallel.profile, field="parallel.profile")
+        return load_profile(config.parallel.profile, field="parallel.profile")
     kind = devices[0].device_kind
     if devices[0].platform != "cpu" and flops.device_row(kind):
-        return cost.profile_for(kind)
+        return profile_for(kind)
     if jax.process_count() > 1:
         # Each process would measure its own devices, a little differently, and choose a different layout.
         raise ConfigError("parallel.profile", "", f"parallel.auto on {jax.process_count()} processes of "

@@ -4,7 +4,7 @@
           + gradients + activations + workspace  (what lives during the step)
 
 State — exact, the sums of shard sizes. Every parameter's PartitionSpec comes from its logical axes through the
-plan's rules (`jaxpar.parallel.plan.plan_rules`, no mesh needed) and ZeRO's data split (`sharding.zero_spec`):
+plan's rules (`jaxpar.plan.plan_rules`, no mesh needed) and ZeRO's data split (`sharding.zero_spec`):
     params      Σ ⌈shape / mesh degrees of its spec⌉ · param bytes   (ZeRO-3 adds `data` to each)
     optimizer   AdamW's two moments, each as its parameter but split over `data` from ZeRO-1, + the step counters
     gradients   one float per parameter as the step holds it, whole over `data` until the step's end (gradient
@@ -73,7 +73,7 @@ from jaxpar.config import Config, ModelConfig
 from jaxpar.model import KVCache, abstract_model, attention_mask, default_positions, layer_groups, run_layers
 from jaxpar.parallel import pipeline
 from jaxpar.parallel.axes import AXES, BATCH_AXES, DATA, TENSOR
-from jaxpar.parallel.plan import padded_vocab, plan_rules
+from jaxpar.plan import padded_vocab, plan_rules
 from jaxpar.parallel.weightgrad import RECORD
 from jaxpar.planner import expected
 from jaxpar.sharding import logical_to_spec, zero_spec
@@ -468,7 +468,7 @@ def _routed_factor(config: Config, backend: str) -> tuple[float, float]:
 
 def _layers_loop(config: Config, n_layers: int, single: bool = False) -> bool:
     """Whether the scan over `n_layers` layers (a pipeline chunk's, or the model's) runs more than one trip:
-    `scan_unroll` periods a trip, one under sequence parallelism (`jaxpar.parallel.plan.make_plan`); `single`: as
+    `scan_unroll` periods a trip, one under sequence parallelism (`jaxpar.plan.make_plan`); `single`: as
     one scan (a schedule table's chunk under its tape, `model.run_layers`)."""
     m, p = config.model, config.parallel
     unroll = 1 if p.sequence_parallel and p.tensor > 1 else m.scan_unroll

@@ -24,13 +24,6 @@ machine differs from the one it runs on, since its rates describe other hardware
 
 from __future__ import annotations
 
-import dataclasses
-import functools
-import json
-import os
-import pathlib
-import platform
-import stat
 import statistics
 import time
 
@@ -40,8 +33,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxpar import flops
-from jaxpar.errors import ConfigError, OutputError
-from jaxpar.planner.cost import GB, Profile, profile_for
+from jaxpar.planner.profile import GB, Profile, host_memory_bytes, machine, profile_for
 
 # Collectives as an axis of the step runs them, and the bytes each device sends for an S-byte buffer over g devices
 # (bus bandwidth: what one device's links carry, so every group size compares with the link rate).
@@ -52,36 +44,13 @@ KINDS = {
 }
 
 
-def machine() -> dict:
-    """What identifies this machine's hardware: accelerator kind, CPU model, cores and host memory (GB, rounded).
-    Not the hostname: the nodes of a cluster are the same machine for the planner."""
-    dev = jax.local_devices()[0]
-    cpu = platform.processor() or platform.machine()
-    try:
-        for line in pathlib.Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return {"platform": dev.platform, "device_kind": dev.device_kind, "cpu": cpu, "cores": os.cpu_count(),
-            "host_memory_gb": round(_host_memory() / GB)}
-
-
-def _host_memory() -> int:
-    try:
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError, AttributeError):
-        return 0
-
-
 def device_memory_gb(device) -> float:
     """Memory one device may use: the allocator's limit on an accelerator; on CPU the host's memory shared by the
     process's devices."""
     stats = device.memory_stats() if hasattr(device, "memory_stats") else None
     if stats and stats.get("bytes_limit"):
         return stats["bytes_limit"] / GB
-    return _host_memory() / max(1, jax.local_device_count()) / GB
+    return host_memory_bytes() / max(1, jax.local_device_count()) / GB
 
 
 def _median_seconds(fn, *args, repeats: int, chain: bool = False) -> float:
@@ -284,62 +253,3 @@ def measure(devices: list | None = None, *, repeats: int = 7) -> Profile:
         machine=machine(),
         devices=n,
     )
-
-
-def check_out(path: str | pathlib.Path, flag: str = "--out") -> None:
-    """Refuse (OutputError) a place a profile cannot go: a path that exists and is not a regular file (a directory,
-    a device node, a pipe, a socket) or is a symbolic link (writing would replace the link, not what it names), or
-    whose directory does not exist. Checked before measuring, and again when writing."""
-    path = pathlib.Path(path)
-    try:
-        st = os.lstat(path)
-    except FileNotFoundError:
-        st = None
-    except OSError as e:
-        raise OutputError(f"{flag} {path}: cannot be inspected ({e.strerror or e}); name a file in an existing "
-                          "directory") from None
-    if st is not None and not stat.S_ISREG(st.st_mode):
-        what = ("is a symbolic link" if stat.S_ISLNK(st.st_mode) else "is a directory" if stat.S_ISDIR(st.st_mode)
-                else "exists and is not a regular file (a device, pipe or socket)")
-        raise OutputError(f"{flag} {path}: {what}; name a new file, or a profile file to replace (nothing was "
-                          "written)")
-    if not path.parent.is_dir():
-        raise OutputError(f"{flag} {path}: its directory does not exist; name a file in an existing directory")
-
-
-def write(profile: Profile, path: str | pathlib.Path) -> None:
-    """Write `profile` as JSON (`cost.load_profile` reads it), atomically: into a new temporary file beside `path`
-    (created exclusively, never through a link), then renamed over it, so a crash leaves no half-written file and
-    only a regular file is ever replaced (`check_out`)."""
-    path = pathlib.Path(path)
-    check_out(path)
-    text = json.dumps(dataclasses.asdict(profile), indent=2, sort_keys=True, allow_nan=False) + "\n"
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}-{os.urandom(4).hex()}")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o666)
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-
-
-@functools.cache
-def _here() -> tuple:
-    return tuple(sorted(machine().items()))
-
-
-def check_machine(profile: Profile, path: str, field: str = "--profile") -> None:
-    """Refuse a probed profile measured on other hardware than this process's (its rates describe that machine)."""
-    if not profile.machine:
-        return  # a hand-written or datasheet profile: it claims no machine
-    here = dict(_here())
-    diff = [k for k in profile.machine if profile.machine.get(k) != here.get(k)]
-    if diff:
-        k = diff[0]
-        raise ConfigError(field, path, f"was measured on another machine ({k} {profile.machine.get(k)!r}; "
-                          f"this one has {here.get(k)!r}), so its rates do not describe this one",
-                          "run `jaxpar probe --out FILE` here (or plan for a device kind with --device-kind)")

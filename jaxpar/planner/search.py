@@ -20,7 +20,8 @@ from typing import Iterable, Iterator
 from jaxpar.config import PLANNED, REMAT_POLICIES, Config, ConfigError, resolve_attention
 from jaxpar.errors import PlanError, UsageError, divisors
 from jaxpar.parallel.schedule import SCHEDULES
-from jaxpar.planner.cost import Profile, Timing, predict_time
+from jaxpar.planner.cost import Timing, predict_time
+from jaxpar.planner.profile import Profile
 from jaxpar.planner.memory import Memory, predict_memory, state_bytes, state_floor
 
 TIE = 1e-3  # step times within this fraction of the fastest's rank as tied with it (the leanest first)

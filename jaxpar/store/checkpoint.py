@@ -43,7 +43,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from jaxpar.config import Config, ConfigError, ModelConfig, config_from_dict
 from jaxpar.errors import CheckpointError, InputNotFound
 from jaxpar.model import abstract_model, quantize_state
-from jaxpar.parallel.plan import Plan, make_plan
+from jaxpar.plan import Plan, make_plan
 from jaxpar.sharding import vocab_dim
 from jaxpar.store import quiet
 from jaxpar.store.fingerprint import fingerprints, leaf_path

@@ -25,7 +25,7 @@ from jaxpar.model import count_params
 from jaxpar.store import checkpoint
 from jaxpar.store.lock import WorkdirLock
 from jaxpar.train.metrics import MetricsWriter, StepProfiler
-from jaxpar.parallel.plan import Plan, make_plan
+from jaxpar.plan import Plan, make_plan
 from jaxpar.sharding import param_specs
 from jaxpar.train.state import TrainState, create_state, lr_schedule, make_optimizer
 from jaxpar.train.step import compile_steps, make_eval_step, make_train_step, sharded_loss_and_grads

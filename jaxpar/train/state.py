@@ -19,7 +19,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxpar.config import ModelConfig, TrainConfig
 from jaxpar.model import Transformer, abstract_model
-from jaxpar.parallel.plan import Plan
+from jaxpar.plan import Plan
 from jaxpar.sharding import param_shardings
 
 

@@ -1,6 +1,6 @@
 """The train and eval steps: next-token loss, gradient accumulation, clipping and AdamW.
 
-On a mesh, the loss and its gradients run under one `jax.shard_map` over the plan's mesh (jaxpar.parallel.plan): the
+On a mesh, the loss and its gradients run under one `jax.shard_map` over the plan's mesh (jaxpar.plan): the
 model sees local shards, and every collective is one we wrote —
 
     tensor:  Megatron f/g (or SP all-gather/reduce-scatter) inside each layer, the vocab-parallel embedding and loss
@@ -34,7 +34,7 @@ from jaxpar.model import attention_mask, default_positions, moe_objective, run_l
 from jaxpar.parallel import pipeline
 from jaxpar.parallel.axes import DATA, EXPERT, PIPE
 from jaxpar.parallel.pipeline import Pipeline
-from jaxpar.parallel.plan import Plan, batch_sharding
+from jaxpar.plan import Plan, batch_sharding
 from jaxpar.parallel.context import SINGLE_DEVICE, Parallel
 from jaxpar.parallel.vma import vary
 from jaxpar.parallel.weightgrad import RECORD
