@@ -35,25 +35,9 @@ MoE layers) and `dense_blocks`; each stacked rule names the model layer of every
 so entry i of `dense_blocks.wq` is `model.layers.{layers[i]}.self_attn.q_proj.weight`. Under a pipeline each stack
 is stored in its own order (`Plan.stack_order(n)`, n the stack's length).
 
-Weight dtypes. Each tensor's dtype is read from its safetensors header before its data, and import accepts the
-floating-point kinds that hold ordinary weights: F32, F16, BF16 and F64, each converted (rounded to nearest) to the
-run's param dtype, float32, bfloat16 or float16 — as `from_pretrained(torch_dtype=...)` does. F64 is accepted because
-a float64 save (of a `.double()` model) holds the same weights at more precision than any of jaxpar's dtypes can
-keep. FP8 and the other sub-16-bit floats (F8_E4M3, F8_E5M2, F8_E8M0, F6_*, F4) are refused: they appear in
-quantized checkpoints whose per-block scales are separate tensors, and reading the raw values without them gives
-garbage. Integer, bool and complex tensors are refused too: no weight of these architectures is one, so the file is
-someone else's or damaged.
-
-Trust. A model directory is data from the internet. Only JSON and safetensors are parsed; every config.json key
-read is type-checked (a size is a positive integer, a flag true or false, …) and the ModelConfig built from it
-validated, so a bad value is a one-line error instead of a ZeroDivisionError later; sizes are checked against the
-tensors' shapes in the safetensors headers before any array is built (a vocab_size of 10^12 is an error naming the
-key, not a MemoryError); and every file read or copied — config.json, tokenizer.json, tokenizer_config.json,
-special_tokens_map.json, generation_config.json, the index, the weights — must be a regular file that resolves, links
-followed, inside the directory: `../x.safetensors`, an absolute path or a link out in `model.safetensors.index.json`,
-a tokenizer.json linked to /etc/hostname, are refused. One exception keeps the hub cache loadable: in
-`<repo>/snapshots/<revision>/` the files may be links into `<repo>/blobs/`, which is how `huggingface_hub` stores
-them.
+Reading and writing the safetensors files themselves — which files of a directory may be read (every one
+must resolve inside it), which weight dtypes are accepted, the index and the shards — is
+`jaxpar.interop.safetensors_files`.
 
 Every problem — a missing or non-directory path, a damaged file, a config.json key that is missing, of the wrong
 type or out of range, a missing tensor, a shape or dtype mismatch, an unsupported architecture or option — is an
@@ -76,13 +60,12 @@ from typing import Any
 import jax
 import numpy as np
 from flax import nnx
-from safetensors import SafetensorError, safe_open
-from safetensors.numpy import save_file
 
 from jaxpar.config import Config, ConfigError, DataConfig, ModelConfig
-from jaxpar.errors import JaxparError
 from jaxpar.families import FAMILIES, Rule, family
 from jaxpar.families.moe_hf import FUSED, ExpertRule, ZeroRule
+from jaxpar.interop.safetensors_files import (INDEX, SINGLE, HFError, SafetensorsDir, check_members, inside, member,
+                                             model_dir, write_shards)
 from jaxpar.model import abstract_model
 from jaxpar.plan import Plan
 from jaxpar.sharding import vocab_dims
@@ -91,15 +74,7 @@ from jaxpar.store.lock import Staged, check_new_output, check_outside
 
 ARCHITECTURES = {  # Hugging Face class → (jaxpar family, model_type), from each family's table
     arch: (fam.name, model_type) for fam in FAMILIES.values() for arch, model_type in fam.hf.architectures.items()}
-INDEX = "model.safetensors.index.json"
-SINGLE = "model.safetensors"
 _DTYPES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}
-
-
-class HFError(JaxparError, ValueError):
-    """A Hugging Face directory that cannot be imported, with the file (and tensor) at fault and what to do."""
-
-    kind = "Hugging Face error"
 
 
 # -----------------------------------------------------------------------------------------------------------------
@@ -242,182 +217,14 @@ def _rules(cfg: ModelConfig, names: set[str] | None = None) -> list[Rule]:
 # Reading
 
 
-# Weight dtypes (the safetensors header's names) that import converts to the run's param dtype, and why the others
-# are refused; see the module docstring.
-FLOAT_DTYPES = ("F32", "F16", "BF16", "F64")
-
-
-def _model_dir(path: str | pathlib.Path) -> pathlib.Path:
-    """`path` as a directory, or an HFError saying it does not exist or is a file."""
-    path = pathlib.Path(path)
-    if not path.exists():
-        raise HFError(f"{path}: no such directory; pass a Hugging Face model directory (config.json + *.safetensors)")
-    if not path.is_dir():
-        raise HFError(f"{path}: a file, not a directory; pass the Hugging Face model directory that holds "
-                      "config.json and the *.safetensors weights")
-    return path
-
-
-def _inside(path: pathlib.Path, file: pathlib.Path) -> bool:
-    """True when weight file `file`, with every link followed, lies inside model directory `path` — or, for a
-    snapshot of the Hugging Face hub cache (`<repo>/snapshots/<revision>/`, whose files are links to
-    `<repo>/blobs/<sha256>`), inside that repository's blobs."""
-    root, target = path.resolve(), file.resolve()
-    allowed = [root]
-    if root.parent.name == "snapshots":
-        allowed.append(root.parent.parent / "blobs")
-    return any(target.is_relative_to(r) for r in allowed)
-
-
-# Every file jaxpar reads or copies from a model directory besides the weights (which SafetensorsDir checks itself).
-MEMBERS = ("config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
-           "generation_config.json", INDEX)
-
-
-def _member(path: pathlib.Path, name: str) -> pathlib.Path | None:
-    """File `name` of model directory `path`, or None when there is none; an HFError when it resolves (links
-    followed) outside the directory (`_inside`) or is not a regular file — a link to /etc/hostname or /dev/zero is
-    refused, never read or copied."""
-    file = path / name
-    if not os.path.lexists(file):
-        return None
-    if not _inside(path, file):
-        raise HFError(f"{file}: resolves to {file.resolve()}, outside {path}; jaxpar reads only files inside the "
-                      "model directory — copy the file in")
-    if not file.is_file():
-        raise HFError(f"{file}: not a regular file (a directory, device or broken link); replace it with the "
-                      "model's file")
-    return file
-
-
-def _check_members(path: pathlib.Path) -> None:
-    """Hold every file of MEMBERS that `path` has to the directory (`_member`), before any of them is used."""
-    for name in MEMBERS:
-        _member(path, name)
-
-
-def _check_dtype(file: pathlib.Path, name: str, dtype: str) -> None:
-    """Raise an HFError unless safetensors dtype `dtype` (e.g. 'F32', 'I32') is one import reads as a weight."""
-    if dtype in FLOAT_DTYPES:
-        return
-    if dtype.startswith("F"):  # F8_E4M3, F8_E5M2, F8_E8M0, F6_*, F4: quantized formats
-        why = ("a quantized low-precision float, whose scales are separate tensors that jaxpar does not apply; use "
-               "the model's bfloat16/float16/float32 release, or dequantize it first")
-    else:  # I*, U*, BOOL, C64: not weights of these architectures
-        why = ("not a floating-point weight: the file is not this model's checkpoint, or its header is damaged; "
-               "re-download or re-save it")
-    raise HFError(f"{file}: tensor {name!r} has dtype {dtype}; jaxpar imports weights stored as "
-                  f"{', '.join(FLOAT_DTYPES)} — {why}")
-
-
-class SafetensorsDir:
-    """The tensors of a Hugging Face directory by name, across shards, read lazily (memory-mapped) one at a time.
-
-    Only files that resolve inside the directory are opened (see `_inside`): a `model.safetensors.index.json` is
-    data from the internet, and its weight_map could otherwise name `../../x`, `/dev/zero` or a link out."""
-
-    def __init__(self, path: pathlib.Path):
-        self.path = path = _model_dir(path)
-        if _member(path, INDEX) is not None:
-            weight_map = self._read_index(path / INDEX)
-        elif (path / SINGLE).is_file():
-            weight_map = None
-        else:
-            pickles = sorted(p.name for p in path.glob("*.bin")) + sorted(p.name for p in path.glob("*.pt"))
-            hint = (f" (found {pickles}: jaxpar never loads pickles — re-save with "
-                    "`model.save_pretrained(dir, safe_serialization=True)`)" if pickles else "")
-            raise HFError(f"{path}: no {SINGLE} or {INDEX}{hint}")
-        self._files: dict[str, Any] = {}
-        if weight_map is None:
-            self._check_inside(SINGLE, f"{path / SINGLE}:")
-            self.where = {name: SINGLE for name in self._open(SINGLE).keys()}
-        else:
-            self.where = weight_map
-            for file in sorted(set(self.where.values())):
-                listed = {n for n, f in self.where.items() if f == file}
-                self._check_inside(file, f"{path / INDEX}: weight_map entry {min(listed)!r} names {file!r}, which")
-                present = set(self._open(file).keys())
-                if listed - present:
-                    raise HFError(f"{path / file}: tensor {sorted(listed - present)[0]!r} is listed in {INDEX} but "
-                                  "missing from the file; the download is incomplete")
-
-    @staticmethod
-    def _read_index(file: pathlib.Path) -> dict[str, str]:
-        """The index's weight_map (tensor name → file name), checked to be one."""
-        try:
-            index = json.loads(file.read_text())
-        except (ValueError, OSError) as e:
-            raise HFError(f"{file}: not a safetensors index ({e}); re-save the model") from None
-        weight_map = index.get("weight_map") if isinstance(index, dict) else None
-        if not isinstance(weight_map, dict) or not all(isinstance(f, str) for f in weight_map.values()):
-            raise HFError(f"{file}: not a safetensors index (it needs a 'weight_map' object of tensor name → file "
-                          "name); re-save the model")
-        return dict(weight_map)
-
-    def _check_inside(self, file: str, entry: str) -> None:
-        """Refuse weight file `file` unless it is a regular file inside the directory (`entry`: who named it)."""
-        where = self.path / file
-        if not _inside(self.path, where):
-            raise HFError(f"{entry} resolves to {where.resolve()}, outside {self.path}; jaxpar reads weights only "
-                          "from files inside the model directory")
-        if where.exists() and not where.is_file():
-            raise HFError(f"{entry} is not a regular file; a weight file must be a .safetensors file in {self.path}")
-
-    def _open(self, file: str):
-        if file not in self._files:
-            try:
-                self._files[file] = safe_open(str(self.path / file), framework="numpy")
-            except FileNotFoundError:
-                raise HFError(f"{self.path / file}: file not found (listed in {INDEX}); the download is incomplete") \
-                    from None
-            except (SafetensorError, OSError) as e:
-                raise HFError(f"{self.path / file}: damaged safetensors file ({e}); re-download or re-save it") \
-                    from None
-        return self._files[file]
-
-    def names(self) -> set[str]:
-        """Every tensor name in the checkpoint."""
-        return set(self.where)
-
-    def shape(self, name: str) -> tuple[int, ...]:
-        """Tensor `name`'s shape, from its file's header (no data is read)."""
-        if name not in self.where:
-            raise HFError(f"{self.path}: tensor {name!r} is missing from the checkpoint")
-        file = self.where[name]
-        try:
-            return tuple(self._open(file).get_slice(name).get_shape())
-        except (SafetensorError, OSError, TypeError) as e:
-            raise HFError(f"{self.path / file}: tensor {name!r} could not be read ({e})") from None
-
-    def get(self, name: str, shape: tuple[int, ...] | None = None, index: tuple | None = None) -> np.ndarray:
-        """Tensor `name` as a NumPy array in its stored dtype, checked against `shape` when given and, from the
-        header before any data is read, against FLOAT_DTYPES. `index` (basic indices: ints and slices) reads only
-        that part of the tensor (`shape` is then the whole tensor's, checked from the header)."""
-        if name not in self.where:
-            raise HFError(f"{self.path}: tensor {name!r} is missing from the checkpoint")
-        file = self.where[name]
-        try:
-            header = self._open(file).get_slice(name)
-            _check_dtype(self.path / file, name, header.get_dtype())
-            stored = tuple(header.get_shape())
-            if shape is None or stored == tuple(shape):
-                x = self._open(file).get_tensor(name) if index is None else header[index]
-        except (SafetensorError, OSError, TypeError) as e:  # TypeError: a dtype NumPy cannot hold
-            raise HFError(f"{self.path / file}: tensor {name!r} could not be read ({e})") from None
-        if shape is not None and stored != tuple(shape):
-            raise HFError(f"{self.path / file}: tensor {name!r} has shape {stored}, but config.json implies "
-                          f"{tuple(shape)}")
-        return x
-
-
 def read_config(path: str | pathlib.Path) -> dict:
     """config.json of a Hugging Face directory, as a dict (HFError if the directory or file is missing, or the file
     is not one JSON object)."""
-    directory = _model_dir(path)
+    directory = model_dir(path)
     file = directory / "config.json"
-    if _member(directory, "config.json") is None:
+    if member(directory, "config.json") is None:
         raise HFError(f"{file}: not found — is {path} a Hugging Face model directory?")
-    _check_members(directory)  # tokenizer.json, the index, …: refused now, before any of them is used
+    check_members(directory)  # tokenizer.json, the index, …: refused now, before any of them is used
     try:
         hf = json.loads(file.read_text())
     except FileNotFoundError:
@@ -441,7 +248,7 @@ def is_hf_dir(path: str | pathlib.Path) -> bool:
     is wrong), not a jaxpar workdir."""
     path = pathlib.Path(path)
     file = path / "config.json"
-    if os.path.lexists(file) and not _inside(path, file):  # not read here: read_config says why it is refused
+    if os.path.lexists(file) and not inside(path, file):  # not read here: read_config says why it is refused
         return (path / SINGLE).exists() or (path / INDEX).exists()
     if not file.is_file():
         return False
@@ -730,32 +537,14 @@ def _write_files(params: nnx.State, cfg: ModelConfig, path: pathlib.Path, *, bas
         x = parts[0] if len(parts) == 1 else np.concatenate(parts, axis=-1)
         return np.ascontiguousarray(x.astype(dtype) if dtype else x)
 
-    shards: list[dict[str, np.ndarray]] = [{}]
-    size = 0
-    for name in by_name:  # table order: one parameter after another, each layer by layer
-        x = tensor(name)
-        if shards[-1] and size + x.nbytes > max_shard_bytes:
-            shards.append({})
-            size = 0
-        shards[-1][name] = x
-        size += x.nbytes
-    metadata = {"format": "pt"}  # transformers refuses safetensors files without it
-    if len(shards) == 1:
-        save_file(shards[0], str(path / SINGLE), metadata=metadata)
-    else:
-        weight_map, total = {}, 0
-        for i, shard in enumerate(shards):
-            file = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-            save_file(shard, str(path / file), metadata=metadata)
-            weight_map.update({n: file for n in shard})
-            total += sum(x.nbytes for x in shard.values())
-        (path / INDEX).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
+    # in the table's order: one parameter after another, each layer by layer
+    write_shards(((name, tensor(name)) for name in by_name), path, max_shard_bytes)
     config = hf_config(cfg, base_config, dtype or str(np.dtype(first.dtype)))
     (path / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     if tokenizer is not None:
         src = pathlib.Path(tokenizer)
         for file in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json"):
-            if _member(src, file) is not None:  # held to its directory: a link out is refused, never copied
+            if member(src, file) is not None:  # held to its directory: a link out is refused, never copied
                 shutil.copyfile(src / file, path / file)
 
 
@@ -779,7 +568,7 @@ def init_config(config, path: str | pathlib.Path):
     path = pathlib.Path(path)
     model = model_config(read_config(path), path, **{k: getattr(config.model, k) for k in _NUMERICS})
     data = config.data
-    if data.tokenizer == "bytes" and _member(path, "tokenizer.json") is not None:
+    if data.tokenizer == "bytes" and member(path, "tokenizer.json") is not None:
         data = dataclasses.replace(data, tokenizer=str(path.absolute() / "tokenizer.json"))
     train = dataclasses.replace(config.train, init_from_hf=str(path.absolute()))
     return dataclasses.replace(config, model=model, data=data, train=train)
@@ -801,7 +590,7 @@ def check_sizes(path: str | pathlib.Path, cfg: ModelConfig) -> None:
     """Raise an HFError unless every tensor `cfg` needs is in directory `path` with the shape `cfg` implies, read
     from the safetensors headers alone: what `load_params` checks first, for a caller that must know before it
     builds anything of the model's size (a training run initializes its state before it reads the weights)."""
-    path = _model_dir(path)
+    path = model_dir(path)
     files = SafetensorsDir(path)
     _, abstract = abstract_model(cfg)
     rules = {r.param: r for r in _rules(cfg, files.names()) if not isinstance(r, ZeroRule)}
@@ -825,7 +614,7 @@ def import_to_workdir(src: str | pathlib.Path, dst: str | pathlib.Path, *, dtype
     params = load_params(src, cfg, abstract)
     files = {SOURCE: json.dumps({"config": hf_cfg, "tensor_names": sorted(checkpoint_names(src))}, indent=1).encode()}
     tokenizer = "bytes"
-    if (tokenizer_file := _member(src, "tokenizer.json")) is not None:
+    if (tokenizer_file := member(src, "tokenizer.json")) is not None:
         files["tokenizer.json"] = tokenizer_file.read_bytes()
         tokenizer = str(dst.absolute() / "tokenizer.json")
     config = Config(model=cfg, data=DataConfig(tokenizer=tokenizer))
