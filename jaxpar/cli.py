@@ -192,14 +192,14 @@ def _probe(args, overrides: list[str]) -> int:
 
 def _schedule(args, overrides: list[str]) -> int:
     from jaxpar.config import ParallelConfig
-    from jaxpar.parallel import pipeline, schedule
+    from jaxpar.parallel import circular, schedule
 
     if args.repeats is None:
         args.repeats = 2 if args.schedule == "zbv" else 1
     # The same rules as a training config (schedule, chunks, microbatches against pipe), reported the same way.
     ParallelConfig(pipe=args.pipe, repeats=args.repeats, microbatches=args.microbatches, schedule=args.schedule)
     if args.schedule == "circular":  # the autodiff loop's forward iterations, then its table of F/B/W ticks
-        print(pipeline.format_schedule(args.pipe, args.repeats, args.microbatches), end="\n\n")
+        print(circular.format_schedule(args.pipe, args.repeats, args.microbatches), end="\n\n")
     table = schedule.build(args.schedule, args.pipe, args.repeats, args.microbatches)
     print(schedule.format_table(table))
     if args.png:

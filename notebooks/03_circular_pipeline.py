@@ -56,8 +56,9 @@ import matplotlib.pyplot as plt
 import numpy as np
 from flax import nnx
 
-from jaxpar.parallel import pipeline
-from jaxpar.parallel.pipeline import bubble_fraction, format_schedule, iterations, pipeline_order, schedule
+from jaxpar.parallel import circular
+from jaxpar.parallel.circular import format_schedule, schedule
+from jaxpar.parallel.pipeline import bubble_fraction, iterations, pipeline_order
 
 assert len(jax.devices()) == 8
 print(jax.__version__, jax.devices()[0].platform, len(jax.devices()), "devices")
@@ -115,7 +116,7 @@ def check_schedule(p, v, m):
     for s in range(p):
         runs = [(t, row[s]) for t, row in enumerate(table) if row[s] is not None]
         # every (microbatch, pass) exactly once, in the order u = r·m + j, starting at t = s, without gaps
-        assert [c for _, c in runs] == [pipeline.Slot(j, r) for r in range(v) for j in range(m)]
+        assert [c for _, c in runs] == [circular.Slot(j, r) for r in range(v) for j in range(m)]
         assert [t for t, _ in runs] == list(range(s, s + v * m))
         assert len(table) - len(runs) == p - 1  # p − 1 idle iterations per stage
     for t in range(1, len(table)):
@@ -323,7 +324,7 @@ print(f"all {len(flat_got)} gradients agree (rtol 1e-5, atol {floor:.1e})")
 # Above, autodiff writes the backward: one reversed loop after the whole forward, so every microbatch's activations
 # are alive at the peak and nothing fills the bubble. `parallel.schedule` swaps that for a **table**
 # (`jaxpar.parallel.schedule`): per tick and stage one action on a (microbatch, chunk) — `F` forward, `B` input
-# gradient (sent on at once), `W` weight gradient (nothing waits for it) — and `pipeline.execute` runs any table
+# gradient (sent on at once), `W` weight gradient (nothing waits for it) — and `executor.execute` runs any table
 # under the same `shard_map` with an explicit `jax.vjp` per chunk: `F` stashes the vjp residuals and each matmul's
 # input, `B` derives the input gradient and each matmul's output gradient `dy`, `W` only the weight gradients
 # `Σ xᵀ·dy` (`jaxpar.parallel.weightgrad` splits the backward at the model's matmul groups, so neither half repeats the

@@ -9,7 +9,7 @@ from jax.sharding import PartitionSpec as P
 from jaxpar.analysis import hlo
 from jaxpar.analysis.report import analyze
 from jaxpar.config import ConfigError, ModelConfig, ParallelConfig, load_config
-from jaxpar.parallel import pipeline
+from jaxpar.parallel import circular, pipeline
 from jaxpar.train import build_trainer, fit
 
 from _parity import assert_grads_match, exactly_zero, on_layout, single_device
@@ -70,14 +70,14 @@ def test_pipeline_with_remat_matches_reference(family_reference, remat):
 
 def test_schedule_counts():
     for p, v, m in [(2, 1, 2), (4, 2, 8), (3, 2, 9)]:
-        table = pipeline.schedule(p, v, m)
+        table = circular.schedule(p, v, m)
         assert len(table) == v * m + p - 1
         busy = sum(slot is not None for row in table for slot in row)
         assert busy == p * v * m  # every stage runs every (microbatch, pass) exactly once
         assert 1 - busy / (p * len(table)) == pytest.approx(pipeline.bubble_fraction(p, v, m))
         for s in range(p):  # a stage sees each microbatch's passes in order, one iteration after the previous stage
             runs = [(t, c) for t, row in enumerate(table) if (c := row[s]) is not None]
-            assert [c for _, c in runs] == [pipeline.Slot(j, r) for r in range(v) for j in range(m)]
+            assert [c for _, c in runs] == [circular.Slot(j, r) for r in range(v) for j in range(m)]
             assert runs[0][0] == s
 
 
@@ -93,11 +93,11 @@ def test_circular_runs_each_microbatch_through_every_layer_in_order(pipe, repeat
     inputs = jnp.repeat(jnp.arange(m, dtype=jnp.int32)[:, None], mb, 1)  # [m, mb]: stage s starts with s·q … s·q+q−1
 
     def run(labels, io):  # local labels [1, v], io [q, mb]
-        return pipeline.circular(lambda label, x: x * 9 + label, labels[0], io, stages=p, repeats=v, microbatches=m)
+        return circular.circular(lambda label, x: x * 9 + label, labels[0], io, stages=p, repeats=v, microbatches=m)
 
     out = jax.jit(jax.shard_map(run, mesh=mesh, in_specs=(P("pipe"), P("pipe")), out_specs=P("pipe"),
                                 check_vma=True))(labels, inputs)
-    held = pipeline.output_order(p, v, m).reshape(-1)  # [p·q] in stage-major order, like out's rows
+    held = circular.output_order(p, v, m).reshape(-1)  # [p·q] in stage-major order, like out's rows
     layers = sum((n + 1) * 9 ** (p * v - 1 - n) for n in range(p * v))  # digits 1 … p·v
     np.testing.assert_array_equal(np.asarray(out), np.repeat((held * 9 ** (p * v) + layers)[:, None], mb, 1))
 

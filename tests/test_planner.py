@@ -41,7 +41,7 @@ def test_state_bytes_are_the_sums_of_the_real_shards(path, overrides):
 @pytest.mark.parametrize("remat", ["dots", "full"])
 def test_a_table_stash_slot_holds_what_the_policy_saves(remat):
     """The memory model reads a schedule table's slots off the executor's own chunk trace (`memory.table_chunk`,
-    `pipeline.Chunk`); under remat the stash then holds what autodiff of the plain model saves under the policy and
+    `executor.Chunk`); under remat the stash then holds what autodiff of the plain model saves under the policy and
     nothing more (a 4-byte scalar aside). RECORD checkpoints each period, and a checkpoint keeps its inputs: the
     zero probes among them, a dys slot's worth, which the executor makes again in B instead of stashing. Traced
     only, nothing compiled."""

@@ -1,4 +1,4 @@
-"""Pipeline schedules as tables (jaxpar.parallel.schedule) and the executor that runs them (pipeline.execute):
+"""Pipeline schedules as tables (jaxpar.parallel.schedule) and the executor that runs them (executor.execute):
 the tables' ticks, bubble and memory against the formulas, and loss and every gradient against the sequential
 single-device reference for every schedule."""
 

@@ -46,7 +46,6 @@ import numpy as np
 from jaxpar.parallel.vma import vary, varying_axes
 
 Array = jax.Array
-IMPLS = ("all_gather", "ring")
 NEG_INF = -1e30  # finite: a fully masked row gives exp(NEG_INF − NEG_INF) = 1 against p = 0, never nan
 
 

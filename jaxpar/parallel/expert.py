@@ -26,7 +26,7 @@ Both enter the objective as coef × their mean over rows and MoE layers (jaxpar.
 returns its sums beside the activations, the layer scan and the circular pipeline (bubble ticks masked out) add
 them up, and the step adds the weighted total to the loss it differentiates. The loss it reports is the LM loss.
 (In a schedule table, which carries no loss through its ticks, each chunk attaches its microbatch's term to its
-output instead: jaxpar.parallel.pipeline.add_to_objective.)
+output instead: jaxpar.parallel.executor.add_to_objective.)
 
 Dispatch. Assignments are sorted by expert (stable: the priority order within an expert), dropped ones last; the
 rows of a local expert are then contiguous, and the experts run as grouped matmuls over the sorted rows

@@ -13,11 +13,11 @@ backward in the reverse order; each chunk's backward is two actions, as in the z
 A tick is one unit of time and every action takes one (F = B = W, the papers' accounting). A schedule is a placement
 and, per stage, a policy that picks the next action; `build` plays the ticks: a stage runs an action only when what
 it needs was produced at an earlier tick (F(j, c−1), B(j, c+1) or its own F(j, c), B(j, c)) — a send made at tick t
-is received at t + 1. The result, a `Table`, is all the executor (`jaxpar.parallel.pipeline.execute`) needs, and its
+is received at t + 1. The result, a `Table`, is all the executor (`jaxpar.parallel.executor.execute`) needs, and its
 bubble and memory are counted here, from the table:
 
     gpipe             v = 1: all F, then all B/W — every microbatch in flight at the peak
-    circular          v chunks round-robin, all F then all B/W: the table of `pipeline.circular`, whose backward
+    circular          v chunks round-robin, all F then all B/W: the table of `circular.circular`, whose backward
                       autodiff writes (that loop is the reference; `parallel.schedule=circular` runs it)
     1f1b              v = 1: p−s−1 warm-up forwards, then one F and one backward (B, W) in turn: ≤ p − s
                       microbatches in flight on stage s, whatever m is

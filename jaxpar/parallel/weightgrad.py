@@ -8,7 +8,7 @@ The backward of a matmul y = x·W is two independent products:
 B propagates a chunk's output gradient back through all its layers to the chunk's input; W then needs, per matmul,
 only that matmul's input x (kept from the forward) and its output gradient dy (kept from B). The model contracts
 every weight matrix in a *group* — `Parallel.column` (matmuls sharing one input) or `Parallel.row` — so a `Tape` on
-the model's parallel context sees each one, and the pipeline executor (jaxpar.parallel.pipeline.execute) runs the
+the model's parallel context sees each one, and the pipeline executor (jaxpar.parallel.executor.execute) runs the
 chunk in one of three modes:
 
     MEASURE  one layer (a period of a mixed stack), traced once outside any loop: which of the chunk's parameters

@@ -27,7 +27,7 @@ file. Then, per device (b rows, A = grad_accum: one chunk's activations at a tim
                       microbatch, and the k layers' weights each iteration read (its pass is a traced index); the
                       carries io [q, mb, …], shift, park, and their cotangents
     a schedule table  the executor's buffers (`schedule.Program`, one scratch slot each), a slot's contents read off
-                      the executor's own chunk trace (`table_chunk`, `pipeline.Chunk`): (n_stash + 1) stash slots,
+                      the executor's own chunk trace (`table_chunk`, `executor.Chunk`): (n_stash + 1) stash slots,
                       (n_tape + 1) tape (the matmul groups' inputs), (n_dys + 1) dys (their output gradients),
                       (n_inbox + 1) messages [mb, s, h]; the tick's switch returns one of each and the chunk's and
                       `rest`'s gradients (every branch returns them all); for v > 1 the tick's chunk parameters
@@ -71,7 +71,7 @@ from jax._src import core as jax_core  # Var, Literal: the jaxpr the residuals a
 
 from jaxpar.config import Config, ModelConfig
 from jaxpar.model import KVCache, abstract_model, attention_mask, default_positions, layer_groups, run_layers
-from jaxpar.parallel import pipeline
+from jaxpar.parallel import executor, pipeline
 from jaxpar.parallel.axes import AXES, BATCH_AXES, DATA, TENSOR
 from jaxpar.plan import padded_vocab, plan_rules
 from jaxpar.parallel.weightgrad import RECORD
@@ -372,7 +372,7 @@ class TableChunk:
 @functools.lru_cache(maxsize=256)
 def table_chunk(model: ModelConfig, seq: int, remat: str, k: int) -> TableChunk:
     """What the table executor holds a slot for one chunk of the model's first k layers and one sequence of `seq`
-    tokens — read off the executor's own `pipeline.Chunk` (its MEASURE and RECORD traces), so a slot's contents
+    tokens — read off the executor's own `executor.Chunk` (its MEASURE and RECORD traces), so a slot's contents
     follow the code: what autodiff of the tape-run chunk keeps (under `remat`), less the parameters, the zero probes
     and the constants the executor takes again in B."""
     cfg = dataclasses.replace(model, n_layers=k)
@@ -389,7 +389,7 @@ def table_chunk(model: ModelConfig, seq: int, remat: str, k: int) -> TableChunk:
             y, collected, stats = run_layers(chunk, x, positions, mask, cfg, remat=remat, tape=tape, stats=True)
             return y, (collected, stats)
 
-        chunk = pipeline.Chunk(chunk_fn, stacks, jax.tree.map(lambda a: a * 1, stacks), x, lambda w: w)
+        chunk = executor.Chunk(chunk_fn, stacks, jax.tree.map(lambda a: a * 1, stacks), x, lambda w: w)
         return chunk.stash_ref, chunk.tape_ref, chunk.dys_ref
 
     x = jax.ShapeDtypeStruct((1, seq, model.d_model), jnp.float32)  # the residual stream

@@ -173,9 +173,9 @@ def layer_overhead(devices: list, repeats: int, trips: int = 64) -> float:
 
 def pipeline_cost(devices: list, repeats: int, microbatches: int = 4) -> float:
     """Seconds per byte of a microbatch's activations that one iteration (forward and backward) of jaxpar's circular
-    pipeline costs beyond its stages' work: its selects, buffer updates and permute over [mb, T, h] (`pipeline.
+    pipeline costs beyond its stages' work: its selects, buffer updates and permute over [mb, T, h] (`circular.
     circular` with a one-matmul stage, 2 stages, against the same stage calls in a plain scan)."""
-    from jaxpar.parallel import pipeline
+    from jaxpar.parallel import circular, pipeline
 
     n = len(devices)
     if n < 2 or n % 2:
@@ -189,7 +189,7 @@ def pipeline_cost(devices: list, repeats: int, microbatches: int = 4) -> float:
     stage = lambda wt, a: jnp.tanh(a @ wt)  # noqa: E731
 
     def piped(wt, io):
-        return jax.grad(lambda wt: pipeline.circular(stage, wt, io, stages=2, repeats=1,
+        return jax.grad(lambda wt: circular.circular(stage, wt, io, stages=2, repeats=1,
                                                      microbatches=microbatches).sum())(wt)
 
     def plain(wt, io):

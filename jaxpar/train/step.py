@@ -31,7 +31,7 @@ from flax import nnx
 from jax.sharding import Mesh, PartitionSpec as P
 
 from jaxpar.model import attention_mask, default_positions, moe_objective, run_layers
-from jaxpar.parallel import pipeline
+from jaxpar.parallel import circular, executor
 from jaxpar.parallel.axes import DATA, EXPERT, PIPE
 from jaxpar.parallel.pipeline import Pipeline
 from jaxpar.plan import Plan, batch_sharding
@@ -93,9 +93,9 @@ def pipeline_loss(model, batch: jax.Array, pipe: Pipeline, remat: str, par: Para
     mask = attention_mask(T, None)
     stage = lambda layers, h: run_layers(layers, h, positions, mask, model.cfg, remat=remat, par=par,  # noqa: E731
                                          stats=True)
-    out, stats = pipeline.circular(stage, per_pass, io, stages=p, repeats=v, microbatches=m, stats=True)
+    out, stats = circular.circular(stage, per_pass, io, stages=p, repeats=v, microbatches=m, stats=True)
     logits = model.logits(out.reshape(R, *out.shape[2:]), par)  # [R, T, V_local]
-    held = jnp.asarray(pipeline.output_order(p, v, m))[jax.lax.axis_index(PIPE)]  # [q] starting slots s·q + c
+    held = jnp.asarray(circular.output_order(p, v, m))[jax.lax.axis_index(PIPE)]  # [q] starting slots s·q + c
     all_targets = jax.lax.all_gather(targets.reshape(q, mb, T), PIPE)  # [p, q, mb, T]
     return par.cross_entropy(logits, all_targets[held // q, held % q].reshape(R, T)).mean(), stats
 
@@ -103,7 +103,7 @@ def pipeline_loss(model, batch: jax.Array, pipe: Pipeline, remat: str, par: Para
 def scheduled_loss_and_grads(graphdef: nnx.GraphDef, params: nnx.State, batch: jax.Array, pipe: Pipeline,
                              remat: str, par: Parallel) -> tuple[jax.Array, nnx.State, dict]:
     """This stage's share of (loss, gradients, its layers' MoE statistics over every row) under a schedule table
-    (`pipeline.execute`): the table, not autodiff of a loop, decides when each microbatch's backward runs and what
+    (`executor.execute`): the table, not autodiff of a loop, decides when each microbatch's backward runs and what
     stays alive.
 
     Every stage gathers the step's token rows over `pipe` (4 bytes a token): microbatch j is rows j·mb … of them,
@@ -129,7 +129,7 @@ def scheduled_loss_and_grads(graphdef: nnx.GraphDef, params: nnx.State, batch: j
         y, collected, stats = run_layers(stacked, x, positions, mask, cfg, remat=remat, par=par, tape=tape,
                                          stats=True)
         if stats:  # F of an MoE chunk: its layers' aux losses over this microbatch join the objective like its loss
-            y = pipeline.add_to_objective(y, moe_objective(stats, cfg, x.shape[0]), 1.0 / m)
+            y = executor.add_to_objective(y, moe_objective(stats, cfg, x.shape[0]), 1.0 / m)
         return y, (collected, stats)  # the statistics are summed over the F ticks (logged, not differentiated)
 
     def embed_fn(r: nnx.State, tokens: jax.Array) -> jax.Array:
@@ -138,7 +138,7 @@ def scheduled_loss_and_grads(graphdef: nnx.GraphDef, params: nnx.State, batch: j
     def head_loss_fn(r: nnx.State, y: jax.Array, targets: jax.Array) -> jax.Array:
         return par.cross_entropy(nnx.merge(graphdef, r, blocks).logits(y, par), targets).mean()
 
-    loss, layer_grads, rest_grads, stats = pipeline.execute(
+    loss, layer_grads, rest_grads, stats = executor.execute(
         pipe.program, chunk_fn, layers, rest, tokens.reshape(m, mb, T), targets.reshape(m, mb, T), embed_fn,
         head_loss_fn, axis=PIPE, operand=lambda w: par.dot.operand(w, cfg.dtype))
     block_grads = jax.tree.map(lambda a: a.reshape(a.shape[0] * a.shape[1], *a.shape[2:]), layer_grads)
