@@ -1,29 +1,16 @@
-"""Typed, frozen, validated configuration.
-
-Every run is described by one `Config`: five frozen dataclasses (`ModelConfig`, `ParallelConfig`, `TrainConfig`,
-`DataConfig`, `CheckpointConfig`). They are built from an ml_collections file (`configs/*.py` with `get_config()`),
-a YAML recipe (`recipes/*.yaml`, optionally naming a `base:` file), and `a.b=v` overrides, always through
-`config_from_dict`, so every source gets the same checks.
-
-All validation lives here. Checks that need only the config run on construction (`__post_init__`); checks that need
-the device count (mesh product, batch divisibility once `data=-1` is filled) run in `resolve_for_devices`. Both
-raise `ConfigError` naming the field, the value, the rule and a fix, before anything is traced or compiled.
-"""
+"""The config's schema: five frozen dataclasses (`ModelConfig` with its `MoEConfig`, `ParallelConfig`, `TrainConfig`,
+`DataConfig`, `CheckpointConfig`) under one `Config`, each field with its default and its help (the README's
+reference is generated from them), and every check that needs only the config (`__post_init__`) or the device
+count (`Config.resolve_for_devices`)."""
 
 from __future__ import annotations
 
 import dataclasses
 import difflib
-import functools
-import importlib.util
 import json
-import math
-import pathlib
-import typing
 from typing import Any
 
-import yaml
-
+from jaxpar.config.checks import (check_fields, check_positive, check_choice, check_divides, same_chunks, nearest_multiples)
 from jaxpar.errors import ConfigError, divisors
 from jaxpar.families import FAMILIES
 from jaxpar.parallel import axes
@@ -75,13 +62,13 @@ class MoEConfig:
                                        "mlp_only_layers; DeepSeek's first k dense layers: 0, …, k-1)")
 
     def __post_init__(self):
-        _check_fields(self, "moe")
+        check_fields(self, "moe")
         for name in ("n_experts", "d_ff", "shared_d_ff"):
-            _check_positive(f"moe.{name}", getattr(self, name), allow_zero="derived" if name == "d_ff" else "off")
+            check_positive(f"moe.{name}", getattr(self, name), allow_zero="derived" if name == "d_ff" else "off")
         for name in ("capacity_factor", "aux_loss_coef", "z_loss_coef"):
-            _check_positive(f"moe.{name}", getattr(self, name), allow_zero="off")
-        _check_positive("moe.top_k", self.top_k)
-        _check_positive("moe.sparse_step", self.sparse_step)
+            check_positive(f"moe.{name}", getattr(self, name), allow_zero="off")
+        check_positive("moe.top_k", self.top_k)
+        check_positive("moe.sparse_step", self.sparse_step)
         if len(set(self.dense_layers)) != len(self.dense_layers) or any(i < 0 for i in self.dense_layers):
             raise ConfigError("moe.dense_layers", list(self.dense_layers), "must list distinct layer indices >= 0",
                               "list each dense layer once, counting from 0")
@@ -155,15 +142,15 @@ class ModelConfig:
     def __post_init__(self):
         if isinstance(self.moe, dict):  # config.json written before `moe` moved out, or a dict from a caller
             object.__setattr__(self, "moe", MoEConfig(**self.moe))
-        _check_fields(self, "model")
-        _check_choice("model.family", self.family, tuple(FAMILIES))
-        _check_choice("model.dtype", self.dtype, DTYPES)
-        _check_choice("model.param_dtype", self.param_dtype, DTYPES)
-        _check_choice("model.rope_scaling", self.rope_scaling, ROPE_SCALINGS)
-        _check_choice("model.attention", self.attention, ATTENTION_IMPLS)
-        _check_positive("model.rope_factor", self.rope_factor)
-        _check_positive("model.rope_original_max_len", self.rope_original_max_len)
-        _check_positive("model.sliding_window", self.sliding_window, allow_zero="full causal attention")
+        check_fields(self, "model")
+        check_choice("model.family", self.family, tuple(FAMILIES))
+        check_choice("model.dtype", self.dtype, DTYPES)
+        check_choice("model.param_dtype", self.param_dtype, DTYPES)
+        check_choice("model.rope_scaling", self.rope_scaling, ROPE_SCALINGS)
+        check_choice("model.attention", self.attention, ATTENTION_IMPLS)
+        check_positive("model.rope_factor", self.rope_factor)
+        check_positive("model.rope_original_max_len", self.rope_original_max_len)
+        check_positive("model.sliding_window", self.sliding_window, allow_zero="full causal attention")
         if self.rope_scaling == "llama3" and not self.rope_high_freq_factor > self.rope_low_freq_factor > 0:
             raise ConfigError("model.rope_high_freq_factor", self.rope_high_freq_factor,
                               f"must exceed model.rope_low_freq_factor = {self.rope_low_freq_factor} > 0 "
@@ -172,11 +159,11 @@ class ModelConfig:
             raise ConfigError("model.attention", self.attention, "cuDNN flash attention needs a 16-bit compute dtype",
                               "set model.dtype=bfloat16, or model.attention=auto/xla")
         for name in ("vocab_size", "d_model", "n_layers", "n_heads", "max_seq_len", "scan_unroll"):
-            _check_positive(f"model.{name}", getattr(self, name))
+            check_positive(f"model.{name}", getattr(self, name))
         for name in ("n_kv_heads", "head_dim", "d_ff"):
-            _check_positive(f"model.{name}", getattr(self, name), allow_zero="derived")
+            check_positive(f"model.{name}", getattr(self, name), allow_zero="derived")
         for name in ("rope_theta", "norm_eps", "init_std"):
-            _check_positive(f"model.{name}", getattr(self, name))
+            check_positive(f"model.{name}", getattr(self, name))
         # Resolve the derived sizes so the frozen config (and config.json) holds concrete numbers.
         if self.n_kv_heads == 0:
             object.__setattr__(self, "n_kv_heads", self.n_heads)
@@ -210,8 +197,8 @@ class ModelConfig:
                                   self.moe.sparse_step if self.moe.sparse_step > 1 else list(self.moe.dense_layers),
                                   f"leaves none of the {self.n_layers} layers an MoE layer",
                                   "set moe.n_experts=0 for a dense model, or make some layer MoE")
-        _check_choice("model.weights", self.weights, WEIGHT_FORMATS)
-        _check_positive("model.weight_group", self.weight_group)
+        check_choice("model.weights", self.weights, WEIGHT_FORMATS)
+        check_positive("model.weight_group", self.weight_group)
         if self.weights == "int4":
             self._check_groups()
 
@@ -343,7 +330,7 @@ class ParallelConfig:
                       "device kind's datasheet on known GPUs, else a probe of the devices at start, ~12 s)")
 
     def __post_init__(self):
-        _check_fields(self, "parallel")
+        check_fields(self, "parallel")
         if not self.auto and (self.keep or self.profile):
             name = "keep" if self.keep else "profile"
             raise ConfigError(f"parallel.{name}", getattr(self, name), "only read by the planner, and "
@@ -354,16 +341,16 @@ class ParallelConfig:
                 raise ConfigError("parallel.keep", self.keep, f"names {name!r}, which the planner does not choose",
                                   (f"did you mean {close[0]!r}? " if close else "") + f"name among {', '.join(AUTO_KEEPS)}")
         if self.data != -1:
-            _check_positive("parallel.data", self.data, fix="use a positive degree, or -1 to fill the remaining devices")
+            check_positive("parallel.data", self.data, fix="use a positive degree, or -1 to fill the remaining devices")
         for name in [a for a in axes.AXES if a != axes.DATA] + ["repeats", "microbatches"]:
-            _check_positive(f"parallel.{name}", getattr(self, name))
+            check_positive(f"parallel.{name}", getattr(self, name))
         if self.sequence_parallel and self.tensor == 1:
             # SP swaps the tensor-parallel boundaries for all-gather/reduce-scatter over `tensor`: with one rank
             # there is nothing to shard, and the flag would silently do nothing.
             raise ConfigError("parallel.sequence_parallel", True, "sequence parallelism shards activations over the "
                               "tensor axis, and parallel.tensor = 1", "set parallel.tensor > 1, or "
                               "parallel.sequence_parallel=false")
-        _check_choice("parallel.overlap", self.overlap, OVERLAPS)
+        check_choice("parallel.overlap", self.overlap, OVERLAPS)
         if self.overlap == "collective_matmul" and not self.sequence_parallel:
             raise ConfigError("parallel.overlap", self.overlap, "decomposes sequence parallelism's all-gathers and "
                               "reduce-scatters, and parallel.sequence_parallel is off",
@@ -375,8 +362,8 @@ class ParallelConfig:
                               f"per-stage branches of the '{self.schedule}' schedule, where XLA waits for every "
                               "device of the mesh (stages on other actions never arrive)",
                               "use parallel.overlap=none with a schedule table, or parallel.schedule=circular")
-        _check_choice("parallel.zero", self.zero, (0, 1, 3))
-        _check_choice("parallel.context_impl", self.context_impl, CONTEXT_IMPLS)
+        check_choice("parallel.zero", self.zero, (0, 1, 3))
+        check_choice("parallel.context_impl", self.context_impl, CONTEXT_IMPLS)
         if self.context > 1 and self.context_impl == "ring" and self.pipe > 1 and self.schedule != "circular":
             # The executor runs each stage's action in its own switch branch; XLA:CPU's collective-permute waits
             # for every device of the mesh, so a ring step in one stage's branch waits for stages that never come.
@@ -385,7 +372,7 @@ class ParallelConfig:
                               "for every device of the mesh (stages on other actions never arrive)",
                               "use parallel.context_impl=all_gather with a schedule table, or "
                               "parallel.schedule=circular")
-        _check_choice("parallel.remat", self.remat, REMAT_POLICIES)
+        check_choice("parallel.remat", self.remat, REMAT_POLICIES)
         if self.schedule != "circular":  # the circular loop's own rules follow below
             why = schedule_check(self.schedule, self.pipe, self.repeats, self.microbatches)
             if why:
@@ -404,7 +391,7 @@ class ParallelConfig:
             raise ConfigError("parallel.microbatches", self.microbatches,
                               f"must be a multiple of parallel.pipe = {self.pipe} (each stage embeds, and finally "
                               "holds, microbatches/pipe of them)",
-                              f"use microbatches {_nearest_multiples(self.microbatches, self.pipe)}")
+                              f"use microbatches {nearest_multiples(self.microbatches, self.pipe)}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -434,11 +421,11 @@ class TrainConfig:
                            "match it: `jaxpar train --init-from-hf DIR` fills it in); '' starts from random weights")
 
     def __post_init__(self):
-        _check_fields(self, "train")
+        check_fields(self, "train")
         for name in ("batch_size", "seq_len", "steps", "lr", "grad_accum", "log_every", "eval_batches", "max_bad_steps"):
-            _check_positive(f"train.{name}", getattr(self, name))
+            check_positive(f"train.{name}", getattr(self, name))
         for name in ("warmup_steps", "weight_decay", "grad_clip", "eval_every", "seed", "profile_steps"):
-            _check_positive(f"train.{name}", getattr(self, name), allow_zero="allowed")
+            check_positive(f"train.{name}", getattr(self, name), allow_zero="allowed")
         if self.seed >= 2**32:
             raise ConfigError("train.seed", self.seed, "must lie in [0, 2**32) (it seeds the data order too)",
                               "pick a smaller seed")
@@ -457,8 +444,8 @@ class DataConfig:
     tokenizer: str = _f("bytes", "'bytes' (vocab 256) or a path to a Hugging Face tokenizer.json")
 
     def __post_init__(self):
-        _check_fields(self, "data")
-        _check_choice("data.source", self.source, SOURCES)
+        check_fields(self, "data")
+        check_choice("data.source", self.source, SOURCES)
         if self.source in ("text", "tokens") and not self.path:
             raise ConfigError("data.path", self.path, f"data.source = {self.source!r} needs a path",
                               "set data.path to a file or directory")
@@ -473,10 +460,10 @@ class CheckpointConfig:
     permanent_every: int = _f(0, "also keep every checkpoint whose step is a multiple of this for good (0: none)")
 
     def __post_init__(self):
-        _check_fields(self, "checkpoint")
-        _check_positive("checkpoint.every", self.every, allow_zero="allowed")
-        _check_positive("checkpoint.keep", self.keep)
-        _check_positive("checkpoint.permanent_every", self.permanent_every, allow_zero="allowed")
+        check_fields(self, "checkpoint")
+        check_positive("checkpoint.every", self.every, allow_zero="allowed")
+        check_positive("checkpoint.keep", self.keep)
+        check_positive("checkpoint.permanent_every", self.permanent_every, allow_zero="allowed")
         # Only saved steps can be kept: with no periodic saves, or a period that is not a multiple of the saving
         # cadence, most of the "permanent" steps would never exist, and the run would keep fewer than asked.
         if self.permanent_every and (not self.every or self.permanent_every % self.every):
@@ -498,13 +485,13 @@ class Config:
 
     def __post_init__(self):
         m, p, t = self.model, self.parallel, self.train
-        _check_divides("model.n_heads", m.n_heads, "parallel.tensor", p.tensor, "each tensor shard holds whole query heads")
+        check_divides("model.n_heads", m.n_heads, "parallel.tensor", p.tensor, "each tensor shard holds whole query heads")
         if m.n_kv_heads % p.tensor and p.tensor % m.n_kv_heads:
             raise ConfigError("model.n_kv_heads", m.n_kv_heads,
                               f"must be a multiple or a divisor of parallel.tensor = {p.tensor} (kv heads are split "
                               "over tensor, or replicated so each rank holds the one its query heads use)",
                               f"use n_kv_heads among {divisors(p.tensor)} or a multiple of {p.tensor}")
-        _check_divides("model.d_ff", m.d_ff, "parallel.tensor", p.tensor, "the MLP hidden dim is split over tensor")
+        check_divides("model.d_ff", m.d_ff, "parallel.tensor", p.tensor, "the MLP hidden dim is split over tensor")
         self._check_moe()
         # model.vocab_size needs no check: the embedding is padded to a multiple of tensor (jaxpar.sharding).
         if p.context > 1 and t.seq_len % (2 * p.context * (p.tensor if p.sequence_parallel else 1)):
@@ -515,12 +502,12 @@ class Config:
                   f"2 × parallel.context = 2 × {p.context} = {k}")
             raise ConfigError("train.seq_len", t.seq_len, f"must be divisible by {by}: context parallelism "
                               "cuts the sequence into 2 chunks per context rank",
-                              f"use seq_len {_nearest_multiples(t.seq_len, k)}, or a smaller parallel.context")
+                              f"use seq_len {nearest_multiples(t.seq_len, k)}, or a smaller parallel.context")
         if p.sequence_parallel and t.seq_len % p.tensor:
             raise ConfigError("train.seq_len", t.seq_len,
                               f"must be divisible by parallel.tensor = {p.tensor} with sequence_parallel on "
                               "(each rank holds seq_len/tensor tokens between tensor-parallel regions)",
-                              f"use seq_len {_nearest_multiples(t.seq_len, p.tensor)}, or sequence_parallel=false")
+                              f"use seq_len {nearest_multiples(t.seq_len, p.tensor)}, or sequence_parallel=false")
         stages = p.pipe * p.repeats
         if m.n_layers % stages:
             raise ConfigError("model.n_layers", m.n_layers,
@@ -542,16 +529,16 @@ class Config:
                 raise ConfigError("parallel.expert", p.expert, "nothing splits over 'expert': the model has no MoE "
                                   "layers (moe.n_experts = 0)", "set parallel.expert=1, or moe.n_experts > 0")
             return
-        _check_divides("moe.n_experts", moe.n_experts, "parallel.expert", p.expert, "each expert rank holds "
+        check_divides("moe.n_experts", moe.n_experts, "parallel.expert", p.expert, "each expert rank holds "
                        "n_experts/expert whole experts")
-        _check_divides("moe.d_ff", moe.d_ff, "parallel.tensor", p.tensor, "each expert's hidden dim is split over "
+        check_divides("moe.d_ff", moe.d_ff, "parallel.tensor", p.tensor, "each expert's hidden dim is split over "
                        "tensor")
         if moe.shared_d_ff:
-            _check_divides("moe.shared_d_ff", moe.shared_d_ff, "parallel.tensor", p.tensor, "the shared expert's "
+            check_divides("moe.shared_d_ff", moe.shared_d_ff, "parallel.tensor", p.tensor, "the shared expert's "
                            "hidden dim is split over tensor")
         chunks = p.pipe * p.repeats
-        if p.pipe > 1 and m.n_layers % chunks == 0 and not _same_chunks(m.layer_kinds, chunks):
-            fits = [c for c in divisors(m.n_layers) if c > 1 and _same_chunks(m.layer_kinds, c)]
+        if p.pipe > 1 and m.n_layers % chunks == 0 and not same_chunks(m.layer_kinds, chunks):
+            fits = [c for c in divisors(m.n_layers) if c > 1 and same_chunks(m.layer_kinds, c)]
             raise ConfigError("parallel.repeats" if p.repeats > 1 else "parallel.pipe", p.repeats if p.repeats > 1
                               else p.pipe, f"the pipeline cuts the {m.n_layers} layers into pipe*repeats = {chunks} "
                               f"chunks, and they do not all hold the same dense / MoE layers (MoE: "
@@ -574,7 +561,7 @@ class Config:
             raise ConfigError("train.batch_size", t.batch_size,
                               f"must be divisible by {name}{p.microbatches}*{t.grad_accum} = {per_step} (every chunk "
                               "splits evenly over the data shards)",
-                              f"use batch_size {_nearest_multiples(t.batch_size, per_step)}")
+                              f"use batch_size {nearest_multiples(t.batch_size, per_step)}")
 
     @property
     def mesh_shape(self) -> tuple[int, ...]:
@@ -607,325 +594,3 @@ class Config:
 
 SECTIONS: dict[str, type] = {"model": ModelConfig, "moe": MoEConfig, "parallel": ParallelConfig, "train": TrainConfig,
             "data": DataConfig, "checkpoint": CheckpointConfig}
-
-
-# ---------------------------------------------------------------------------------------------------------------------
-# Building a Config from files, dicts and overrides.
-
-
-def config_from_dict(d: dict) -> Config:
-    """Nested dict → validated `Config`. Unknown keys get a did-you-mean; types are checked strictly."""
-    if not isinstance(d, dict):
-        raise ConfigError("config", type(d).__name__, "must be a mapping of sections", "write sections like model: {...}")
-    _reject_unknown(d, SECTIONS, prefix="")
-    sections = {}
-    for name in sorted(SECTIONS, key=lambda n: n != "moe"):  # moe first: the model config holds it
-        cls, raw = SECTIONS[name], d.get(name, {}) or {}
-        if not isinstance(raw, dict):
-            raise ConfigError(name, raw, "must be a mapping of fields", f"write {name}: {{field: value}}")
-        names = {f.name: f for f in dataclasses.fields(cls) if not f.metadata.get("section")}
-        _reject_unknown(raw, names, prefix=f"{name}.")
-        if name == "model":  # the moe section, already built, rides inside the model config
-            raw = dict(raw, moe=sections.pop("moe"))
-        if name == "parallel" and raw.get("auto") is True:  # what the user set stays: the planner keeps it
-            train = d.get("train") if isinstance(d.get("train"), dict) else {}
-            named = [k for k in raw if k in PLANNED] + (["grad_accum"] if "grad_accum" in train else [])
-            raw = dict(raw, keep=tuple(dict.fromkeys([*(raw.get("keep") or ()), *named])))
-        sections[name] = cls(**raw)
-    return Config(**sections)
-
-
-def load_config(path: str | None = None, overrides: typing.Sequence[str] = (),
-                config_roots: typing.Sequence[str | pathlib.Path] = ()) -> Config:
-    """Load a `.py` (ml_collections `get_config()`) or `.yaml` config, apply `a.b=v` overrides, validate.
-
-    A YAML recipe may name `base: path/to/config.py` (relative to the YAML file, or the working directory); its own
-    keys then override the base's. A base is code (a `.py` base runs), so it must lie inside the recipe's tree —
-    the project that holds the top-level recipe (its nearest ancestor with `.git` or `pyproject.toml`, else the
-    recipe's own directory) — or inside one of `config_roots` given explicitly (`jaxpar train --config-root DIR`).
-    """
-    allowed = tuple(pathlib.Path(r).resolve() for r in config_roots)
-    d = _load_file(path, allowed=allowed + (_tree_of(pathlib.Path(path)),)) if path else {}
-    for item in overrides:
-        key, sep, raw = item.partition("=")
-        if not sep:
-            raise ConfigError(item, None, "an override must look like section.field=value", f"write {item}=VALUE")
-        _apply_override(d, key.strip().removeprefix("config."), raw.strip())
-    return config_from_dict(d)
-
-
-def _tree_of(recipe: pathlib.Path) -> pathlib.Path:
-    """The directory a recipe's `base:` may reach into: its project (nearest ancestor with .git or pyproject.toml),
-    else the recipe's own directory."""
-    for parent in recipe.resolve().parents:
-        if (parent / ".git").exists() or (parent / "pyproject.toml").is_file():
-            return parent
-    return recipe.resolve().parent
-
-
-# What a YAML recipe may expand to, its aliases followed (a recipe is a few dozen nodes): an alias bomb ("billion
-# laughs": each level a list of aliases to the one before) is a few lines that expand to 10^9 nodes.
-MAX_YAML_NODES = 100_000
-
-
-class _YamlTooLarge(Exception):
-    """A YAML document that expands past MAX_YAML_NODES, or refers to itself (its message says which)."""
-
-
-class _YamlLoader(yaml.SafeLoader):
-    """SafeLoader that also reads `1e-3` as a float (YAML 1.2 does; PyYAML's 1.1 rules want `1.0e-3`), and refuses a
-    document whose aliases expand it past MAX_YAML_NODES nodes or into itself, before constructing anything."""
-
-    def construct_document(self, node):
-        _expanded_size(node)
-        return super().construct_document(node)
-
-
-def _expanded_size(root) -> int:
-    """Nodes of a composed YAML document with every alias expanded, counted once per distinct node (an alias is the
-    node it names), without recursion; `_YamlTooLarge` past MAX_YAML_NODES or on a node that contains itself."""
-    children = lambda n: ([x for pair in n.value for x in pair] if isinstance(n, yaml.MappingNode)  # noqa: E731
-                          else list(n.value) if isinstance(n, yaml.SequenceNode) else [])
-    sizes: dict[int, int] = {}
-    path: set[int] = set()  # the nodes being expanded (the current one's ancestors)
-    stack = [(root, False)]
-    while stack:
-        node, finished = stack.pop()
-        key = id(node)
-        if finished:
-            path.discard(key)
-            sizes[key] = 1 + sum(sizes[id(c)] for c in children(node))
-            if sizes[key] > MAX_YAML_NODES:
-                raise _YamlTooLarge(f"expands to more than {MAX_YAML_NODES:,} values once its aliases are followed "
-                                    "(an alias bomb, or no config)")
-            continue
-        if key in sizes:
-            continue
-        if key in path:
-            raise _YamlTooLarge(f"holds an alias inside the node it names (line {node.start_mark.line + 1}): it "
-                                "would expand forever")
-        path.add(key)
-        stack.append((node, True))
-        stack.extend((c, False) for c in children(node) if id(c) not in sizes)
-    return sizes[id(root)]
-
-
-_YamlLoader.add_implicit_resolver(
-    "tag:yaml.org,2002:float",
-    __import__("re").compile(r"^[-+]?(?:[0-9][0-9_]*)?(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"), list("-+0123456789."))
-
-
-def _load_file(path: str, seen: frozenset = frozenset(), allowed: tuple[pathlib.Path, ...] = ()) -> dict:
-    p = pathlib.Path(path)
-    if not p.exists():
-        raise ConfigError("--config", path, "file not found", "pass a path to configs/*.py or recipes/*.yaml")
-    if not p.is_file():
-        raise ConfigError("--config", path, "is not a file", "pass a path to configs/*.py or recipes/*.yaml")
-    if p.resolve() in seen:
-        raise ConfigError("base", path, "recipes name each other as base in a cycle", "break the cycle of base: keys")
-    if p.suffix == ".py":
-        d = _run_config_py(p, path)
-    elif p.suffix in (".yaml", ".yml"):
-        try:
-            d = yaml.load(p.read_text(), Loader=_YamlLoader) or {}
-        except _YamlTooLarge as e:
-            raise ConfigError("--config", path, str(e), "write each value out (a recipe needs no nested "
-                              "aliases)") from None
-        except RecursionError:
-            raise ConfigError("--config", path, "nests its values too deeply to read", "flatten the YAML (a "
-                              "recipe's sections are one or two levels deep)") from None
-        except (yaml.YAMLError, UnicodeDecodeError) as e:
-            mark = getattr(e, "problem_mark", None)
-            where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark else ""
-            raise ConfigError("--config", path, f"is not valid YAML ({where}{getattr(e, 'problem', None) or e})",
-                              "fix the YAML syntax") from None
-        if not isinstance(d, dict):
-            raise ConfigError("--config", path, "must hold a mapping of sections", "write sections like model: {...}")
-    else:
-        raise ConfigError("--config", path, "unknown config file type", "use a .py (ml_collections) or .yaml file")
-    d = {k: ({} if v is None and k in SECTIONS else v) for k, v in d.items()}  # an empty section is just empty
-    base = d.pop("base", None)
-    if base is None:
-        return d
-    if not isinstance(base, str) or not base:
-        raise ConfigError("base", base, "must be a path to a .py or .yaml config", "write base: ../configs/tiny.py")
-    base_path = p.parent / base if (p.parent / base).exists() else pathlib.Path(base)
-    if base_path.is_dir():
-        raise ConfigError("base", base, f"is a directory ({base_path})", "name a .py or .yaml config file")
-    if base_path.exists() and not any(base_path.resolve().is_relative_to(r) for r in allowed):
-        raise ConfigError("base", base, f"resolves to {base_path.resolve()}, outside the recipe's tree "
-                          f"{allowed[-1]} (a base is code: a .py base runs when loaded)",
-                          "move the base inside that tree, or trust its directory explicitly with --config-root DIR")
-    return _deep_merge(_load_file(str(base_path), seen | {p.resolve()}, allowed), d)
-
-
-def _run_config_py(p: pathlib.Path, path: str) -> dict:
-    """Run a `.py` config's get_config() and return it as a dict; anything wrong is one ConfigError."""
-    try:
-        spec = importlib.util.spec_from_file_location(f"jaxpar_config_{p.stem}", p)
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-        if not callable(getattr(module, "get_config", None)):
-            raise ConfigError("--config", path, "defines no get_config()",
-                              "define get_config() returning an ml_collections.ConfigDict")
-        cfg = module.get_config()
-    except ConfigError:
-        raise
-    except SystemExit as e:  # a config that exits must not pass for a successful run
-        raise ConfigError("--config", path, f"called sys.exit({e.code!r}) while loading",
-                          "remove the exit; get_config() must return a ConfigDict") from None
-    except Exception as e:  # a broken config file is a config error, reported in one line
-        raise ConfigError("--config", path, f"failed to load: {type(e).__name__}: {e}",
-                          "fix the file (it must define get_config() returning a ConfigDict)") from None
-    if hasattr(cfg, "to_dict"):
-        cfg = cfg.to_dict()
-    if not isinstance(cfg, dict):
-        raise ConfigError("--config", path, f"get_config() returned {type(cfg).__name__}, not a mapping of sections",
-                          "return an ml_collections.ConfigDict (or a dict) with model/parallel/train/... sections")
-    return dict(cfg)
-
-
-def _deep_merge(base: dict, top: dict) -> dict:
-    out = dict(base)
-    for k, v in top.items():
-        out[k] = _deep_merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
-    return out
-
-
-def _apply_override(d: dict, key: str, raw: str) -> None:
-    """Set d[section][field] from the string `raw`, parsed as the field's declared type."""
-    section, _, name = key.partition(".")
-    if not key:
-        raise ConfigError("--config.", raw, "an override needs a key", "write e.g. --config.model.d_model=64")
-    if not section or not name:
-        raise ConfigError(key or "(empty)", raw, "an override must name section.field", "write e.g. model.d_model=64")
-    _reject_unknown({section: raw}, SECTIONS, prefix="")
-    cls = SECTIONS[section]
-    fields = {f.name: f for f in dataclasses.fields(cls)}
-    _reject_unknown({name: raw}, fields, prefix=f"{section}.")
-    kind = _type_hints(cls)[name]
-    if not isinstance(d.get(section), dict):
-        d[section] = {}
-    d[section][name] = _parse_scalar(key, raw, kind)
-
-
-def _parse_scalar(key: str, raw: str, kind: type) -> Any:
-    if typing.get_origin(kind) is tuple:  # a list: "0,1,2", "[0, 1, 2]" or "" / "[]" for none
-        items = [x.strip() for x in raw.strip().strip("[]()").split(",") if x.strip()]
-        if typing.get_args(kind)[0] is str:
-            return tuple(x.strip("'\"") for x in items)
-        try:
-            return tuple(int(x) for x in items)
-        except ValueError:
-            raise ConfigError(key, raw, "must be a comma-separated list of integers",
-                              f"write e.g. {key}=0,1") from None
-    try:
-        if kind is bool:
-            lowered = raw.lower()
-            if lowered in ("true", "1", "yes", "on"):
-                return True
-            if lowered in ("false", "0", "no", "off"):
-                return False
-            raise ValueError
-        if kind is int:
-            return int(raw)
-        if kind is float:
-            return float(raw)
-    except ValueError:
-        word = {int: "an integer", float: "a number", bool: "true or false"}[kind]
-        raise ConfigError(key, raw, f"must be {word}", f"pass {word}") from None
-    return raw
-
-
-# ---------------------------------------------------------------------------------------------------------------------
-# Small checks shared by the sections.
-
-
-def _reject_unknown(d: dict, known: dict, prefix: str) -> None:
-    for key in d:
-        if key not in known:
-            close = difflib.get_close_matches(str(key), list(known), n=1)
-            hint = f"did you mean '{prefix}{close[0]}'?" if close else f"known keys: {', '.join(prefix + k for k in known)}"
-            raise ConfigError(f"{prefix}{key}", d[key], "unknown key", hint)
-
-
-@functools.cache
-def _type_hints(cls: type) -> dict[str, Any]:
-    """A section's field types (resolved once: every config the planner builds checks its fields)."""
-    return typing.get_type_hints(cls)
-
-
-def _check_fields(obj: Any, section: str) -> None:
-    """Strict type check against the annotations: int fields reject bools and floats; float fields accept ints."""
-    hints = _type_hints(type(obj))
-    for f in dataclasses.fields(obj):
-        value, kind, name = getattr(obj, f.name), hints[f.name], f"{section}.{f.name}"
-        if typing.get_origin(kind) is tuple:  # tuple[int or str, ...]: a list or tuple (JSON, YAML give lists)
-            item = typing.get_args(kind)[0]
-            if not isinstance(value, (list, tuple)) or not all(
-                    isinstance(v, item) and not isinstance(v, bool) for v in value):
-                word, example = ("integers", "[0, 1]") if item is int else ("names", "[tensor, pipe]")
-                raise ConfigError(name, value, f"must be a list of {word}",
-                                  f"give {name} a list such as {example} (default {list(f.default)!r})")
-            object.__setattr__(obj, f.name, tuple(value))
-            continue
-        ok = (isinstance(value, bool) if kind is bool else
-              isinstance(value, int) and not isinstance(value, bool) if kind is int else
-              isinstance(value, (int, float)) and not isinstance(value, bool) if kind is float else
-              isinstance(value, kind))
-        if not ok:
-            raise ConfigError(name, value, f"must be {kind.__name__}, got {type(value).__name__}",
-                              f"give {name} a {kind.__name__} value (default {f.default!r})")
-        if kind is float:
-            if not math.isfinite(value):
-                raise ConfigError(name, value, "must be finite", f"give {name} a finite number")
-            object.__setattr__(obj, f.name, float(value))
-
-
-def _check_positive(name: str, value: float, allow_zero: str | None = None, fix: str | None = None) -> None:
-    if value > 0 or (allow_zero and value == 0):
-        return
-    rule = "must be >= 0" if allow_zero else "must be > 0"
-    if allow_zero == "derived":
-        rule += " (0 means derived)"
-    raise ConfigError(name, value, rule, fix or f"set {name} to a {'non-negative' if allow_zero else 'positive'} value")
-
-
-def _check_choice(name: str, value: Any, choices: tuple) -> None:
-    if value not in choices:
-        close = difflib.get_close_matches(str(value), [str(c) for c in choices], n=1)
-        hint = f"did you mean {close[0]!r}? " if close else ""
-        raise ConfigError(name, value, f"must be one of {', '.join(map(repr, choices))}", f"{hint}pick one of those")
-
-
-def _check_divides(name: str, value: int, by_name: str, by: int, why: str) -> None:
-    if value % by:
-        raise ConfigError(name, value, f"must be divisible by {by_name} = {by} ({why})",
-                          f"use {by_name} among {divisors(value)}, or {name} a multiple of {by}")
-
-
-def _same_chunks(kinds: tuple, chunks: int) -> bool:
-    """Whether `chunks` equal cuts of the layer kinds are all the same (what a pipeline over them needs)."""
-    k = len(kinds) // chunks
-    return all(kinds[i] == kinds[i % k] for i in range(len(kinds)))
-
-
-def _nearest_multiples(n: int, k: int) -> str:
-    lo, hi = (n // k) * k, (n // k + 1) * k
-    return f"{lo} or {hi}" if lo > 0 else f"{hi}"
-
-
-def reference_markdown() -> str:
-    """The config reference as Markdown tables, generated from the dataclasses (the README embeds it verbatim)."""
-    lines = []
-    for section, cls in SECTIONS.items():
-        lines += [f"#### `{section}` — {cls.__doc__.strip().splitlines()[0]}", "",
-                  "| field | type | default | meaning |", "|---|---|---|---|"]
-        hints = _type_hints(cls)
-        for f in dataclasses.fields(cls):
-            if f.metadata.get("section"):
-                continue
-            kind = "list[int]" if typing.get_origin(hints[f.name]) is tuple else hints[f.name].__name__
-            lines.append(f"| `{section}.{f.name}` | {kind} | `{f.default!r}` | {f.metadata['help']} |")
-        lines.append("")
-    return "\n".join(lines).rstrip() + "\n"
