@@ -125,3 +125,18 @@ def test_kv_cache_bytes_are_the_decode_steps_arrays(family):
         assert held == want["params"], (data, tensor, held, want["params"])
         small = 2 * 4 * batch // data + 4 + jax.random.key_data(args[-1]).nbytes
         assert 0 <= compiled_memory(fn.lower(*args).compile())["argument_bytes"] - want["total"] <= small
+
+
+def test_the_explicit_program_cache_is_bounded(monkeypatch):
+    """A caller that varies the sampling settings (a server) builds a program per setting; the cache keeps the
+    EXPLICIT_CACHE_SIZE most recently used, and a program in use is never rebuilt."""
+    import collections
+
+    monkeypatch.setattr(decode, "_EXPLICIT_CACHE", collections.OrderedDict())
+    built = []
+    n = decode.EXPLICIT_CACHE_SIZE
+    for key in range(n + 5):
+        decode._program(("settings", key), lambda key=key: built.append(key) or f"program {key}")
+        assert decode._program(("settings", 0), lambda: built.append("again")) == "program 0"  # kept hot
+    assert len(decode._EXPLICIT_CACHE) == n and ("settings", 0) in decode._EXPLICIT_CACHE
+    assert built == list(range(n + 5)) and ("settings", 1) not in decode._EXPLICIT_CACHE  # the oldest unused: gone

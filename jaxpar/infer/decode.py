@@ -19,6 +19,7 @@ are fewer kv heads than tensor ranks, as the weights are replicated then).
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import functools
@@ -129,7 +130,20 @@ def _explicit_parts(graphdef: nnx.GraphDef, plan, *, temperature: float, top_k: 
     return prefill, step
 
 
-_EXPLICIT_CACHE: dict = {}  # compiled explicit programs, by what they depend on (never the plan id)
+# Compiled explicit programs, by what they depend on (never the plan's id, which a later plan may reuse); each holds
+# an executable, so a caller that varies the settings (a server: every max_new_tokens, temperature, stop list) must
+# not grow it without bound: the least recently used past EXPLICIT_CACHE_SIZE are dropped.
+_EXPLICIT_CACHE: collections.OrderedDict = collections.OrderedDict()
+EXPLICIT_CACHE_SIZE = 16
+
+
+def _program(key: tuple, build):
+    """The explicit program for `key` — `build()` on a miss — now the most recently used."""
+    fn = _EXPLICIT_CACHE.pop(key, None)
+    _EXPLICIT_CACHE[key] = fn = build() if fn is None else fn
+    while len(_EXPLICIT_CACHE) > EXPLICIT_CACHE_SIZE:
+        _EXPLICIT_CACHE.popitem(last=False)
+    return fn
 
 
 def _plan_key(graphdef: nnx.GraphDef, plan) -> tuple:
@@ -183,20 +197,19 @@ def explicit_prefill_logits(model: nnx.Module, plan, tokens: np.ndarray, start: 
     (`left_pad`) → float32 [B, P, vocab_size], each tensor rank's vocab shard put together on the host (the sampler
     never does that)."""
     graphdef, params = nnx.split(model)
-    key = ("prefill", *_plan_key(graphdef, plan))
-    if key not in _EXPLICIT_CACHE:  # built once: callers (held_out_loss) run it batch after batch
 
+    def build():  # once per model and plan: callers (held_out_loss) run it batch after batch
         def run(params, tokens, start):
             cache = _local_cache(plan, tokens.shape[0], tokens.shape[1], start)
             return nnx.merge(graphdef, params).decode(tokens, cache, plan.parallel)[0]  # [B, P, V/t]
 
         vocab = "tensor" if plan.degrees["tensor"] > 1 else None
-        _EXPLICIT_CACHE[key] = jax.jit(jax.shard_map(
-            run, mesh=plan.mesh, in_specs=(_param_specs(params, plan), P("data"), P("data")),
-            out_specs=P("data", None, vocab), check_vma=True))
+        return jax.jit(jax.shard_map(run, mesh=plan.mesh, in_specs=(_param_specs(params, plan), P("data"), P("data")),
+                                     out_specs=P("data", None, vocab), check_vma=True))
+
     rows = jax.sharding.NamedSharding(plan.mesh, P("data"))
-    logits = _EXPLICIT_CACHE[key](params, jax.device_put(jnp.asarray(tokens), rows),
-                                  jax.device_put(jnp.asarray(start), rows))
+    logits = _program(("prefill", *_plan_key(graphdef, plan)), build)(
+        params, jax.device_put(jnp.asarray(tokens), rows), jax.device_put(jnp.asarray(start), rows))
     return np.asarray(logits)[..., :plan.model.vocab_size]
 
 
@@ -300,8 +313,6 @@ def generate(model: nnx.Module, input_ids: Sequence[Sequence[int]] | np.ndarray,
     return np.concatenate([tokens, new], axis=1) if return_prompt else new
 
 
-
-
 def _generate_on_plan(graphdef, params, plan, tokens: np.ndarray, start: np.ndarray, rng, **settings) -> np.ndarray:
     """Run `_explicit_generate` (built once per graph, plan and settings) on rows padded to a multiple of `data`
     (a padding row is one pad token, dropped again) → the new tokens [B, n]."""
@@ -311,10 +322,8 @@ def _generate_on_plan(graphdef, params, plan, tokens: np.ndarray, start: np.ndar
     if extra:
         tokens = np.concatenate([tokens, np.full((extra, tokens.shape[1]), settings["pad_token_id"], np.int32)])
         start = np.concatenate([start, np.full((extra,), tokens.shape[1] - 1, np.int32)])
-    # (what the program depends on: not the plan's id, which a later plan may reuse)
-    key = (*_plan_key(graphdef, plan), tuple(sorted(settings.items())))
-    if key not in _EXPLICIT_CACHE:
-        _EXPLICIT_CACHE[key] = _explicit_generate(graphdef, plan, _param_specs(params, plan), **settings)
+    program = _program((*_plan_key(graphdef, plan), tuple(sorted(settings.items()))),
+                       lambda: _explicit_generate(graphdef, plan, _param_specs(params, plan), **settings))
     rows = jax.sharding.NamedSharding(plan.mesh, P("data"))
-    new, n = _EXPLICIT_CACHE[key](params, jax.device_put(tokens, rows), jax.device_put(start, rows), rng)
+    new, n = program(params, jax.device_put(tokens, rows), jax.device_put(start, rows), rng)
     return np.asarray(new)[:B, :int(n)]
