@@ -87,7 +87,7 @@ class Paths:
             "recursive.yaml": "model: {d_model: &x [1, *x]}\n",
             "long.yaml": "model: {d_model: [" + ", ".join(["12345"] * 20000) + "]}\n",
             **{f"{name}.json": json.dumps({**dataclasses.asdict(__import__(  # machine profiles, one field wrong each
-                "jaxpar.planner.cost", fromlist=["cost"]).profile_for("h100")), **edit}) for name, edit in {
+                "jaxpar.planner.profile", fromlist=["profile"]).profile_for("h100")), **edit}) for name, edit in {
                     "negative_link": {"intra_host": -1.0}, "overlap_5": {"overlap": 5},
                     "nan_cost": {"pipeline_byte": float("nan")}, "negative_memory": {"memory_gb": -3}}.items()},
         }.items():
@@ -557,7 +557,7 @@ CASES = [
     Case("plan-unknown-field", "plan --config configs/tiny.py --devices 8 --config.parallel.pipes=2",
          "parallel.pipes"),
     *[Case(f"plan-profile-{name.replace('_', '-')}", f"plan --config configs/tiny.py --devices 8 --profile "
-           f"{{configs}}/{name}.json", needle, lambda c, t, name=name: __import__("jaxpar.planner.cost").planner.cost
+           f"{{configs}}/{name}.json", needle, lambda c, t, name=name: __import__("jaxpar.planner.profile").planner.profile
            .load_profile(str(c.configs / f"{name}.json"))) for name, needle in (
                ("negative_link", "field intra_host = -1.0: must be a finite number > 0"),
                ("overlap_5", "field overlap = 5: must lie in [0, 1]"), ("nan_cost", "field pipeline_byte = nan"),

@@ -131,7 +131,7 @@ def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
 
 
 def test_no_import_cycle_between_modules():
-    """LAYERS lets modules of one name import each other (`planner.cost`, `planner.probe`); a cycle between two
+    """LAYERS lets modules of one name import each other (`planner.search`, `planner.cost`); a cycle between two
     modules, even through an import inside a function, still means neither can be read or changed alone."""
     graph = {}
     for path in sorted(PACKAGE.rglob("*.py")):

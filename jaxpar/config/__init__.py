@@ -22,10 +22,10 @@ from jaxpar.config.reference import reference_markdown
 from jaxpar.config.schema import (ATTENTION_IMPLS, AUTO_KEEPS, CONTEXT_IMPLS, DEFAULT_GROUP, DTYPES, OVERLAPS, PLANNED,
                                   REMAT_POLICIES, ROPE_SCALINGS, SECTIONS, SOURCES, WEIGHT_FORMATS, CheckpointConfig,
                                   Config, DataConfig, ModelConfig, MoEConfig, ParallelConfig, TrainConfig,
-                                  resolve_attention)
+                                  check_layout, resolve_attention)
 from jaxpar.errors import ConfigError
 
 __all__ = ["ATTENTION_IMPLS", "AUTO_KEEPS", "CONTEXT_IMPLS", "DEFAULT_GROUP", "DTYPES", "MAX_YAML_NODES", "OVERLAPS",
            "PLANNED", "REMAT_POLICIES", "ROPE_SCALINGS", "SECTIONS", "SOURCES", "WEIGHT_FORMATS", "CheckpointConfig",
            "Config", "ConfigError", "DataConfig", "ModelConfig", "MoEConfig", "ParallelConfig", "TrainConfig",
-           "config_from_dict", "load_config", "reference_markdown", "resolve_attention"]
+           "check_layout", "config_from_dict", "load_config", "reference_markdown", "resolve_attention"]

@@ -473,6 +473,57 @@ class CheckpointConfig:
                               "checkpoint.permanent_every=0")
 
 
+def check_layout(m: ModelConfig, p: ParallelConfig) -> None:
+    """The rules between a model and its layout, for training and inference alike (`Config` checks them with the
+    rest; `jaxpar.infer.text.load` for an inference layout): heads, kv heads and MLP widths against `tensor`, the
+    layers against the pipeline's chunks, and the mixture-of-experts rules. The embedding needs none: it is padded to
+    a multiple of `tensor` (jaxpar.sharding)."""
+    check_divides("model.n_heads", m.n_heads, "parallel.tensor", p.tensor, "each tensor shard holds whole query heads")
+    if m.n_kv_heads % p.tensor and p.tensor % m.n_kv_heads:
+        raise ConfigError("model.n_kv_heads", m.n_kv_heads,
+                          f"must be a multiple or a divisor of parallel.tensor = {p.tensor} (kv heads are split "
+                          "over tensor, or replicated so each rank holds the one its query heads use)",
+                          f"use n_kv_heads among {divisors(p.tensor)} or a multiple of {p.tensor}")
+    check_divides("model.d_ff", m.d_ff, "parallel.tensor", p.tensor, "the MLP hidden dim is split over tensor")
+    stages = p.pipe * p.repeats
+    if m.n_layers % stages:
+        raise ConfigError("model.n_layers", m.n_layers,
+                          f"must be divisible by parallel.pipe * parallel.repeats = {p.pipe}*{p.repeats} = {stages}",
+                          f"use n_layers a multiple of {stages}, or pipe*repeats among {divisors(m.n_layers)}")
+    _check_moe(m, p)
+
+
+def _check_moe(m: ModelConfig, p: ParallelConfig) -> None:
+    """Mixture-of-experts rules: experts split evenly over `expert`, expert widths over `tensor`, and the
+    combinations this release does not run refused by name."""
+    moe = m.moe
+    if not moe.enabled:
+        if p.expert > 1:
+            raise ConfigError("parallel.expert", p.expert, "nothing splits over 'expert': the model has no MoE "
+                              "layers (moe.n_experts = 0)", "set parallel.expert=1, or moe.n_experts > 0")
+        return
+    check_divides("moe.n_experts", moe.n_experts, "parallel.expert", p.expert, "each expert rank holds "
+                   "n_experts/expert whole experts")
+    check_divides("moe.d_ff", moe.d_ff, "parallel.tensor", p.tensor, "each expert's hidden dim is split over "
+                   "tensor")
+    if moe.shared_d_ff:
+        check_divides("moe.shared_d_ff", moe.shared_d_ff, "parallel.tensor", p.tensor, "the shared expert's "
+                       "hidden dim is split over tensor")
+    chunks = p.pipe * p.repeats
+    if p.pipe > 1 and m.n_layers % chunks == 0 and not same_chunks(m.layer_kinds, chunks):
+        fits = [c for c in divisors(m.n_layers) if c > 1 and same_chunks(m.layer_kinds, c)]
+        raise ConfigError("parallel.repeats" if p.repeats > 1 else "parallel.pipe", p.repeats if p.repeats > 1
+                          else p.pipe, f"the pipeline cuts the {m.n_layers} layers into pipe*repeats = {chunks} "
+                          f"chunks, and they do not all hold the same dense / MoE layers (MoE: "
+                          f"{[i for i, k in enumerate(m.layer_kinds) if k]}); every stage runs one program",
+                          f"use pipe*repeats among {fits}" if fits else "run this layer pattern without a "
+                          "pipeline (parallel.pipe=1), or make the pattern periodic (moe.sparse_step)")
+    if p.context > 1:
+        raise ConfigError("parallel.context", p.context, "MoE layers route whole sequences (capacity and the "
+                          "load-balancing loss are per sequence), and context parallelism splits them",
+                          "set parallel.context=1 for an MoE model")
+
+
 @dataclasses.dataclass(frozen=True)
 class Config:
     """One run. Cross-section rules (heads vs tensor, layers vs stages, seq_len vs max_seq_len, …) are checked here."""
@@ -485,15 +536,7 @@ class Config:
 
     def __post_init__(self):
         m, p, t = self.model, self.parallel, self.train
-        check_divides("model.n_heads", m.n_heads, "parallel.tensor", p.tensor, "each tensor shard holds whole query heads")
-        if m.n_kv_heads % p.tensor and p.tensor % m.n_kv_heads:
-            raise ConfigError("model.n_kv_heads", m.n_kv_heads,
-                              f"must be a multiple or a divisor of parallel.tensor = {p.tensor} (kv heads are split "
-                              "over tensor, or replicated so each rank holds the one its query heads use)",
-                              f"use n_kv_heads among {divisors(p.tensor)} or a multiple of {p.tensor}")
-        check_divides("model.d_ff", m.d_ff, "parallel.tensor", p.tensor, "the MLP hidden dim is split over tensor")
-        self._check_moe()
-        # model.vocab_size needs no check: the embedding is padded to a multiple of tensor (jaxpar.sharding).
+        check_layout(m, p)
         if p.context > 1 and t.seq_len % (2 * p.context * (p.tensor if p.sequence_parallel else 1)):
             # zigzag: 2c chunks, rank r holding chunks r and 2c-1-r; SP then splits each rank's seq_len/c over tensor
             k = 2 * p.context * (p.tensor if p.sequence_parallel else 1)
@@ -508,47 +551,12 @@ class Config:
                               f"must be divisible by parallel.tensor = {p.tensor} with sequence_parallel on "
                               "(each rank holds seq_len/tensor tokens between tensor-parallel regions)",
                               f"use seq_len {nearest_multiples(t.seq_len, p.tensor)}, or sequence_parallel=false")
-        stages = p.pipe * p.repeats
-        if m.n_layers % stages:
-            raise ConfigError("model.n_layers", m.n_layers,
-                              f"must be divisible by parallel.pipe * parallel.repeats = {p.pipe}*{p.repeats} = {stages}",
-                              f"use n_layers a multiple of {stages}, or pipe*repeats among {divisors(m.n_layers)}")
         if t.seq_len > m.max_seq_len:
             raise ConfigError("train.seq_len", t.seq_len, f"must be <= model.max_seq_len = {m.max_seq_len}",
                               f"lower train.seq_len or raise model.max_seq_len to >= {t.seq_len}")
         if self.data.tokenizer == "bytes" and m.vocab_size < 256:
             raise ConfigError("model.vocab_size", m.vocab_size, "the byte tokenizer needs 256 ids",
                               "set model.vocab_size >= 256")
-
-    def _check_moe(self):
-        """Mixture-of-experts rules: experts split evenly over `expert`, expert widths over `tensor`, and the
-        combinations this release does not run refused by name."""
-        m, p, moe = self.model, self.parallel, self.model.moe
-        if not moe.enabled:
-            if p.expert > 1:
-                raise ConfigError("parallel.expert", p.expert, "nothing splits over 'expert': the model has no MoE "
-                                  "layers (moe.n_experts = 0)", "set parallel.expert=1, or moe.n_experts > 0")
-            return
-        check_divides("moe.n_experts", moe.n_experts, "parallel.expert", p.expert, "each expert rank holds "
-                       "n_experts/expert whole experts")
-        check_divides("moe.d_ff", moe.d_ff, "parallel.tensor", p.tensor, "each expert's hidden dim is split over "
-                       "tensor")
-        if moe.shared_d_ff:
-            check_divides("moe.shared_d_ff", moe.shared_d_ff, "parallel.tensor", p.tensor, "the shared expert's "
-                           "hidden dim is split over tensor")
-        chunks = p.pipe * p.repeats
-        if p.pipe > 1 and m.n_layers % chunks == 0 and not same_chunks(m.layer_kinds, chunks):
-            fits = [c for c in divisors(m.n_layers) if c > 1 and same_chunks(m.layer_kinds, c)]
-            raise ConfigError("parallel.repeats" if p.repeats > 1 else "parallel.pipe", p.repeats if p.repeats > 1
-                              else p.pipe, f"the pipeline cuts the {m.n_layers} layers into pipe*repeats = {chunks} "
-                              f"chunks, and they do not all hold the same dense / MoE layers (MoE: "
-                              f"{[i for i, k in enumerate(m.layer_kinds) if k]}); every stage runs one program",
-                              f"use pipe*repeats among {fits}" if fits else "run this layer pattern without a "
-                              "pipeline (parallel.pipe=1), or make the pattern periodic (moe.sparse_step)")
-        if p.context > 1:
-            raise ConfigError("parallel.context", p.context, "MoE layers route whole sequences (capacity and the "
-                              "load-balancing loss are per sequence), and context parallelism splits them",
-                              "set parallel.context=1 for an MoE model")
 
     def _check_batch(self, data: int):
         p, t = self.parallel, self.train

@@ -19,7 +19,7 @@ import numpy as np
 from flax import nnx
 
 from jaxpar import data as data_lib
-from jaxpar.config import Config, ConfigError, DataConfig, ModelConfig, ParallelConfig
+from jaxpar.config import Config, ConfigError, DataConfig, ModelConfig, ParallelConfig, check_layout
 from jaxpar.errors import GenerateError, InputNotFound
 from jaxpar.infer import decode
 from jaxpar.infer.sampling import check_sampling_args
@@ -34,7 +34,8 @@ from jaxpar.store import checkpoint
 class LoadedModel:
     """A model placed on its inference mesh, with its tokenizer (None when the directory has none)."""
 
-    config: Config
+    config: Config  # the run's config as saved (an HF directory's: its model), the model as loaded (dtype,
+    # quantization); the inference layout is `plan`'s
     model: nnx.Module  # params placed on `mesh`
     mesh: jax.sharding.Mesh
     tokenizer: data_lib.Tokenizer | None
@@ -102,9 +103,8 @@ def load(path: str | pathlib.Path, *, data: int = 1, tensor: int | None = None, 
         raise ConfigError(name, value, f"data*tensor = {data}*{tensor} needs more than the "
                           f"{len(devices)} available devices", f"use data*tensor <= {len(devices)}")
     parallel = ParallelConfig(data=data, pipe=1, tensor=tensor, sequence_parallel=sequence_parallel, overlap=overlap)
-    train = dataclasses.replace(saved.train, batch_size=data, grad_accum=1,
-                                seq_len=min(saved.train.seq_len, model_cfg.max_seq_len))
-    config = Config(model=model_cfg, parallel=parallel, train=train, data=saved.data)  # validates the layout
+    check_layout(model_cfg, parallel)  # the model against this layout; the run's training fields play no part
+    config = dataclasses.replace(saved, model=model_cfg)
     plan = make_plan(model_cfg, parallel, devices[:data * tensor], explicit=explicit)
     mesh = plan.mesh
     graphdef, abstract = abstract_model(plan.model, plan.padded_vocab)  # attention resolved for these devices
