@@ -190,15 +190,26 @@ def _period_layers(period: tuple[str, ...], layers: dict, take):
         seen[name] += 1
 
 
-def _add_stats(a: dict, b: dict) -> dict:
-    """The sum of two layers' MoE statistics ({} for a dense layer)."""
-    return jax.tree.map(jnp.add, a, b) if a and b else a or b
+def _stack_stats(parts: list[dict], axis_sizes: bool = False) -> dict:
+    """MoE statistics of consecutive layers, one stack [n, …]: `parts` are single layers' ({} for a dense layer:
+    skipped) or, with `axis_sizes`, stacks already ([n_i, …]: concatenated). {} when no layer is an MoE layer."""
+    parts = [p for p in parts if p]
+    if not parts:
+        return {}
+    join = jnp.concatenate if axis_sizes else jnp.stack
+    return jax.tree.map(lambda *a: join(a), *parts)
+
+
+def stats_total(stats: dict[str, Array]) -> dict[str, Array]:
+    """Per-layer MoE statistics [L, …] summed over the layers (what the metrics log; {} stays {})."""
+    return jax.tree.map(lambda a: a.sum(0), stats)
 
 
 def run_layers(stacks: Stacks, x: Array, positions: Array, mask: Array | None, cfg: ModelConfig, *,
                remat: str = "none", par: Parallel = SINGLE_DEVICE, tape: Tape | None = None, stats: bool = False):
     """Apply the layers of `stacks` in model order; `remat` checkpoints each layer. → x, or (x, the MoE layers'
-    statistics summed over them) with `stats` (an empty dict for a dense model; see `moe`).
+    statistics, one row per MoE layer in model order: each leaf [L_moe, …]) with `stats` (an empty dict when no
+    layer is an MoE layer; see `moe`; `stats_total` sums them).
 
     stacks: {stack name: {param: [n_s, …]}} — every layer of the model (`Transformer.stacks`), or a pipeline chunk's
     share, whose dense / MoE pattern is the model's first Σ n_s layers' (the config checks that every chunk has the
@@ -233,25 +244,25 @@ def run_layers(stacks: Stacks, x: Array, positions: Array, mask: Array | None, c
     per_layer_remat = remat != "none" and tape is None
 
     def run_period(period, layers, x, par, take, one_trip=False):
-        """The period's layers in order → (x, their statistics summed). layers: {stack: {param: [per, …]}}; the
+        """The period's layers in order → (x, their MoE layers' statistics stacked [m, …]). layers: {stack: {param: [per, …]}}; the
         j-th layer of a stack in the period is take(stack, its array, j). one_trip: the scan runs a single
         iteration, which XLA inlines — then the backward's recomputation sits beside the forward it repeats, and
         without CSE barriers XLA merges the two and keeps every activation alive (remat would do nothing)."""
         one_layer = lambda layer, x: block(layer, x, positions, mask, cfg, par)  # noqa: E731
         if per_layer_remat:
             one_layer = jax.checkpoint(one_layer, policy=REMAT_POLICIES[remat], prevent_cse=one_trip)
-        total = {}
+        per_layer = []
         for layer in _period_layers(period, layers, take):
             x, _, layer_stats = one_layer(layer, x)
-            total = _add_stats(total, layer_stats)
-        return x, total
+            per_layer.append(layer_stats)
+        return x, _stack_stats(per_layer)
 
     if tape is not None and tape.mode == MEASURE:
         ((period, count),) = groups
         tape.steps = count  # the group starts every stack: its first period holds entries 0, 1, … of each
         return run_period(period, stacks, x, par.with_tape(tape), take=lambda _, a, j: tape.derive(a[j], a))[0]
 
-    summed, collected = {}, None
+    groups_stats, collected = [], None
     for period, count, _, xs in _group_inputs(stacks, groups):
         whole = _whole_layers(period)
 
@@ -275,11 +286,13 @@ def run_layers(stacks: Stacks, x: Array, positions: Array, mask: Array | None, c
         x, out = jax.lax.scan(body, x, xs, unroll=unroll)
         if tape is not None:
             collected, out = out
-        # Per-period statistics come out stacked [count, …] (no carry to type under check_vma): sum them.
-        summed = _add_stats(summed, jax.tree.map(lambda a: a.sum(0), out) if out else {})
+        # Per-period statistics come out stacked [count, m, …] (no carry to type under check_vma): the group's MoE
+        # layers in model order, [count·m, …].
+        groups_stats.append(jax.tree.map(lambda a: a.reshape(-1, *a.shape[2:]), out) if out else {})
+    layer_stats = _stack_stats(groups_stats, axis_sizes=True)
     if tape is None:
-        return (x, summed) if stats else x
-    return (x, collected, summed) if stats else (x, collected)
+        return (x, layer_stats) if stats else x
+    return (x, collected, layer_stats) if stats else (x, collected)
 
 
 def run_layers_cached(stacks: Stacks, x: Array, positions: Array, mask: Array, cfg: ModelConfig,
@@ -376,7 +389,7 @@ class Transformer(nnx.Module):
 
         Returns float32 logits [B, T, V_local]: the whole (padded) vocab on one device, this rank's vocab shard under
         tensor parallelism (the loss is then `par.cross_entropy`); with `stats`, (logits, the MoE layers'
-        statistics summed over layers and rows — `moe`).
+        statistics summed over the rows, one row per MoE layer [L_moe, …] — `moe`, `run_layers`).
         """
         B, T = tokens.shape
         if positions is None:
@@ -560,12 +573,13 @@ def moe(p: dict[str, Array], h: Array, cfg: ModelConfig, par: Parallel = SINGLE_
 
 
 def moe_objective(stats: dict[str, Array], cfg: ModelConfig, rows: int) -> Array:
-    """What the MoE layers add to the training objective, from their statistics summed over `rows` rows and every
-    layer: coef × the mean over rows and MoE layers of the load-balancing loss and of the z-loss (0 when dense)."""
+    """What the MoE layers add to the training objective, from their statistics summed over `rows` rows (one layer's,
+    or per layer [L_moe, …]: summed over them): coef × the mean over rows and MoE layers of the load-balancing loss
+    and of the z-loss (0 when dense)."""
     if not stats:
         return jnp.zeros((), jnp.float32)
     m = cfg.moe
-    return (m.aux_loss_coef * stats["aux"] + m.z_loss_coef * stats["z"]) / (rows * cfg.moe_layer_count)
+    return (m.aux_loss_coef * stats["aux"].sum() + m.z_loss_coef * stats["z"].sum()) / (rows * cfg.moe_layer_count)
 
 
 def grouped_swiglu(rows: Array, group_sizes: Array, weights, *, dot, dtype) -> Array:

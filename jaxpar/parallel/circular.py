@@ -110,8 +110,9 @@ def circular(stage_fn: Callable[[object, Array], Array], stage_params, inputs: A
     stage_fn(params_of_one_pass, x [mb, …]) → [mb, …]: this stage's k layers.
     stage_params: pytree whose leaves lead with [v, …] (this stage's layers, one entry per pass).
     inputs: io [q, mb, …]. Returns io [q, mb, …] holding the finished microbatches `output_order(...)[s]`.
-    stats: stage_fn returns (y, a pytree of sums) — the MoE layers' statistics — and the pipeline returns (io, their
-    total over this stage's real work): bubble iterations, which run the layers on placeholder inputs, are left out.
+    stats: stage_fn returns (y, a pytree of sums) — the MoE layers' statistics, per layer — and the pipeline returns
+    (io, their totals over this stage's real work per pass, each leaf [v, …]: row r is pass r's layers, the stage's
+    chunk r): bubble iterations, which run the layers on placeholder inputs, are left out.
     """
     p, v, m = stages, repeats, microbatches
     q = m // p
@@ -145,9 +146,10 @@ def circular(stage_fn: Callable[[object, Array], Array], stage_params, inputs: A
         r = jnp.clip(u // m, 0, v - 1)
         y = stage_fn(jax.tree.map(lambda a: a[r], stage_params), x)
         done = None
-        if stats:  # this iteration's sums count only if the stage held a real microbatch: 0 ≤ u < v·m
+        if stats:  # this iteration's sums count only if the stage held a real microbatch (0 ≤ u < v·m), in row r
             y, done = y
-            done = jax.tree.map(lambda a: jnp.where((u >= 0) & (u < v * m), a, jnp.zeros_like(a)), done)
+            row = (jnp.arange(v) == r) & (u >= 0) & (u < v * m)  # [v]
+            done = jax.tree.map(lambda a: jnp.where(row.reshape(v, *[1] * a.ndim), a[None], 0).astype(a.dtype), done)
         io, park = stage_zero_receive(io, park, shift, t)
         sent = jax.lax.ppermute(jnp.stack([io[c], y]), axis, to_next)  # [2, mb, …]: one collective for both
         io, shift = io.at[c].set(sent[0]), sent[1]

@@ -170,8 +170,9 @@ def execute(program: Program, chunk_fn: Callable, layers, rest, tokens: Array, t
 
     Returns (loss, layer_grads, rest_grads, stats), this stage's share: loss = Σ_j loss_j / m over the microbatches
     whose last chunk it holds; the complete gradients of its chunks; the gradients of `rest` from the microbatches it
-    embedded or finished; its chunks' statistics summed over every F (each microbatch once per chunk). Summed over
-    `axis`, loss, rest_grads and stats are the step's.
+    embedded or finished; its chunks' statistics summed over every F (each microbatch once per chunk), per chunk
+    like the gradients (each leaf [v, …], row r the chunk `layers` holds in row r). Summed over `axis`, loss and
+    rest_grads are the step's.
 
     Each tick every stage runs one branch of a `lax.switch` on its action — idle, F, B or W — so an idle tick
     computes nothing. The chunk runs under a tape (`jaxpar.parallel.weightgrad`), which splits its backward in two:
@@ -296,7 +297,7 @@ def execute(program: Program, chunk_fn: Callable, layers, rest, tokens: Array, t
         inbox = inbox.at[g["local_slot"]].set(msg)
         grads = jax.tree.map(lambda acc, d: acc.at[g["local"]].add(d), grads, d_chunk)
         d_rest_sum = jax.tree.map(jnp.add, d_rest_sum, d_rest)
-        stats_sum = jax.tree.map(jnp.add, stats_sum, stats)
+        stats_sum = jax.tree.map(lambda acc, d: acc.at[g["local"]].add(d), stats_sum, stats)  # 0 but after F
         # Both directions carry this tick's message; a receiver keeps it only where the table says it is its own.
         if sends["down"]:
             down = jax.lax.ppermute(msg, axis, to_next)
@@ -309,7 +310,9 @@ def execute(program: Program, chunk_fn: Callable, layers, rest, tokens: Array, t
 
     carry = (buffer([msg_ref], program.n_inbox)[0], buffer(stash_ref, program.n_stash),
              buffer(tape_ref, program.n_tape), buffer(dys_ref, program.n_dys), zeros(msg_ref), zeros(msg_ref),
-             zeros(layers), zeros(rest), zeros(loss_ref), zeros(stats_ref))
+             zeros(layers), zeros(rest), zeros(loss_ref),
+             jax.tree.map(lambda r: jnp.broadcast_to(zeros(r), (jax.tree.leaves(layers)[0].shape[0], *r.shape)),
+                          stats_ref))
     rows = {k: jnp.asarray(v) for k, v in program.arrays().items()}
     (_, _, _, _, _, _, grads, d_rest, loss, stats), _ = jax.lax.scan(tick, carry, rows)
     return loss, grads, d_rest, stats

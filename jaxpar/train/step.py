@@ -26,12 +26,13 @@ from typing import Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from flax import nnx
 from jax.sharding import Mesh, PartitionSpec as P
 
-from jaxpar.model import attention_mask, default_positions, moe_objective, run_layers
-from jaxpar.parallel import circular, executor
+from jaxpar.model import attention_mask, default_positions, moe_objective, run_layers, stats_total
+from jaxpar.parallel import circular, executor, schedule as tables
 from jaxpar.parallel.axes import DATA, EXPERT, PIPE
 from jaxpar.parallel.pipeline import Pipeline
 from jaxpar.plan import Plan, batch_sharding
@@ -54,7 +55,8 @@ def next_token_loss(graphdef: nnx.GraphDef, params: nnx.State, batch: jax.Array,
     parallelism each rank scores its part of every row's tokens (`sequence_share`).
 
     objective: return (what training minimises — the loss plus the MoE layers' weighted load-balancing and z-losses,
-    jaxpar.model.moe_objective — , (the loss, the MoE statistics summed over these rows)) instead."""
+    jaxpar.model.moe_objective — , (the loss, the MoE statistics summed over these rows, per MoE layer [L_moe, …] —
+    under a pipeline this stage's layers' rows, zeros in the others')) instead."""
     model = nnx.merge(graphdef, params)
     if pipe is not None:
         loss, stats = pipeline_loss(model, batch, pipe, remat, par)
@@ -76,10 +78,29 @@ def sequence_share(batch: jax.Array, par: Parallel) -> tuple[jax.Array, jax.Arra
     return par.context_shard(tokens), par.context_shard(targets), par.context_shard(positions)
 
 
+def in_model_order(stats: dict, pipe: Pipeline) -> dict:
+    """This stage's MoE statistics per chunk (each leaf [v, k, …]: row r is the r-th of its chunks in chunk order, k
+    its MoE layers) as rows of the model's [L_moe, …] stack, zeros at the other stages' layers — a sum over `pipe`
+    then holds every layer's. Every chunk has the same dense / MoE pattern (the config checks it), so MoE layer j of
+    chunk c is the model's MoE layer c·k + j."""
+    if not stats:
+        return stats
+    p, v = pipe.stages, pipe.repeats
+    placement = tables.placement(pipe.schedule, p, v)  # chunk → its stage
+    rows = [sum(placement[d] == placement[c] for d in range(c)) for c in range(p * v)]  # chunk → its row there
+    mine = jnp.asarray(placement) == jax.lax.axis_index(PIPE)  # [p·v]: the chunks this stage holds
+
+    def place(a):  # [v, k, …] → [p·v·k, …]
+        out = jnp.where(mine.reshape(-1, *[1] * (a.ndim - 1)), a[np.asarray(rows)], 0).astype(a.dtype)
+        return out.reshape(-1, *a.shape[2:])
+
+    return jax.tree.map(place, stats)
+
+
 def pipeline_loss(model, batch: jax.Array, pipe: Pipeline, remat: str, par: Parallel) -> tuple[jax.Array, dict]:
     """Embed this stage's rows, run the layers through the circular pipeline, then head and loss on the microbatches
     the stage holds at the end (paired with their targets, which are all-gathered over `pipe`). → (loss, the MoE
-    statistics of this stage's layers over all m microbatches — m·mb = p·R rows, p times the stage's own R: the
+    statistics of this stage's layers over all m microbatches (`in_model_order`) — m·mb = p·R rows, p times the stage's own R: the
     caller's objective divides by R, and the pipeline step's 1/p scale makes it p·R)."""
     p, v, m = pipe.stages, pipe.repeats, pipe.microbatches
     q = m // p
@@ -94,6 +115,7 @@ def pipeline_loss(model, batch: jax.Array, pipe: Pipeline, remat: str, par: Para
     stage = lambda layers, h: run_layers(layers, h, positions, mask, model.cfg, remat=remat, par=par,  # noqa: E731
                                          stats=True)
     out, stats = circular.circular(stage, per_pass, io, stages=p, repeats=v, microbatches=m, stats=True)
+    stats = in_model_order(stats, pipe)
     logits = model.logits(out.reshape(R, *out.shape[2:]), par)  # [R, T, V_local]
     held = jnp.asarray(circular.output_order(p, v, m))[jax.lax.axis_index(PIPE)]  # [q] starting slots s·q + c
     all_targets = jax.lax.all_gather(targets.reshape(q, mb, T), PIPE)  # [p, q, mb, T]
@@ -142,7 +164,7 @@ def scheduled_loss_and_grads(graphdef: nnx.GraphDef, params: nnx.State, batch: j
         pipe.program, chunk_fn, layers, rest, tokens.reshape(m, mb, T), targets.reshape(m, mb, T), embed_fn,
         head_loss_fn, axis=PIPE, operand=lambda w: par.dot.operand(w, cfg.dtype))
     block_grads = jax.tree.map(lambda a: a.reshape(a.shape[0] * a.shape[1], *a.shape[2:]), layer_grads)
-    return loss, _merge_state(rest_grads, block_grads), stats
+    return loss, _merge_state(rest_grads, block_grads), in_model_order(stats, pipe)
 
 
 def loss_and_grads(graphdef: nnx.GraphDef, *, grad_accum: int = 1, remat: str = "none",
@@ -150,7 +172,8 @@ def loss_and_grads(graphdef: nnx.GraphDef, *, grad_accum: int = 1, remat: str = 
                    pipe_replicated=None, zero_dims=None, grad_dims=None, expert_split=None, stats: bool = False
                    ) -> Callable[[nnx.State, jax.Array], tuple[jax.Array, nnx.State]]:
     """(params, batch int [B, T+1]) → (mean loss, gradients), on whatever rows it is given; with `stats`, also the
-    MoE layers' statistics summed over every row and layer (jaxpar.model.moe; {} for a dense model).
+    MoE layers' statistics summed over every row, per MoE layer in model order (each leaf [L_moe, …];
+    jaxpar.model.moe; {} for a dense model).
 
     Gradient accumulation splits the rows into `grad_accum` equal chunks run one after another (a scan), so peak
     activation memory is that of B/grad_accum sequences. Chunk a takes rows a, a+A, a+2A, … (a strided split) so each
@@ -317,7 +340,7 @@ def make_train_step(grads_of: Callable[[nnx.State, jax.Array], tuple[jax.Array, 
                                          (state.params, state.opt_state))
         metrics = {"loss": loss, "grad_norm": grad_norm, "skipped": 1 - ok.astype(jnp.int32)}
         if sums and sums[0]:
-            metrics.update(moe_metrics(sums[0], batch.shape[0], moe_layers))
+            metrics.update(moe_metrics(stats_total(sums[0]), batch.shape[0], moe_layers))
         if schedule is not None:
             metrics["lr"] = schedule(state.step)
         return TrainState(step=state.step + 1, params=params, opt_state=opt_state), metrics
