@@ -235,13 +235,13 @@ def test_run_whose_every_step_was_skipped_is_not_done(tmp_path):
 
 def test_a_crash_during_hugging_face_export_leaves_nothing_half_written(tmp_path, monkeypatch):
     """The export is written beside its target and moved into place when complete."""
-    from jaxpar.interop import hf
+    from jaxpar.interop import hf, safetensors_files
 
     src = ROOT / "tests" / "fixtures" / "hf" / "llama"
     cfg = hf.model_config(hf.read_config(src), src)
     _, abstract = abstract_model(cfg)
     params = hf.load_params(src, cfg, abstract)
-    real, calls = hf.save_file, []
+    real, calls = safetensors_files.save_file, []
 
     def dies_on_second_shard(*args, **kwargs):
         calls.append(args[1])
@@ -249,11 +249,11 @@ def test_a_crash_during_hugging_face_export_leaves_nothing_half_written(tmp_path
             raise OSError(28, "No space left on device")
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(hf, "save_file", dies_on_second_shard)
+    monkeypatch.setattr(safetensors_files, "save_file", dies_on_second_shard)
     with pytest.raises(OSError, match="No space left"):
         hf.save_params(params, cfg, tmp_path / "out", max_shard_bytes=100_000)
     assert sorted(p.name for p in tmp_path.iterdir()) == []  # neither the target nor the partial directory
-    monkeypatch.setattr(hf, "save_file", real)
+    monkeypatch.setattr(safetensors_files, "save_file", real)
     hf.save_params(params, cfg, tmp_path / "out", max_shard_bytes=100_000)
     assert (tmp_path / "out" / hf.INDEX).is_file() and (tmp_path / "out" / "config.json").is_file()
 

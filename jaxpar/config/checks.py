@@ -14,6 +14,7 @@ from jaxpar.errors import ConfigError, divisors
 
 
 def reject_unknown(d: dict, known: dict, prefix: str) -> None:
+    """Refuse a key of `d` that is not in `known`, naming the closest known key (a typo) or all of them."""
     for key in d:
         if key not in known:
             close = difflib.get_close_matches(str(key), list(known), n=1)
@@ -55,6 +56,7 @@ def check_fields(obj: Any, section: str) -> None:
 
 
 def check_positive(name: str, value: float, allow_zero: str | None = None, fix: str | None = None) -> None:
+    """Refuse a value <= 0 (< 0 with `allow_zero`; "derived" says 0 means the value is derived)."""
     if value > 0 or (allow_zero and value == 0):
         return
     rule = "must be >= 0" if allow_zero else "must be > 0"
@@ -64,6 +66,7 @@ def check_positive(name: str, value: float, allow_zero: str | None = None, fix: 
 
 
 def check_choice(name: str, value: Any, choices: tuple) -> None:
+    """Refuse a value outside `choices`, suggesting the closest one."""
     if value not in choices:
         close = difflib.get_close_matches(str(value), [str(c) for c in choices], n=1)
         hint = f"did you mean {close[0]!r}? " if close else ""
@@ -71,6 +74,7 @@ def check_choice(name: str, value: Any, choices: tuple) -> None:
 
 
 def check_divides(name: str, value: int, by_name: str, by: int, why: str) -> None:
+    """Refuse `value` not divisible by `by`, listing the divisors of `value` that would work."""
     if value % by:
         raise ConfigError(name, value, f"must be divisible by {by_name} = {by} ({why})",
                           f"use {by_name} among {divisors(value)}, or {name} a multiple of {by}")
@@ -83,5 +87,6 @@ def same_chunks(kinds: tuple, chunks: int) -> bool:
 
 
 def nearest_multiples(n: int, k: int) -> str:
+    """The multiples of `k` either side of `n`, as a fix reads them ("12 or 16")."""
     lo, hi = (n // k) * k, (n // k + 1) * k
     return f"{lo} or {hi}" if lo > 0 else f"{hi}"
