@@ -104,6 +104,9 @@ class Blocks(nnx.Module):
                                                       dtype=jnp.float32))
             else:
                 setattr(self, name, _param(rngs, spec, cfg, layers=layers))
+        for name, (spec, init) in layer_buffers(cfg, moe).items():  # no draws: the parameters' values are unchanged
+            setattr(self, name, Buffer(jnp.full((layers, *spec.shape), init, jnp.float32),
+                                       logical_axes=("layers", *spec.axes), weight_decay=False))
         self.cfg = cfg
 
     def stacked(self) -> dict[str, Array]:
@@ -112,6 +115,72 @@ class Blocks(nnx.Module):
         values = {name: v[...] for name, v in vars(self).items() if isinstance(v, nnx.Param)}
         return {name: Quantized(a, values[name + "_scale"]) if name + "_scale" in values else a
                 for name, a in values.items() if not name.endswith("_scale")}
+
+
+class Buffer(nnx.Variable):
+    """Model state that is not a parameter: the step updates it from its statistics, outside the gradient.
+
+    A buffer is stored, sharded, reordered and checkpointed exactly as a parameter is (it carries logical axes, and
+    a layer's buffer is stacked on the leading `layers` axis with the layer's parameters), so it restores onto any
+    layout and travels through `jaxpar convert`; but the optimizer never sees it (no gradient, no Adam moments, no
+    weight decay: `trainable`), and each training step replaces it with `update_buffers(buffers, this step's
+    per-layer statistics)`. Where a Hugging Face format has the tensor it is exported; where not (`expert_load`),
+    an import starts it at its initial value.
+
+    Kinds (`layer_buffers`): `expert_load` [L_moe, X] float32 (`moe.load_ema` > 0), the exponential moving average
+    of each expert's share of its layer's routed assignments (1/X each when balanced)."""
+
+
+MODEL_STATE = (nnx.Param, Buffer)  # what a checkpoint, a layout change and an export carry: `abstract_model`'s state
+
+
+def layer_buffers(cfg: ModelConfig, moe: bool) -> dict[str, tuple[Param, float]]:
+    """The buffers one layer holds → {name: (its Param-style spec: shape, logical axes; its initial value)}."""
+    if moe and cfg.moe.load_ema:
+        X = cfg.moe.n_experts
+        return {"expert_load": (Param((X,), ("experts",), "zeros", decay=False), 1.0 / X)}
+    return {}
+
+
+def update_buffers(buffers: nnx.State, stats: dict[str, Array], cfg: ModelConfig) -> nnx.State:
+    """The step's update of the model's buffers (model layer order, canonical: `Plan.to_canonical`) from its MoE
+    statistics summed over the step's rows, one row per MoE layer (each leaf [L_moe, …], model order).
+
+    expert_load [L_moe, X] ← d·expert_load + (1 − d)·load / Σ_x load, d = moe.load_ema (a layer that routed
+    nothing keeps its value)."""
+    buffers = jax.tree.map(lambda v: v, buffers)  # a new State; the caller's is left alone
+    if "blocks" in buffers and "expert_load" in buffers["blocks"]:
+        d = cfg.moe.load_ema
+        load = stats["load"].astype(jnp.float32)  # [L_moe, X]
+        total = load.sum(-1, keepdims=True)
+        old = buffers["blocks"]["expert_load"][...]
+        share = jnp.where(total > 0, load / jnp.maximum(total, 1.0), old)
+        buffers["blocks"]["expert_load"] = buffers["blocks"]["expert_load"].replace(d * old + (1 - d) * share)
+    return buffers
+
+
+def initial_buffers(abstract: nnx.State, cfg: ModelConfig) -> nnx.State:
+    """The buffers of (abstract) model state `abstract` at their initial values, on the default device — where a
+    model is built from weights alone (a Hugging Face import) its buffers start as a new model's do."""
+    inits = {**layer_buffers(cfg, False), **layer_buffers(cfg, cfg.moe.enabled)}
+    return jax.tree_util.tree_map_with_path(
+        lambda path, v: v.replace(jnp.full(v.shape, inits[str(path[-1].key)][1], v.dtype)), buffers_of(abstract),
+        is_leaf=lambda x: isinstance(x, nnx.Variable))
+
+
+# Weights and buffers back into one model state (flax >= 0.11 deprecates State.merge for merge_state; older releases
+# have only the former).
+merge_state = getattr(nnx, "merge_state", None) or nnx.State.merge
+
+
+def trainable(state: nnx.State) -> nnx.State:
+    """The parameters of a model state (what the optimizer updates); `buffers_of` the rest."""
+    return nnx.split_state(state, nnx.Param, ...)[0]
+
+
+def buffers_of(state: nnx.State) -> nnx.State:
+    """The buffers of a model state (an empty State when the model has none)."""
+    return nnx.split_state(state, nnx.Param, ...)[1]
 
 
 Stacks = dict[str, dict[str, Array]]  # stack name (`ModelConfig.layer_stacks`) → its stacked parameters [n, …]
@@ -686,11 +755,12 @@ def quantize_state(params: nnx.State, cfg: ModelConfig, shardings: nnx.State | N
 
 
 def abstract_model(cfg: ModelConfig, padded_vocab: int | None = None) -> tuple[nnx.GraphDef, nnx.State]:
-    """(graphdef, abstract params) — shapes, dtypes and logical axes, no memory."""
+    """(graphdef, abstract model state: the parameters and the buffers, `MODEL_STATE`) — shapes, dtypes and logical
+    axes, no memory."""
     model = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0), padded_vocab=padded_vocab))
-    return nnx.split(model, nnx.Param)[:2]
+    return nnx.split(model, MODEL_STATE)
 
 
 def count_params(cfg: ModelConfig) -> int:
     """Number of parameters, from the abstract model (no allocation)."""
-    return sum(x.size for x in jax.tree.leaves(abstract_model(cfg)[1]))
+    return sum(x.size for x in jax.tree.leaves(trainable(abstract_model(cfg)[1])))

@@ -143,7 +143,7 @@ def test_recipe_base_outside_its_tree_is_refused_unless_trusted(tmp_path):
     (project / "pyproject.toml").write_text("")
     (project / "configs").mkdir()
     (project / "configs" / "mid.yaml").write_text(f"base: {outside / 'evil.py'}\n")
-    (project / "recipes" / "ok.yaml").write_text(f"base: ../configs/mid.yaml\n")
+    (project / "recipes" / "ok.yaml").write_text("base: ../configs/mid.yaml\n")
     (project / "recipes" / "sibling.yaml").write_text(f"base: {TINY}\n")
     with pytest.raises(ConfigError, match=r"^base = .*evil.py.*outside the recipe's tree .*project.*--config-root"):
         load_config(str(project / "recipes" / "ok.yaml"))  # reaches the project's configs/, whose base leaves it

@@ -3,7 +3,6 @@ gradient, dropless and with capacity; dropped assignments against Σ_e max(0, lo
 1, 2, 4, 8 × tensor 1, 2, with and without the pipeline, against the single-device model; a mixed dense / MoE
 stack likewise, its layer groups, its compile size against depth and its KV-cache decoding."""
 
-import functools
 import math
 
 import jax

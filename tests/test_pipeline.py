@@ -87,7 +87,7 @@ def test_circular_runs_each_microbatch_through_every_layer_in_order(pipe, repeat
     given, so a finished microbatch j reads j, 1, 2, …, p·v — every layer once, in model order — and sits in the io
     slot `output_order` names (the loss pairs it with j's targets). Covers p = m (no park) and m > p (park)."""
     p, v, m = pipe, repeats, microbatches
-    q, mb = m // p, 3
+    mb = 3
     mesh = jax.make_mesh((p,), ("pipe",), (jax.sharding.AxisType.Auto,), devices=jax.devices()[:p])
     labels = jnp.arange(1, p * v + 1, dtype=jnp.int32).reshape(v, p).T  # [p, v]: stage s, pass r -> r·p + s + 1
     inputs = jnp.repeat(jnp.arange(m, dtype=jnp.int32)[:, None], mb, 1)  # [m, mb]: stage s starts with s·q … s·q+q−1

@@ -60,6 +60,9 @@ class MoEConfig:
                           "a dense SwiGLU of width model.d_ff (Qwen2-MoE's decoder_sparse_step); 1: every layer")
     dense_layers: tuple[int, ...] = _f((), "layers that keep a dense MLP whatever sparse_step says (Qwen2-MoE's "
                                        "mlp_only_layers; DeepSeek's first k dense layers: 0, …, k-1)")
+    load_ema: float = _f(0.0, "0: off; in (0, 1): keep expert_load, each MoE layer's exponential moving average "
+                         "(this decay per step) of its experts' shares of the routed assignments — model state "
+                         "outside the gradient, checkpointed with the parameters")
 
     def __post_init__(self):
         check_fields(self, "moe")
@@ -67,6 +70,12 @@ class MoEConfig:
             check_positive(f"moe.{name}", getattr(self, name), allow_zero="derived" if name == "d_ff" else "off")
         for name in ("capacity_factor", "aux_loss_coef", "z_loss_coef"):
             check_positive(f"moe.{name}", getattr(self, name), allow_zero="off")
+        if not 0 <= self.load_ema < 1:
+            raise ConfigError("moe.load_ema", self.load_ema, "must be in [0, 1) (0: off; else the decay per step)",
+                              "use a decay such as 0.9, or 0 to keep no expert_load")
+        if self.load_ema and not self.enabled:
+            raise ConfigError("moe.load_ema", self.load_ema, "tracks the experts' load, and moe.n_experts = 0 "
+                              "(a dense model)", "set moe.n_experts > 0, or drop moe.load_ema")
         check_positive("moe.top_k", self.top_k)
         check_positive("moe.sparse_step", self.sparse_step)
         if len(set(self.dense_layers)) != len(self.dense_layers) or any(i < 0 for i in self.dense_layers):

@@ -66,7 +66,7 @@ from jaxpar.families import FAMILIES, Rule, family
 from jaxpar.families.moe_hf import FUSED, ExpertRule, ZeroRule
 from jaxpar.interop.safetensors_files import (INDEX, SINGLE, HFError, SafetensorsDir, check_members, inside, member,
                                              model_dir, write_shards)
-from jaxpar.model import abstract_model
+from jaxpar.model import abstract_model, buffers_of, initial_buffers, merge_state, trainable
 from jaxpar.plan import Plan
 from jaxpar.sharding import vocab_dims
 from jaxpar.store import checkpoint
@@ -278,6 +278,13 @@ def load_params(path: str | pathlib.Path, cfg: ModelConfig, abstract: nnx.State,
     """
     path = pathlib.Path(path)
     files = SafetensorsDir(path)
+    # Hugging Face formats hold weights; the model's buffers (none of which a format jaxpar imports names) start at
+    # their initial values, placed like the weights.
+    buffers = initial_buffers(abstract, cfg)
+    if shardings is not None:
+        buffers = jax.device_put(buffers, buffers_of(shardings))
+    abstract = trainable(abstract)
+    shardings = trainable(shardings) if shardings is not None else None
     table = _rules(cfg, files.names())
     rules = {r.param: r for r in table if not isinstance(r, ZeroRule)}
     like = nnx.to_pure_dict(abstract)
@@ -354,7 +361,9 @@ def load_params(path: str | pathlib.Path, cfg: ModelConfig, abstract: nnx.State,
                       "config.json does not describe these weights (an unsupported variant?)")
     params = jax.tree.map(lambda x: x, abstract)
     nnx.replace_by_pure_dict(params, arrays)
-    return params
+    if not jax.tree.leaves(buffers):
+        return params
+    return merge_state(params, buffers)
 
 
 def _rule_of(rules: dict[str, Rule], param: str, cfg: ModelConfig, path: pathlib.Path) -> Rule:
@@ -506,6 +515,7 @@ def save_params(params: nnx.State, cfg: ModelConfig, path: str | pathlib.Path, *
 def _write_files(params: nnx.State, cfg: ModelConfig, path: pathlib.Path, *, base_config, dtype, tokenizer,
                  max_shard_bytes: int, names) -> None:
     flat: dict[str, Any] = {}
+    params = trainable(params)  # the weights: no format jaxpar exports holds the model's buffers (expert_load)
     jax.tree_util.tree_map_with_path(lambda kp, x: flat.__setitem__(".".join(str(k.key) for k in kp), x),
                                      nnx.to_pure_dict(params))
     vocab_axes = vocab_dims(params)

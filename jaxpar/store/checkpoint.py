@@ -42,7 +42,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxpar.config import Config, ConfigError, ModelConfig, config_from_dict
 from jaxpar.errors import CheckpointError, InputNotFound
-from jaxpar.model import abstract_model, quantize_state
+from jaxpar.model import abstract_model, buffers_of, merge_state, quantize_state, trainable
 from jaxpar.plan import Plan, make_plan
 from jaxpar.sharding import vocab_dim
 from jaxpar.store import quiet
@@ -605,14 +605,15 @@ def quantize_config(model: ModelConfig, quantize: str | None, group_size: int | 
 
 def cast_and_quantize(params: nnx.State, config: Config, dtype: str | None, quantize: str | None,
                       group_size: int | None) -> tuple[nnx.State, Config]:
-    """Canonical float params and their config → cast to `dtype` (the float arrays), then quantized."""
+    """Canonical float params and their config → cast to `dtype` (the float weights; buffers keep theirs), then
+    quantized."""
     model = config.model
     if dtype is not None:
         def cast(path, x):  # integers and quantization scales keep their dtypes
             keep = not jnp.issubdtype(x.dtype, jnp.floating) or "_scale" in jax.tree_util.keystr(path)
             return x if keep else x.astype(dtype)
 
-        params = jax.tree_util.tree_map_with_path(cast, params)
+        params = merge_state(jax.tree_util.tree_map_with_path(cast, trainable(params)), buffers_of(params))
         model = dataclasses.replace(model, param_dtype=dtype)
     if quantize is not None:
         model = quantize_config(model, quantize, group_size)

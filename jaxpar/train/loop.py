@@ -21,7 +21,7 @@ from jaxpar.distributed import batch_rows
 from jaxpar.errors import CheckpointError, ConfigError, OutputError
 from jaxpar.interop import hf
 from jaxpar.mesh import describe_mesh
-from jaxpar.model import count_params
+from jaxpar.model import buffers_of, count_params, update_buffers
 from jaxpar.store import checkpoint
 from jaxpar.store.lock import WorkdirLock
 from jaxpar.train.metrics import MetricsWriter, StepProfiler
@@ -91,7 +91,13 @@ def build_trainer(config: Config, devices: list | Mesh | None, *, explicit: bool
                                                    stats=stats)
                             for stats in (False, model.moe.enabled))  # the step also reports MoE statistics
     moe_layers = model.moe_layer_count
-    train_step, eval_step = compile_steps(make_train_step(step_grads, tx, lr_schedule(config.train), moe_layers),
+
+    def update_in_layout(buffers, stats):  # the buffers live in the plan's layer order, the rule reads model order
+        return plan.from_canonical(update_buffers(plan.to_canonical(buffers), stats, plan.model))
+
+    update = update_in_layout if jax.tree.leaves(buffers_of(state.params)) else None
+    train_step, eval_step = compile_steps(make_train_step(step_grads, tx, lr_schedule(config.train), moe_layers,
+                                                          update),
                                           make_eval_step(graphdef, plan, param_specs=specs), plan.mesh, shardings)
     return Trainer(graphdef, state, shardings, train_step, eval_step, plan, grads_of)
 

@@ -31,7 +31,8 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh, PartitionSpec as P
 
-from jaxpar.model import attention_mask, default_positions, moe_objective, run_layers, stats_total
+from jaxpar.model import (attention_mask, buffers_of, default_positions, merge_state, moe_objective, run_layers,
+                          stats_total, trainable)
 from jaxpar.parallel import circular, executor, schedule as tables
 from jaxpar.parallel.axes import DATA, EXPERT, PIPE
 from jaxpar.parallel.pipeline import Pipeline
@@ -43,8 +44,6 @@ from jaxpar.sharding import constrain
 from jaxpar.train.state import TrainState
 
 Metrics = dict[str, jax.Array]
-# flax >= 0.11 deprecates State.merge for merge_state; older releases have only the former
-_merge_state = getattr(nnx, "merge_state", None) or nnx.State.merge
 
 
 def next_token_loss(graphdef: nnx.GraphDef, params: nnx.State, batch: jax.Array, remat: str = "none",
@@ -145,7 +144,8 @@ def scheduled_loss_and_grads(graphdef: nnx.GraphDef, params: nnx.State, batch: j
     layers = jax.tree.map(lambda a: a.reshape(v, a.shape[0] // v, *a.shape[1:]), blocks)
 
     def chunk_fn(chunk: nnx.State, x: jax.Array, tape=None):
-        stacked = {stack: {name: var[...] for name, var in chunk[stack].items()} for stack in stack_names}
+        stacked = {stack: {name: var[...] for name, var in chunk[stack].items() if isinstance(var, nnx.Param)}
+                   for stack in stack_names}  # the layers' weights (their buffers are not inputs of the forward)
         if tape is None or tape.mode != RECORD:
             return run_layers(stacked, x, positions, mask, cfg, remat=remat, par=par, tape=tape)
         y, collected, stats = run_layers(stacked, x, positions, mask, cfg, remat=remat, par=par, tape=tape,
@@ -164,7 +164,7 @@ def scheduled_loss_and_grads(graphdef: nnx.GraphDef, params: nnx.State, batch: j
         pipe.program, chunk_fn, layers, rest, tokens.reshape(m, mb, T), targets.reshape(m, mb, T), embed_fn,
         head_loss_fn, axis=PIPE, operand=lambda w: par.dot.operand(w, cfg.dtype))
     block_grads = jax.tree.map(lambda a: a.reshape(a.shape[0] * a.shape[1], *a.shape[2:]), layer_grads)
-    return loss, _merge_state(rest_grads, block_grads), in_model_order(stats, pipe)
+    return loss, merge_state(rest_grads, block_grads), in_model_order(stats, pipe)
 
 
 def loss_and_grads(graphdef: nnx.GraphDef, *, grad_accum: int = 1, remat: str = "none",
@@ -207,6 +207,7 @@ def loss_and_grads(graphdef: nnx.GraphDef, *, grad_accum: int = 1, remat: str = 
     scale = 1.0 / pipe.stages if pipe is not None else 1.0
 
     def objective(p, b):  # (what is differentiated: the loss plus the MoE terms, (the loss reported, MoE sums))
+        p = merge_state(trainable(p), jax.tree.map(jax.lax.stop_gradient, buffers_of(p)))  # buffers: constants
         value, (loss, sums) = next_token_loss(graphdef, p, b, remat, par, pipe, objective=True)
         return scale * value, (scale * loss, sums)
 
@@ -322,16 +323,24 @@ def global_norm(tree) -> jax.Array:
 
 
 def make_train_step(grads_of: Callable[[nnx.State, jax.Array], tuple[jax.Array, nnx.State]],
-                    tx: optax.GradientTransformation, schedule: optax.Schedule | None = None, moe_layers: int = 0
+                    tx: optax.GradientTransformation, schedule: optax.Schedule | None = None, moe_layers: int = 0,
+                    update_buffers: Callable[[nnx.State, dict], nnx.State] | None = None
                     ) -> Callable[[TrainState, jax.Array], tuple[TrainState, Metrics]]:
     """(state, batch int [B, T+1]) → (state, metrics {loss, grad_norm, skipped, lr}): gradients from `grads_of`
-    (`sharded_loss_and_grads`), then clipping and AdamW on the sharded state. When `grads_of` also returns MoE
-    statistics (stats=True), the metrics gain `moe_metrics` over the model's `moe_layers` MoE layers."""
+    (`sharded_loss_and_grads`), then clipping and AdamW on the sharded weights. When `grads_of` also returns MoE
+    statistics (stats=True), the metrics gain `moe_metrics` over the model's `moe_layers` MoE layers, and the
+    model's buffers (jaxpar.model.Buffer) become `update_buffers(buffers, the per-layer statistics [L_moe, …])` —
+    the optimizer sees the weights alone (their gradients; the buffers' are dropped: they are constants of the
+    loss)."""
 
     def step(state: TrainState, batch: jax.Array) -> tuple[TrainState, Metrics]:
         loss, grads, *sums = grads_of(state.params, batch)
-        updates, opt_state = tx.update(grads, state.opt_state, state.params)
-        params = optax.apply_updates(state.params, updates)
+        grads, weights, buffers = trainable(grads), trainable(state.params), buffers_of(state.params)
+        updates, opt_state = tx.update(grads, state.opt_state, weights)
+        weights = optax.apply_updates(weights, updates)
+        if update_buffers is not None and sums and sums[0]:
+            buffers = update_buffers(buffers, sums[0])
+        params = merge_state(weights, buffers)
         grad_norm = global_norm(grads)
         # A non-finite loss, gradient or updated parameter skips the step: the state stays as it was, so no
         # NaN/Inf ever reaches the parameters (or a checkpoint). The loop counts and limits consecutive skips.
