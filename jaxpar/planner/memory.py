@@ -88,6 +88,44 @@ WORKSPACE = 1.0
 
 
 @dataclasses.dataclass(frozen=True)
+class Corrections:
+    """What one backend's compiled step holds that the traced model misses, one named correction each, from that
+    backend's own buffer assignments; the defaults correct nothing (a backend not measured: `CORRECTIONS`).
+    bench/RESULTS.md ("Planner memory: the XLA:CPU corrections") has the measurements."""
+
+    # No 16-bit float arithmetic: bf16/f16 is computed in float32 and the activations kept so (llama_8b's saved
+    # [tokens, h] matmul outputs are float32 buffers, 64 simulated devices).
+    float32_activations: bool = False
+    # `ragged_dot` lowered densely, every local expert over all routed rows: the down projection's [X/ep, M, h] is
+    # kept for the backward, X/ep times the trace's model-width expert rows (moe_tiny's buffer assignment).
+    dense_experts: bool = False
+    # One MoE layer's backward through the dense experts holds this many float32 [X/ep, M, F/t] buffers at once:
+    # gate, up, their product and their gradients (moe_tiny's, mixtral_8x7b's and qwen2_moe_57b's steps).
+    expert_hidden_buffers: float = 0.0
+    # … and this many [X/ep, M, h]: the down projection's weight gradient — its output gradient masked per expert,
+    # twice, and [M, X/ep·h] in float32 and bf16 (the table executor's W) — in the same steps.
+    expert_model_buffers: float = 0.0
+    # Temp allocation stacks each computation's own peak on its callers' (`jaxpar.analysis.heap`): a table's step
+    # under accumulation holds its gradient copies above the loop's, and a chunk's layer loop its body's working set
+    # above the branch's (llama_8b's zbv, mixtral_8x7b's zb_h1 and moe_tiny's zbv steps).
+    stacked_temporaries: bool = False
+
+
+# Per backend (`jax.Device.platform`); the neutral `Corrections()` where nothing was measured.
+CORRECTIONS = {
+    "cpu": Corrections(float32_activations=True, dense_experts=True, expert_hidden_buffers=7.0,
+                       expert_model_buffers=3.5, stacked_temporaries=True),
+    "gpu": Corrections(),
+    "tpu": Corrections(),
+}
+
+
+def corrections(backend: str) -> Corrections:
+    """The backend's `Corrections` (a platform not in `CORRECTIONS` gets none)."""
+    return CORRECTIONS.get(backend, Corrections())
+
+
+@dataclasses.dataclass(frozen=True)
 class Memory:
     """Predicted bytes per device of one train step, by part (see the module docstring)."""
 
@@ -452,7 +490,7 @@ def _ring_hoisted(config: Config, rows: int, s: int) -> float:
     return c * (scores + rows * heads * s * (m.head_dim + 2) * 4 + s * s * 4)
 
 
-def _routed_factor(config: Config, backend: str) -> tuple[float, float]:
+def _routed_factor(config: Config, fix: Corrections) -> tuple[float, float]:
     """How much larger an MoE layer's expert rows [rows·k, n] are than the trace's, for hidden widths n and for the
     model width: expert parallelism pads each rank's exchange to the worst case, ep·min(k, X/ep) rows a token
     instead of k (dropless); and XLA:CPU, which has no grouped matmul, lowers `ragged_dot` densely — every local
@@ -463,7 +501,7 @@ def _routed_factor(config: Config, backend: str) -> tuple[float, float]:
         return 1.0, 1.0
     local = moe.n_experts // ep
     pad = ep * min(moe.top_k, local) / moe.top_k if not moe.capacity_factor else 1.0
-    return pad, pad * (local if backend == "cpu" else 1)
+    return pad, pad * (local if fix.dense_experts else 1)
 
 
 def _layers_loop(config: Config, n_layers: int, single: bool = False) -> bool:
@@ -486,20 +524,19 @@ def _stage_weights(config: Config) -> int:
     return sum(_shard_bytes(v, rules, degrees, 1) for v in stacked) // config.parallel.repeats
 
 
-def _dense_experts(config: Config, rows: int, s: int, routed: tuple[float, float]) -> tuple[float, float]:
-    """XLA:CPU's dense `ragged_dot` (every local expert over all of a microbatch's routed rows M = rows·s·k, padded
-    under expert parallelism): the float32 buffers a backward through one MoE layer's experts holds, counted in the
-    buffer assignments of moe_tiny's, mixtral_8x7b's and qwen2_moe_57b's steps — (input side, weight side):
-        7 × [X/ep, M, F/t]    gate, up, their product and their gradients (the input gradient's backward)
-        3.5 × [X/ep, M, h]    the down projection's weight gradient: its output gradient masked per expert, twice,
-                              and [M, X/ep·h] in float32 and bf16 (the executor's W, which derives weight gradients)"""
+def _dense_experts(config: Config, rows: int, s: int, routed: tuple[float, float], fix: Corrections
+                   ) -> tuple[float, float]:
+    """A dense `ragged_dot` (every local expert over all of a microbatch's routed rows M = rows·s·k, padded under
+    expert parallelism): the float32 buffers a backward through one MoE layer's experts holds, (input side, weight
+    side) = (`expert_hidden_buffers` × [X/ep, M, F/t], `expert_model_buffers` × [X/ep, M, h]) of `fix`."""
     m, p = config.model, config.parallel
     moe = m.moe
     experts_rows = (moe.n_experts // p.expert) * rows * s * moe.top_k * routed[0] * 4
-    return 7 * experts_rows * (moe.d_ff // p.tensor), 3.5 * experts_rows * m.d_model
+    return (fix.expert_hidden_buffers * experts_rows * (moe.d_ff // p.tensor),
+            fix.expert_model_buffers * experts_rows * m.d_model)
 
 
-def _table_branch(config: Config, local: ModelConfig, s: int, rows: int, kinds, routed, backend: str) -> float:
+def _table_branch(config: Config, local: ModelConfig, s: int, rows: int, kinds, routed, fix: Corrections) -> float:
     """What the running branch of a schedule table's tick holds beyond the switch's outputs (the working set): W
     replays each period of layers under a checkpoint that saves nothing, whatever the remat, and B recomputes what
     the stash lacks — either holds one layer's activations as a plain backward would. On XLA:CPU, for MoE layers,
@@ -511,10 +548,8 @@ def _table_branch(config: Config, local: ModelConfig, s: int, rows: int, kinds, 
     the branch's heap. Measured: mixtral_8x7b's zb_h1 B on 128 simulated devices holds 14 [rows, F] float32
     buffers in its layer loop; moe_tiny's zbv, one layer a chunk, the larger of the two."""
     layer = rows * max(_scaled(residuals(local, s, "none", k).layer, config, s, routed) for k in set(kinds))
-    if backend != "cpu":
-        return layer
-    looped = _layers_loop(config, len(kinds), single=True)  # kinds: the chunk's layers
-    inputs, weights = _dense_experts(config, rows, s, routed) if any(kinds) else (0.0, 0.0)
+    looped = fix.stacked_temporaries and _layers_loop(config, len(kinds), single=True)  # kinds: the chunk's layers
+    inputs, weights = _dense_experts(config, rows, s, routed, fix) if any(kinds) else (0.0, 0.0)
     join = (lambda a, b: a + b) if looped else max
     b_branch = join(layer, inputs) + (_stage_weights(config) if looped else 0)
     return max(b_branch, join(layer, weights))
@@ -526,7 +561,8 @@ def activation_bytes(config: Config, backend: str = "gpu") -> dict[str, float]:
     runs a layer at a time on top of what is saved (under remat, a loop's trip, a schedule table's B and W), and on
     'cpu' the dense MoE expert buffers of one layer."""
     m, p, t = config.model, config.parallel, config.train
-    if backend == "cpu" and m.dtype != "float32":
+    fix = corrections(backend)
+    if fix.float32_activations and m.dtype != "float32":
         # XLA:CPU has no 16-bit float arithmetic: it computes bf16/f16 in float32 and keeps the activations so
         # (llama_8b's saved [tokens, h] matmul outputs are f32 buffers in its step on 64 simulated devices).
         m = dataclasses.replace(m, dtype="float32")
@@ -536,7 +572,7 @@ def activation_bytes(config: Config, backend: str = "gpu") -> dict[str, float]:
     s = t.seq_len // p.context
     A = t.grad_accum
     h = m.d_model * jnp.dtype(m.dtype).itemsize  # bytes of one token of the residual stream
-    routed = _routed_factor(config, backend)
+    routed = _routed_factor(config, fix)
     loop = 0.0  # the pipeline loop's own buffers
     saved = None  # the activations kept for the backward (a table's slots: counted where the table is read)
     if p.pipe > 1:
@@ -583,7 +619,7 @@ def activation_bytes(config: Config, backend: str = "gpu") -> dict[str, float]:
             rest = param_bytes(config) - p.repeats * weights  # the embedding, final norm and head
             loop += (prog.n_dys + 1) * dys + (prog.n_inbox + 1) * msg
             loop += stash + tape + dys + msg + weights + rest + (weights if p.repeats > 1 else 0)
-            if backend == "cpu" and A > 1:
+            if fix.stacked_temporaries and A > 1:
                 # XLA:CPU stacks a computation's temporaries on its callees' (`jaxpar.analysis.heap`): the step's
                 # own after the accumulation loop — the summed gradients scaled, and reduced over `data` — sit
                 # above the loop's, which hold the executor's gradient sums: one more whole gradient.
@@ -629,21 +665,21 @@ def activation_bytes(config: Config, backend: str = "gpu") -> dict[str, float]:
 
     if p.pipe > 1 and p.schedule != "circular":
         # the running branch: F (the head and the loss on its microbatch, for the last chunk), B or W
-        none = max(_table_branch(config, local, s, layer_rows, kinds, routed, backend), outside)
+        none = max(_table_branch(config, local, s, layer_rows, kinds, routed, fix), outside)
         outside = 0.0
     else:
         none = 0.0 if p.remat == "none" and not trips else layer_rows * max(recomputed(k) for k in set(kinds))
-        if backend == "cpu" and any(kinds):
+        if fix.dense_experts and any(kinds):
             # XLA:CPU's dense `ragged_dot`: one MoE layer's backward holds ~7 [X/ep, rows·k, F/t] float32 buffers at
             # once (gate, up, their product and gradients; counted in the buffer assignment of moe_tiny's step) —
             # the backward's working set where it is larger than the layer's activations (which it reuses).
-            none = max(none, _dense_experts(config, layer_rows, s, routed)[0])
+            none = max(none, _dense_experts(config, layer_rows, s, routed, fix)[0])
     return {"layers": saved, "outside": outside, "loop": loop, "working_set": none}
 
 
 def predict_memory(config: Config, backend: str = "gpu") -> Memory:
     """The step's memory per device for `config` resolved for its devices (`Config.resolve_for_devices`), compiled
-    for `backend` ('gpu', or 'cpu': XLA:CPU's dense lowering of the MoE grouped matmuls, `_routed_factor`)."""
+    for `backend` (a `jax.Device.platform`: its `Corrections`, none but on 'cpu')."""
     state = state_bytes(config)
     act = activation_bytes(config, backend)
     return Memory(params=state["params"], optimizer=state["optimizer"], batch=state["batch"],
