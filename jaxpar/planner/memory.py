@@ -46,15 +46,12 @@ file. Then, per device (b rows, A = grad_accum: one chunk's activations at a tim
 Workspace — what the backward holds on top of the saved (XLA's temporaries): one layer's activations as an unrolled
 program holds them without remat, where the backward brings a layer back at a time — under remat (`dots`: only the
 attention scores and probabilities; XLA fuses the rest of the recompute into the backward's kernels) and in a loop's
-trip — times `WORKSPACE`, measured. `backend='cpu'` takes instead, where larger, what XLA:CPU's dense lowering of
-the MoE grouped matmuls holds (`_routed_factor`, `_dense_experts`). A schedule table's running branch holds one
-layer's activations whatever the remat (W replays a period, B recomputes what the stash lacks: `_table_branch`).
+trip — times `WORKSPACE`, measured. A schedule table's running branch holds one layer's activations whatever the
+remat (W replays a period, B recomputes what the stash lacks: `_table_branch`).
 
-On XLA:CPU, whose temp allocation stacks each computation's own peak on its callers' (`jaxpar.analysis.heap`), a
-schedule table's step under gradient accumulation also holds the step's gradient copies after the accumulation
-loop (scaled, reduced) above the loop's: one whole gradient more; and a chunk run as a loop of several trips stacks
-its body's working set on the branch's. Measured against the compiled steps at scale (`jaxpar plan --verify`):
-llama_8b's zbv winner on 64 simulated devices, mixtral_8x7b's and qwen2_moe_57b's winners on 128 (bench/RESULTS.md).
+Backends — what a compiler holds that the trace does not show is one `Corrections` per backend (`CORRECTIONS`,
+measured for XLA:CPU: float32 activations, the dense MoE expert buffers, temporaries stacked along the calls;
+neutral where unmeasured). bench/RESULTS.md has the measurements.
 """
 
 from __future__ import annotations
@@ -79,11 +76,8 @@ from jaxpar.planner import expected
 from jaxpar.sharding import logical_to_spec, zero_spec
 
 # XLA's temporaries beyond the saved activations and gradients, in units of the backward's working set (one layer's
-# activations, recomputed under remat or a loop trip's; on XLA:CPU, where larger, the dense MoE expert buffers).
-# Measured: the least-squares factor (in relative error) over the 18 layouts of bench/plan.py that have a working
-# set (remat, sequence parallel, pipelines, MoE on XLA:CPU) is 1.00; one layout at a time it spreads from ~0.5
-# (pipeline and SP loops without remat: a trip's cotangents reuse part of what it reads) to ~1.4 (remat=dots, MoE
-# under remat). bench/RESULTS.md has the spread of the totals.
+# activations, recomputed under remat or a loop trip's; where larger, the dense MoE expert buffers of `Corrections`):
+# the least-squares fit over bench/plan.py's layouts that have one (bench/RESULTS.md).
 WORKSPACE = 1.0
 
 
@@ -93,21 +87,15 @@ class Corrections:
     backend's own buffer assignments; the defaults correct nothing (a backend not measured: `CORRECTIONS`).
     bench/RESULTS.md ("Planner memory: the XLA:CPU corrections") has the measurements."""
 
-    # No 16-bit float arithmetic: bf16/f16 is computed in float32 and the activations kept so (llama_8b's saved
-    # [tokens, h] matmul outputs are float32 buffers, 64 simulated devices).
+    # no 16-bit float arithmetic: bf16/f16 activations computed and kept in float32 (llama_8b on 64 devices)
     float32_activations: bool = False
-    # `ragged_dot` lowered densely, every local expert over all routed rows: the down projection's [X/ep, M, h] is
-    # kept for the backward, X/ep times the trace's model-width expert rows (moe_tiny's buffer assignment).
+    # `ragged_dot` lowered densely: the experts' model-width rows [M, h] kept X/ep times (moe_tiny's step)
     dense_experts: bool = False
-    # One MoE layer's backward through the dense experts holds this many float32 [X/ep, M, F/t] buffers at once:
-    # gate, up, their product and their gradients (moe_tiny's, mixtral_8x7b's and qwen2_moe_57b's steps).
+    # float32 [X/ep, M, F/t] a dense experts' backward holds at once: gate, up, product, gradients (moe_tiny, mixtral)
     expert_hidden_buffers: float = 0.0
-    # … and this many [X/ep, M, h]: the down projection's weight gradient — its output gradient masked per expert,
-    # twice, and [M, X/ep·h] in float32 and bf16 (the table executor's W) — in the same steps.
+    # float32 [X/ep, M, h] of the down projection's weight gradient (moe_tiny, mixtral_8x7b, qwen2_moe_57b)
     expert_model_buffers: float = 0.0
-    # Temp allocation stacks each computation's own peak on its callers' (`jaxpar.analysis.heap`): a table's step
-    # under accumulation holds its gradient copies above the loop's, and a chunk's layer loop its body's working set
-    # above the branch's (llama_8b's zbv, mixtral_8x7b's zb_h1 and moe_tiny's zbv steps).
+    # temp allocation stacks each computation's peak on its callers' (`analysis.heap`; llama_8b's, mixtral's tables)
     stacked_temporaries: bool = False
 
 
@@ -482,8 +470,7 @@ def _ring_hoisted(config: Config, rows: int, s: int) -> float:
     `lax.cond` (`context_parallel._ring_forward`), whose residuals include the step's causal mask broadcast to the
     block's scores, [rows, K, G, T, T] as bool and as float32, beside a zero output [rows, T, K, G, E] and the
     running max and sum; they depend on the mask alone (the rank's positions, static), so XLA hoists them out of
-    the layer and accumulation loops, one set per ring step, whatever the depth (counted in llama_8b's step on 64
-    simulated devices: 4 × 2.8 GB at context 4)."""
+    the layer and accumulation loops, one set per ring step, whatever the depth."""
     m, t, c = config.model, config.parallel.tensor, config.parallel.context
     heads = m.n_heads // t  # K·G: the rank's query heads
     scores = rows * heads * s * s * (4 + 1)  # float32 and bool [rows, K, G, T, T], T = s (the rank's tokens)
@@ -493,9 +480,8 @@ def _ring_hoisted(config: Config, rows: int, s: int) -> float:
 def _routed_factor(config: Config, fix: Corrections) -> tuple[float, float]:
     """How much larger an MoE layer's expert rows [rows·k, n] are than the trace's, for hidden widths n and for the
     model width: expert parallelism pads each rank's exchange to the worst case, ep·min(k, X/ep) rows a token
-    instead of k (dropless); and XLA:CPU, which has no grouped matmul, lowers `ragged_dot` densely — every local
-    expert over all rows — and keeps the down projection's [X/ep, rows, h] for the backward (its buffer assignment
-    shows them), X/ep times the model-width rows. A GPU's grouped GEMM keeps the rows once."""
+    instead of k (dropless); a dense `ragged_dot` (`fix.dense_experts`) keeps the model-width rows X/ep times. A
+    GPU's grouped GEMM keeps the rows once."""
     moe, ep = config.moe, config.parallel.expert
     if not moe.enabled:
         return 1.0, 1.0
@@ -539,14 +525,13 @@ def _dense_experts(config: Config, rows: int, s: int, routed: tuple[float, float
 def _table_branch(config: Config, local: ModelConfig, s: int, rows: int, kinds, routed, fix: Corrections) -> float:
     """What the running branch of a schedule table's tick holds beyond the switch's outputs (the working set): W
     replays each period of layers under a checkpoint that saves nothing, whatever the remat, and B recomputes what
-    the stash lacks — either holds one layer's activations as a plain backward would. On XLA:CPU, for MoE layers,
-    the dense expert buffers besides (`_dense_experts`: B the input side — under the tape the experts' group is one
-    SwiGLU whose hidden is not kept, so B runs its forward again beside its backward — W the weight side); where the
-    chunk's layers run as a loop of several trips, XLA:CPU stacks the loop body's temporaries on the branch's
-    (`jaxpar.analysis.heap`), which hold B's zero gradients for the chunk's matmul weights (a chunk's weights:
-    B derives none, but returns every gradient the switch does), and the two add; inlined (one trip) they share
-    the branch's heap. Measured: mixtral_8x7b's zb_h1 B on 128 simulated devices holds 14 [rows, F] float32
-    buffers in its layer loop; moe_tiny's zbv, one layer a chunk, the larger of the two."""
+    the stash lacks — either holds one layer's activations as a plain backward would. With `fix.dense_experts`, for
+    MoE layers, the dense expert buffers besides (`_dense_experts`: B the input side — under the tape the experts'
+    group is one SwiGLU whose hidden is not kept, so B runs its forward again beside its backward — W the weight
+    side); with `fix.stacked_temporaries`, where the chunk's layers run as a loop of several trips, the loop body's
+    temporaries sit on the branch's, which hold B's zero gradients for the chunk's matmul weights (a chunk's
+    weights: B derives none, but returns every gradient the switch does), and the two add; inlined (one trip) they
+    share the branch's heap."""
     layer = rows * max(_scaled(residuals(local, s, "none", k).layer, config, s, routed) for k in set(kinds))
     looped = fix.stacked_temporaries and _layers_loop(config, len(kinds), single=True)  # kinds: the chunk's layers
     inputs, weights = _dense_experts(config, rows, s, routed, fix) if any(kinds) else (0.0, 0.0)
@@ -563,8 +548,6 @@ def activation_bytes(config: Config, backend: str = "gpu") -> dict[str, float]:
     m, p, t = config.model, config.parallel, config.train
     fix = corrections(backend)
     if fix.float32_activations and m.dtype != "float32":
-        # XLA:CPU has no 16-bit float arithmetic: it computes bf16/f16 in float32 and keeps the activations so
-        # (llama_8b's saved [tokens, h] matmul outputs are f32 buffers in its step on 64 simulated devices).
         m = dataclasses.replace(m, dtype="float32")
     degrees = degrees_of(config)
     local = local_model(m, degrees)
@@ -620,9 +603,9 @@ def activation_bytes(config: Config, backend: str = "gpu") -> dict[str, float]:
             loop += (prog.n_dys + 1) * dys + (prog.n_inbox + 1) * msg
             loop += stash + tape + dys + msg + weights + rest + (weights if p.repeats > 1 else 0)
             if fix.stacked_temporaries and A > 1:
-                # XLA:CPU stacks a computation's temporaries on its callees' (`jaxpar.analysis.heap`): the step's
-                # own after the accumulation loop — the summed gradients scaled, and reduced over `data` — sit
-                # above the loop's, which hold the executor's gradient sums: one more whole gradient.
+                # The step's own temporaries after the accumulation loop — the summed gradients scaled, and
+                # reduced over `data` — sit above the loop's, which hold the executor's gradient sums: one more
+                # whole gradient.
                 loop += param_bytes(config, 1)
             # The last chunk's F runs the head and the loss on its microbatch: one microbatch's at a time, in the
             # F branch (beside B's and W's working sets, not on top: `_table_branch`).
@@ -670,9 +653,8 @@ def activation_bytes(config: Config, backend: str = "gpu") -> dict[str, float]:
     else:
         none = 0.0 if p.remat == "none" and not trips else layer_rows * max(recomputed(k) for k in set(kinds))
         if fix.dense_experts and any(kinds):
-            # XLA:CPU's dense `ragged_dot`: one MoE layer's backward holds ~7 [X/ep, rows·k, F/t] float32 buffers at
-            # once (gate, up, their product and gradients; counted in the buffer assignment of moe_tiny's step) —
-            # the backward's working set where it is larger than the layer's activations (which it reuses).
+            # A dense `ragged_dot`'s input side: the backward's working set where it is larger than the layer's
+            # activations (which it reuses).
             none = max(none, _dense_experts(config, layer_rows, s, routed, fix)[0])
     return {"layers": saved, "outside": outside, "loop": loop, "working_set": none}
 
