@@ -655,9 +655,11 @@ def grouped_swiglu(rows: Array, group_sizes: Array, weights, *, dot, dtype) -> A
     """The experts' SwiGLU on rows sorted by expert: rows [M, D] (compute dtype), group_sizes [X] (rows of each
     expert, in order; the rest are padding), weights (we_gate, we_up [X, D, F], we_down [X, F, D]) → [M, D] float32."""
     w_gate, w_up, w_down = weights
+    rows = checkpoint_name(rows, "expert_in")  # (named for the memory planner; no policy saves it)
     gate, up = dot.ragged(rows, w_gate, group_sizes), dot.ragged(rows, w_up, group_sizes)  # [M, F] float32
     gate, up = checkpoint_name(gate, "mlp_gate"), checkpoint_name(up, "mlp_up")
-    return dot.ragged(checkpoint_name((jax.nn.silu(gate) * up).astype(dtype), "mlp_hidden"), w_down, group_sizes)
+    return checkpoint_name(dot.ragged(checkpoint_name((jax.nn.silu(gate) * up).astype(dtype), "mlp_hidden"), w_down,
+                                      group_sizes), "expert_out")
 
 
 def swiglu(p: dict[str, Array], h: Array, cfg: ModelConfig, par: Parallel) -> Array:

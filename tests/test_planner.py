@@ -50,9 +50,72 @@ def test_a_table_stash_slot_holds_what_the_policy_saves(remat):
     local = memory.local_model(config.model, memory.degrees_of(config))
     seq, k = config.train.seq_len, config.model.n_layers // config.parallel.pipe
     chunk = memory.table_chunk(local, seq, remat, k)
-    saved = sum(nbytes for _, nbytes, _ in memory.residuals(local, seq, remat, False).stacked)
-    assert 0 <= sum(nbytes for _, nbytes, _ in chunk.stash) - saved <= 8, (chunk.stash, saved)
+    saved = sum(nbytes for _, nbytes, *_ in memory.residuals(local, seq, remat, False).stacked)
+    assert 0 <= sum(nbytes for _, nbytes, *_ in chunk.stash) - saved <= 8, (chunk.stash, saved)
     assert len(chunk.dys) == len(chunk.tape) + 3  # q, k, v from one input; gate, up from one
+
+
+def _shape_rule_stream(e, d_model: int) -> bool:
+    """The rule the tags replaced: a residual as wide as the model is the residual stream."""
+    return 0 < len(e.shape) <= 3 and e.shape[-1] == d_model
+
+
+@pytest.mark.parametrize("remat", ["none", "dots"])
+def test_residuals_are_classified_by_their_checkpoint_names_where_widths_coincide(remat):
+    """d_ff / tensor = d_model (tiny with d_ff 256 over tensor 2: the MLP's hidden [.., 128] is as wide as the
+    residual stream). Each residual carries the `checkpoint_name` it is, is computed from or is passed on to
+    (`Entry.tag`), and sequence parallelism acts by the tag: the stream's residuals split over `tensor`, the MLP's
+    hidden (computed on the gathered sequence) whole; under `dots` the row-parallel outputs (attn_out) are kept
+    whole-sequence and the column ones (q, k, v, gate, up) not at all. The width rule took the hidden for the
+    stream (and gate and up for row outputs). The schedule table's tape and dys split by their groups' tags alike.
+    Traced only."""
+    config = load_config("configs/tiny.py", FLAT + ["model.d_ff=256", "parallel.tensor=2",
+                                                    "parallel.sequence_parallel=true", f"parallel.remat={remat}"]
+                         ).resolve_for_devices(8)
+    local = memory.local_model(config.model, memory.degrees_of(config))
+    seq, t, h = config.train.seq_len, config.parallel.tensor, local.d_model
+    assert local.d_ff == h
+    entries = memory.residuals(local, seq, remat, False).stacked
+    hidden = [e for e in entries if e.tag in memory.HIDDEN]
+    stream = [e for e in entries if e.tag in memory.STREAM]
+    assert hidden and all(e.shape[-1] == h for e in hidden)
+    assert all(_shape_rule_stream(e, h) for e in hidden)  # where the width rule went wrong
+    if remat == "none":
+        assert {e.tag for e in entries} >= {"layer_in", "attn_in", "q", "k", "v", "context", "mlp_in", "mlp_gate",
+                                            "mlp_up", "mlp_hidden"}
+        assert memory._scaled(hidden, config, seq) == sum(e.nbytes for e in hidden)  # whole sequence
+        assert memory._scaled(stream, config, seq) == sum(e.nbytes for e in stream) / t  # split over tensor
+    else:
+        assert sorted(e.tag for e in entries if e.dot) == ["attn_out", "k", "mlp_gate", "mlp_up", "q", "v"]
+        assert memory._scaled(hidden, config, seq) == 0  # column outputs: recomputed from the gathered shard
+        row, between = [e for e in stream if e.dot], [e for e in stream if not e.dot]
+        assert [e.tag for e in row] == ["attn_out"] and between
+        assert memory._scaled(row, config, seq) == sum(e.nbytes for e in row)  # the partial sums, whole
+        assert memory._scaled(between, config, seq) == sum(e.nbytes for e in between) / t  # the layer's input
+    chunk = memory.table_chunk(local, seq, remat, 2)
+    assert [e.tag for e in chunk.tape] == ["attn_in", "context", "mlp_in", "mlp_hidden"]
+    assert [e.tag for e in chunk.dys] == ["q", "k", "v", "attn_out", "mlp_gate", "mlp_up", "mlp_out"]
+
+
+def test_expert_rows_are_classified_by_their_checkpoint_names_where_widths_coincide():
+    """An MoE layer whose experts' d_ff equals d_model (moe_tiny with moe.d_ff 128, expert 2): on XLA:CPU the dense
+    `ragged_dot` keeps the model-width expert rows (`expert_in`, `expert_out`) once per local expert, the hidden
+    (gate, up, their product) and the routing weights [M, 1] once; the width rule multiplied the hidden too."""
+    config = load_config("configs/moe_tiny.py", FLAT + ["moe.d_ff=128", "parallel.expert=2", "parallel.tensor=1"]
+                         ).resolve_for_devices(8)
+    local = memory.local_model(config.model, memory.degrees_of(config))
+    seq, h = config.train.seq_len, local.d_model
+    routed = memory._routed_factor(config, memory.CORRECTIONS["cpu"])
+    assert routed[1] == routed[0] * config.moe.n_experts // config.parallel.expert > routed[0]
+    rows = [e for e in memory.residuals(local, seq, "none", True).layer
+            if len(e.shape) == 2 and e.shape[0] == seq * config.moe.top_k]
+    model_rows = [e for e in rows if e.tag in memory.EXPERT_ROWS]
+    hidden = [e for e in rows if e.tag in memory.HIDDEN]
+    assert {e.tag for e in model_rows} == {"expert_in", "expert_out"} and all(e.shape[-1] == h for e in model_rows)
+    assert len(hidden) >= 3 and all(e.shape[-1] == h for e in hidden)  # as wide as the model
+    for e in rows:
+        assert memory._scaled([e], config, seq, routed) == e.nbytes * routed[e in model_rows], e
+    assert memory.corrections("gpu") == memory.Corrections() == memory.corrections("rocm")
 
 
 @pytest.mark.parametrize("overrides", [

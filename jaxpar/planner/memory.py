@@ -21,7 +21,9 @@ them in one of two ways, and both are read off the trace:
     a loop    a scan of several trips (sequence parallel runs one layer a trip), a pipeline: every residual JAX lists
               is a stacked [n, …] output of its own, views included, and the loop-invariant constants are held once
 So the formula follows the code — a new policy, a named checkpoint or an MoE router changes the trace, not this
-file. Then, per device (b rows, A = grad_accum: one chunk's activations at a time):
+file. Each residual is classified by the `checkpoint_name` it carries, is computed from or is passed on to
+(`Entry.tag`: the residual stream, the MLP's hidden, q/k/v, the experts' rows), not by its width. Then, per device
+(b rows, A = grad_accum: one chunk's activations at a time):
     no pipeline       L layers on b/A rows
     circular          autodiff of the loop stacks every iteration's: (v·m + p − 1) chunks of k layers on a
                       microbatch, and the k layers' weights each iteration read (its pass is a traced index); the
@@ -32,7 +34,7 @@ file. Then, per device (b rows, A = grad_accum: one chunk's activations at a tim
                       (n_inbox + 1) messages [mb, s, h]; the tick's switch returns one of each and the chunk's and
                       `rest`'s gradients (every branch returns them all); for v > 1 the tick's chunk parameters
                       (a dynamic slice of the stage's [v, …])
-    sequence parallel the residual-stream tensors [rows, s, h] split over `tensor` (Korthikanti et al. 2022); under
+    sequence parallel the residual stream's tensors (STREAM) split over `tensor` (Korthikanti et al. 2022); under
                       `dots` the saved matmul outputs stay whole-sequence (the row-parallel partial sums before the
                       reduce-scatter), and the plain SP entry's column outputs are not saved (a nested custom VJP
                       hides them from the policy; collective matmul's are); a table's tape and dys split where the
@@ -46,15 +48,12 @@ file. Then, per device (b rows, A = grad_accum: one chunk's activations at a tim
 Workspace — what the backward holds on top of the saved (XLA's temporaries): one layer's activations as an unrolled
 program holds them without remat, where the backward brings a layer back at a time — under remat (`dots`: only the
 attention scores and probabilities; XLA fuses the rest of the recompute into the backward's kernels) and in a loop's
-trip — times `WORKSPACE`, measured. `backend='cpu'` takes instead, where larger, what XLA:CPU's dense lowering of
-the MoE grouped matmuls holds (`_routed_factor`, `_dense_experts`). A schedule table's running branch holds one
-layer's activations whatever the remat (W replays a period, B recomputes what the stash lacks: `_table_branch`).
+trip — times `WORKSPACE`, measured. A schedule table's running branch holds one layer's activations whatever the
+remat (W replays a period, B recomputes what the stash lacks: `_table_branch`).
 
-On XLA:CPU, whose temp allocation stacks each computation's own peak on its callers' (`jaxpar.analysis.heap`), a
-schedule table's step under gradient accumulation also holds the step's gradient copies after the accumulation
-loop (scaled, reduced) above the loop's: one whole gradient more; and a chunk run as a loop of several trips stacks
-its body's working set on the branch's. Measured against the compiled steps at scale (`jaxpar plan --verify`):
-llama_8b's zbv winner on 64 simulated devices, mixtral_8x7b's and qwen2_moe_57b's winners on 128 (bench/RESULTS.md).
+Backends — what a compiler holds that the trace does not show is one `Corrections` per backend (`CORRECTIONS`,
+measured for XLA:CPU: float32 activations, the dense MoE expert buffers, temporaries stacked along the calls;
+neutral where unmeasured). bench/RESULTS.md has the measurements.
 """
 
 from __future__ import annotations
@@ -62,6 +61,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -74,17 +74,46 @@ from jaxpar.model import KVCache, abstract_model, attention_mask, default_positi
 from jaxpar.parallel import executor, pipeline
 from jaxpar.parallel.axes import AXES, BATCH_AXES, DATA, TENSOR
 from jaxpar.plan import padded_vocab, plan_rules
-from jaxpar.parallel.weightgrad import RECORD
+from jaxpar.parallel.weightgrad import MEASURE, RECORD
 from jaxpar.planner import expected
 from jaxpar.sharding import logical_to_spec, zero_spec
 
 # XLA's temporaries beyond the saved activations and gradients, in units of the backward's working set (one layer's
-# activations, recomputed under remat or a loop trip's; on XLA:CPU, where larger, the dense MoE expert buffers).
-# Measured: the least-squares factor (in relative error) over the 18 layouts of bench/plan.py that have a working
-# set (remat, sequence parallel, pipelines, MoE on XLA:CPU) is 1.00; one layout at a time it spreads from ~0.5
-# (pipeline and SP loops without remat: a trip's cotangents reuse part of what it reads) to ~1.4 (remat=dots, MoE
-# under remat). bench/RESULTS.md has the spread of the totals.
+# activations, recomputed under remat or a loop trip's; where larger, the dense MoE expert buffers of `Corrections`):
+# the least-squares fit over bench/plan.py's layouts that have one (bench/RESULTS.md).
 WORKSPACE = 1.0
+
+
+@dataclasses.dataclass(frozen=True)
+class Corrections:
+    """What one backend's compiled step holds that the traced model misses, one named correction each, from that
+    backend's own buffer assignments; the defaults correct nothing (a backend not measured: `CORRECTIONS`).
+    bench/RESULTS.md ("Planner memory: the XLA:CPU corrections") has the measurements."""
+
+    # no 16-bit float arithmetic: bf16/f16 activations computed and kept in float32 (llama_8b on 64 devices)
+    float32_activations: bool = False
+    # `ragged_dot` lowered densely: the experts' model-width rows (EXPERT_ROWS) kept X/ep times (moe_tiny's step)
+    dense_experts: bool = False
+    # float32 [X/ep, M, F/t] a dense experts' backward holds at once: gate, up, product, gradients (moe_tiny, mixtral)
+    expert_hidden_buffers: float = 0.0
+    # float32 [X/ep, M, h] of the down projection's weight gradient (moe_tiny, mixtral_8x7b, qwen2_moe_57b)
+    expert_model_buffers: float = 0.0
+    # temp allocation stacks each computation's peak on its callers' (`analysis.heap`; llama_8b's, mixtral's tables)
+    stacked_temporaries: bool = False
+
+
+# Per backend (`jax.Device.platform`); the neutral `Corrections()` where nothing was measured.
+CORRECTIONS = {
+    "cpu": Corrections(float32_activations=True, dense_experts=True, expert_hidden_buffers=7.0,
+                       expert_model_buffers=3.5, stacked_temporaries=True),
+    "gpu": Corrections(),
+    "tpu": Corrections(),
+}
+
+
+def corrections(backend: str) -> Corrections:
+    """The backend's `Corrections` (a platform not in `CORRECTIONS` gets none)."""
+    return CORRECTIONS.get(backend, Corrections())
 
 
 @dataclasses.dataclass(frozen=True)
@@ -218,21 +247,107 @@ def local_model(model: ModelConfig, degrees: dict[str, int]) -> ModelConfig:
 _VIEWS = frozenset({"reshape", "broadcast_in_dim", "squeeze", "expand_dims", "copy", "copy_p"})
 
 
-class _Scope:
-    """One jaxpr of the traced step, with which of its values depend on the step's arguments (`depends`) and, for a
-    nested one, where its inputs come from outside (`outer`: inner var → (outer var, outer scope); the scan's carry
-    has none: it is the layer's input)."""
+# The named activations (`model.CHECKPOINT_NAMES`) by what they are: the residual stream [.., h] (LAYER_IN: the
+# layer's input, the layers' scan carry, which no block names) and the MLP's hidden [.., F].
+LAYER_IN = "layer_in"
+STREAM = frozenset({LAYER_IN, "attn_in", "attn_out", "mlp_in", "mlp_out"})
+HIDDEN = frozenset({"mlp_gate", "mlp_up", "mlp_hidden"})
+EXPERT_ROWS = frozenset({"expert_in", "expert_out"})  # an MoE layer's [M, h] rows (`model.grouped_swiglu`)
 
-    def __init__(self, jaxpr, depends: list[bool], outer: dict | None = None, in_layer: bool = False):
+# Ops that pass their operand's elements on unchanged, up to layout and dtype (a residual computed so carries its
+# operand's tag, and an operand its result's), and elementwise ops, which do for an operand of the result's shape.
+_PASSES = frozenset({"reshape", "squeeze", "expand_dims", "copy", "copy_p", "convert_element_type",
+                     "reduce_precision", "slice", "split", "concatenate", "transpose"})
+_ELEMENTWISE = frozenset({"add", "add_any", "sub", "mul", "div", "neg", "exp", "exp2", "log", "log1p", "expm1",
+                          "logistic", "tanh", "rsqrt", "sqrt", "integer_pow", "pow", "square", "max", "min", "select_n",
+                          "sin", "cos", "abs", "sign", "erf", "erf_inv", "stop_gradient"})
+
+
+def _passes(e, x, y) -> bool:
+    if e.primitive.name == "gather":  # rows picked from its first operand (the experts' sort and unsort)
+        return x is e.invars[0]
+    return e.primitive.name in _PASSES or (e.primitive.name in _ELEMENTWISE and x.aval.shape == y.aval.shape)
+
+
+def _calls(e) -> bool:
+    return e.primitive.name == "scan" or "jaxpr" in e.params or "call_jaxpr" in e.params
+
+
+def _body(e):
+    j = e.params.get("jaxpr") or e.params.get("call_jaxpr")
+    return getattr(j, "jaxpr", j)
+
+
+def _inner_seeds(e, tag: dict) -> tuple[dict, dict]:
+    """({inner invar: tag}, {inner outvar: tag}) of the jaxpr e calls, from the tags of e's operands and results
+    (a scan's carry is the layer's input: LAYER_IN)."""
+    body = _body(e)
+    ins = {b: tag[x] for b, x in zip(body.invars, e.invars) if isinstance(x, jax_core.Var) and x in tag}
+    if e.primitive.name == "scan":
+        consts, carry = _scan_split(e)
+        ins.update({b: LAYER_IN for b in body.invars[consts:consts + carry]})
+    outs = {b: tag[y] for b, y in zip(body.outvars, e.outvars) if isinstance(b, jax_core.Var) and y in tag}
+    return ins, outs
+
+
+def _forward_tags(jaxpr, tag: dict) -> dict:
+    """Tags of jaxpr's values from those of its inputs (`tag`, updated): a `checkpoint_name`'s name, or its operand's
+    through the ops that pass it on (`_passes`), into and out of the jaxprs an equation calls."""
+    for e in jaxpr.eqns:
+        if e.primitive.name == "name":
+            tag[e.outvars[0]] = e.params["name"]
+        elif _calls(e):
+            inner = _forward_tags(_body(e), _inner_seeds(e, tag)[0])
+            tag.update({y: inner[b] for b, y in zip(_body(e).outvars, e.outvars) if b in inner})
+        else:
+            for y in e.outvars:
+                x = next((x for x in e.invars if isinstance(x, jax_core.Var) and x in tag and _passes(e, x, y)), None)
+                if x is not None:
+                    tag[y] = tag[x]
+    return tag
+
+
+def _backward_tags(jaxpr, tag: dict) -> dict:
+    """What `tag` (updated) leaves untagged takes the tag of what it is passed on to (a matmul's output named after
+    a rope or a cast, its operands through the ops that pass it: `_passes`)."""
+    for e in reversed(jaxpr.eqns):
+        y = next((y for y in e.outvars if y in tag), None)
+        if y is None or _calls(e):
+            continue
+        for x in e.invars:
+            if isinstance(x, jax_core.Var) and x not in tag and (e.primitive.name == "name" or _passes(e, x, y)):
+                tag[x] = tag[y]
+    return tag
+
+
+class _Scope:
+    """One jaxpr of the traced step, with which of its values depend on the step's arguments (`depends`), each
+    value's tag (`tags`: the `checkpoint_name` it carries, is computed from, or is passed on to — `_forward_tags`,
+    `_backward_tags`) and, for a nested one, where its inputs come from outside (`outer`: inner var → (outer var,
+    outer scope); the scan's carry has none: it is the layer's input)."""
+
+    def __init__(self, jaxpr, depends: list[bool], outer: dict | None = None, in_layer: bool = False,
+                 seeds: tuple[dict, dict] = ({}, {})):
         self.jaxpr, self.outer, self.in_layer = jaxpr, outer, in_layer
         self.producer = {v: e for e in jaxpr.eqns for v in e.outvars}
         self.depends = {v for v, d in zip(jaxpr.invars, depends) if d}
         for e in jaxpr.eqns:
             if any(isinstance(x, jax_core.Var) and x in self.depends for x in e.invars):
                 self.depends.update(e.outvars)
+        ins, outs = seeds
+        self.tags = _forward_tags(jaxpr, dict(ins))
+        self.tags.update({v: t for v, t in outs.items() if v not in self.tags})
+        _backward_tags(jaxpr, self.tags)
+        self._inner: dict[int, _Scope] = {}
 
     def inner(self, e) -> "_Scope":
         """The scope of the jaxpr an equation calls (a scan's body, a jit's or a checkpoint's function)."""
+        if id(e) not in self._inner:
+            self._inner[id(e)] = self._call(e)
+        return self._inner[id(e)]
+
+    def _call(self, e) -> "_Scope":
+        seeds = _inner_seeds(e, self.tags)
         if e.primitive.name == "scan":
             body = e.params["jaxpr"].jaxpr
             consts, carry = _scan_split(e)
@@ -240,11 +355,10 @@ class _Scope:
                    for j, x in enumerate(e.invars)]
             outer = {b: (o, self) for j, (b, o) in enumerate(zip(body.invars, e.invars))
                      if not consts <= j < consts + carry}
-            return _Scope(body, dep, outer, in_layer=True)
-        j = e.params.get("jaxpr") or e.params.get("call_jaxpr")
-        j = getattr(j, "jaxpr", j)
+            return _Scope(body, dep, outer, in_layer=True, seeds=seeds)
+        j = _body(e)
         return _Scope(j, [isinstance(x, jax_core.Var) and x in self.depends for x in e.invars],
-                      dict(zip(j.invars, [(x, self) for x in e.invars])), self.in_layer)
+                      dict(zip(j.invars, [(x, self) for x in e.invars])), self.in_layer, seeds)
 
 
 def _scan_split(e) -> tuple[int, int]:
@@ -282,8 +396,8 @@ def _buffer(v, scope: _Scope):
 
 @dataclasses.dataclass(frozen=True)
 class Residuals:
-    """What autodiff of the plain model keeps for the backward, for one sequence and one layer kind, as (shape,
-    bytes) pairs (`residuals`):
+    """What autodiff of the plain model keeps for the backward, for one sequence and one layer kind, as `Entry`s
+    (`residuals`):
         layer     one layer's buffers as an unrolled program holds them (views of one value one buffer)
         stacked   one layer's residuals as a loop over layers stacks them: one [n, …] output per residual JAX
                   lists, views included (each is written by its own dynamic-update-slice)
@@ -297,9 +411,26 @@ class Residuals:
     constant: tuple
 
 
-def _entry(aval, dot: bool, stacked: bool = False) -> tuple[tuple[int, ...], int, bool]:
+class Entry(NamedTuple):
+    """One buffer the step holds for the backward: its shape (without a stack's leading [n]), bytes, whether it is a
+    matmul's output (`_is_dot`), and its tag — the `checkpoint_name` it carries, is computed from or is passed on to
+    (`_Scope.tags`; LAYER_IN the layer's input), None where it has none (the attention scores, a norm's statistics,
+    the logits, the routing)."""
+
+    shape: tuple[int, ...]
+    nbytes: int
+    dot: bool
+    tag: str | None
+
+
+def _entry(aval, dot: bool, tag: str | None, stacked: bool = False) -> Entry:
     shape = tuple(aval.shape)[1 if stacked else 0:]
-    return shape, aval.size * aval.dtype.itemsize // (aval.shape[0] if stacked else 1), dot
+    return Entry(shape, aval.size * aval.dtype.itemsize // (aval.shape[0] if stacked else 1), dot, tag)
+
+
+def _tag(v, scope: _Scope, held) -> str | None:
+    """The tag of residual v of `scope`: its buffer's (`held`, from `_buffer`), or for none its own."""
+    return held[1].tags.get(held[0]) if held is not None else scope.tags.get(v)
 
 
 def _is_dot(v, scope: _Scope) -> bool:
@@ -345,23 +476,24 @@ def residuals(model: ModelConfig, seq: int, remat: str, moe_layer: bool) -> Resi
         if not isinstance(v, jax_core.Var) or v in jaxpr.invars:
             continue
         held = _buffer(v, top)
-        dot = held is not None and _is_dot(*held)
+        dot, tag = held is not None and _is_dot(*held), _tag(v, top, held)
         e = top.producer.get(v)
         if e is not None and e.primitive.name == "scan" and e.outvars.index(v) >= _scan_split(e)[1]:
-            stacked.append(_entry(v.aval, dot, stacked=True))  # a [2, …] stack of the two layers'
+            body = top.inner(e)  # a [2, …] stack of the two layers', tagged as the body's value (a view's own)
+            stacked.append(_entry(v.aval, dot, body.tags.get(body.jaxpr.outvars[e.outvars.index(v)]), stacked=True))
         elif v not in top.depends:
-            constant.append(_entry(v.aval, False))
+            constant.append(_entry(v.aval, False, tag))
         if held is None or held[0] in seen:
             continue
         seen.add(held[0])
-        (layer if held[1].in_layer else outside).append(_entry(held[0].aval, dot))
+        (layer if held[1].in_layer else outside).append(_entry(held[0].aval, dot, tag))
     return Residuals(tuple(layer), tuple(stacked), tuple(outside), tuple(constant))
 
 
 @dataclasses.dataclass(frozen=True)
 class TableChunk:
     """One slot of each of a schedule table executor's buffers, for one sequence of the chunk's k layers, as
-    (shape, bytes, dot) entries without the leading [k] (`table_chunk`): the stash (the chunk's vjp closure's
+    `Entry`s without the leading [k] (`table_chunk`): the stash (the chunk's vjp closure's
     activations), the tape (its matmul groups' inputs) and dys (their output gradients)."""
 
     stash: tuple
@@ -374,7 +506,8 @@ def table_chunk(model: ModelConfig, seq: int, remat: str, k: int) -> TableChunk:
     """What the table executor holds a slot for one chunk of the model's first k layers and one sequence of `seq`
     tokens — read off the executor's own `executor.Chunk` (its MEASURE and RECORD traces), so a slot's contents
     follow the code: what autodiff of the tape-run chunk keeps (under `remat`), less the parameters, the zero probes
-    and the constants the executor takes again in B."""
+    and the constants the executor takes again in B. A tape or dys entry is tagged as the group input or output it
+    holds in the MEASURE trace."""
     cfg = dataclasses.replace(model, n_layers=k)
     graphdef, params = abstract_model(cfg)
     leaves, tree = jax.tree.flatten(params)
@@ -384,38 +517,45 @@ def table_chunk(model: ModelConfig, seq: int, remat: str, k: int) -> TableChunk:
         positions, mask = default_positions(*x.shape[:2]), attention_mask(seq, None)
 
         def chunk_fn(chunk, x, tape=None):
+            if tape is not None and tape.mode == MEASURE:
+                measured.append(tape)
             if tape is None or tape.mode != RECORD:
                 return run_layers(chunk, x, positions, mask, cfg, remat=remat, tape=tape)
             y, collected, stats = run_layers(chunk, x, positions, mask, cfg, remat=remat, tape=tape, stats=True)
             return y, (collected, stats)
 
+        measured = []
         chunk = executor.Chunk(chunk_fn, stacks, jax.tree.map(lambda a: a * 1, stacks), x, lambda w: w)
-        return chunk.stash_ref, chunk.tape_ref, chunk.dys_ref
+        # the slots, then the MEASURE trace's group inputs and outputs, which the tape and dys slots are shaped as
+        return (chunk.stash_ref, chunk.tape_ref, chunk.dys_ref,
+                jax.tree.leaves(measured[0].inputs), jax.tree.leaves(measured[0].outputs))
 
     x = jax.ShapeDtypeStruct((1, seq, model.d_model), jnp.float32)  # the residual stream
-    closed, (stash, tape, _) = jax.make_jaxpr(trace, return_shape=True)(leaves, x)
+    closed, (stash, tape, dys, _, _) = jax.make_jaxpr(trace, return_shape=True)(leaves, x)
     top = _Scope(closed.jaxpr, [True] * len(closed.jaxpr.invars))
+    n_stash, n_tape, n_dys = len(stash), len(tape), len(dys)
+    slots, groups = closed.jaxpr.outvars[:n_stash + n_tape + n_dys], closed.jaxpr.outvars[n_stash + n_tape + n_dys:]
+    tags = [None] * n_stash + [_tag(v, top, _buffer(v, top)) if isinstance(v, jax_core.Var) else None
+                               for v in groups]
     entries = []
-    for v in closed.jaxpr.outvars:
+    for v, tag in zip(slots, tags, strict=True):
         held = _buffer(v, top) if isinstance(v, jax_core.Var) else None
-        entries.append(_entry(v.aval, held is not None and _is_dot(*held), stacked=True))
-    n_stash, n_tape = len(stash), len(tape)
+        entries.append(_entry(v.aval, held is not None and _is_dot(*held), tag or _tag(v, top, held), stacked=True))
     return TableChunk(tuple(entries[:n_stash]), tuple(entries[n_stash:n_stash + n_tape]),
                       tuple(entries[n_stash + n_tape:]))
 
 
 def _scaled(entries, config: Config, s_local: int, routed: tuple[float, float] = (1.0, 1.0)) -> float:
-    """Bytes of residual entries once sequence and context parallelism act on them (see the docstring); `routed`
-    multiplies the experts' rows (2-D residuals of s·k routed assignments a sequence; `_routed_factor`: [hidden
-    widths, model width])."""
+    """Bytes of residual entries once sequence and context parallelism act on them (see the docstring), each by its
+    tag (`Entry.tag`); `routed` multiplies the experts' rows (2-D residuals of s·k routed assignments a sequence;
+    `_routed_factor`: [the rest, the experts' model-width rows (EXPERT_ROWS)])."""
     m, p = config.model, config.parallel
     t, c = p.tensor, p.context
     total = 0.0
-    for shape, nbytes, dot in entries:
+    for shape, nbytes, dot, tag in entries:
         size = math.prod(shape)
         if len(shape) == 2 and shape[0] == s_local * m.moe.top_k:  # an expert-side [rows·k, n] (MoE layers only)
-            nbytes *= routed[shape[-1] == m.d_model]
-        stream = 0 < len(shape) <= 3 and shape[-1] == m.d_model  # not a [.., s, s] score where s = h
+            nbytes *= routed[tag in EXPERT_ROWS]
         if p.sequence_parallel and t > 1 and dot and p.remat == "dots" and shape[0] == s_local:
             # Under `dots` the policy saves matmul outputs over the whole sequence, the row-parallel ones [s, h]
             # included: their partial sums before the reduce-scatter (`TensorParallel.row`; collective matmul's t
@@ -424,17 +564,16 @@ def _scaled(entries, config: Config, s_local: int, routed: tuple[float, float] =
             # custom VJP computes its chunks' matmuls in its forward (`overlap.gather_matmuls`); the plain SP entry
             # (`sequence.gather_matmuls`) calls a custom VJP inside its own, which hides its matmuls from the
             # policy, and its backward recomputes them from the re-gathered shard.
-            if shape[-1] != m.d_model and p.overlap != "collective_matmul":
+            if tag not in STREAM and p.overlap != "collective_matmul":
                 continue  # (a schedule table's chunk too: RECORD checkpoints each period under the policy)
-        elif p.sequence_parallel and stream and size % (s_local * m.d_model) == 0:
+        elif p.sequence_parallel and tag in STREAM and size % (s_local * m.d_model) == 0:
             nbytes /= t  # the residual stream between tensor regions: [rows, s/t, h]
         if c == 1 or p.context_impl == "ring":  # the ring keeps no [s/c, s] score row, only its own blocks
             pass
         elif len(shape) >= 4 and shape[-2:] == (s_local, s_local):  # [B, K, G, T, S] and the like
             nbytes *= c  # scores against the whole row's keys
-        elif len(shape) == 4 and shape[1] == s_local and shape[-2:] == (max(m.n_kv_heads // t, 1),
-                                                                                     m.head_dim):
-            nbytes *= c  # gathered keys or values
+        elif tag in ("k", "v") and len(shape) == 4 and shape[1] == s_local:
+            nbytes *= c  # gathered keys or values [rows, s, K, E]
         total += nbytes
     return total
 
@@ -444,26 +583,24 @@ def _ring_hoisted(config: Config, rows: int, s: int) -> float:
     `lax.cond` (`context_parallel._ring_forward`), whose residuals include the step's causal mask broadcast to the
     block's scores, [rows, K, G, T, T] as bool and as float32, beside a zero output [rows, T, K, G, E] and the
     running max and sum; they depend on the mask alone (the rank's positions, static), so XLA hoists them out of
-    the layer and accumulation loops, one set per ring step, whatever the depth (counted in llama_8b's step on 64
-    simulated devices: 4 × 2.8 GB at context 4)."""
+    the layer and accumulation loops, one set per ring step, whatever the depth."""
     m, t, c = config.model, config.parallel.tensor, config.parallel.context
     heads = m.n_heads // t  # K·G: the rank's query heads
     scores = rows * heads * s * s * (4 + 1)  # float32 and bool [rows, K, G, T, T], T = s (the rank's tokens)
     return c * (scores + rows * heads * s * (m.head_dim + 2) * 4 + s * s * 4)
 
 
-def _routed_factor(config: Config, backend: str) -> tuple[float, float]:
-    """How much larger an MoE layer's expert rows [rows·k, n] are than the trace's, for hidden widths n and for the
-    model width: expert parallelism pads each rank's exchange to the worst case, ep·min(k, X/ep) rows a token
-    instead of k (dropless); and XLA:CPU, which has no grouped matmul, lowers `ragged_dot` densely — every local
-    expert over all rows — and keeps the down projection's [X/ep, rows, h] for the backward (its buffer assignment
-    shows them), X/ep times the model-width rows. A GPU's grouped GEMM keeps the rows once."""
+def _routed_factor(config: Config, fix: Corrections) -> tuple[float, float]:
+    """How much larger an MoE layer's expert rows [rows·k, n] are than the trace's, (for the rest, for the experts'
+    model-width rows EXPERT_ROWS): expert parallelism pads each rank's exchange to the worst case, ep·min(k, X/ep)
+    rows a token instead of k (dropless); a dense `ragged_dot` (`fix.dense_experts`) keeps the model-width rows X/ep
+    times. A GPU's grouped GEMM keeps the rows once."""
     moe, ep = config.moe, config.parallel.expert
     if not moe.enabled:
         return 1.0, 1.0
     local = moe.n_experts // ep
     pad = ep * min(moe.top_k, local) / moe.top_k if not moe.capacity_factor else 1.0
-    return pad, pad * (local if backend == "cpu" else 1)
+    return pad, pad * (local if fix.dense_experts else 1)
 
 
 def _layers_loop(config: Config, n_layers: int, single: bool = False) -> bool:
@@ -486,35 +623,31 @@ def _stage_weights(config: Config) -> int:
     return sum(_shard_bytes(v, rules, degrees, 1) for v in stacked) // config.parallel.repeats
 
 
-def _dense_experts(config: Config, rows: int, s: int, routed: tuple[float, float]) -> tuple[float, float]:
-    """XLA:CPU's dense `ragged_dot` (every local expert over all of a microbatch's routed rows M = rows·s·k, padded
-    under expert parallelism): the float32 buffers a backward through one MoE layer's experts holds, counted in the
-    buffer assignments of moe_tiny's, mixtral_8x7b's and qwen2_moe_57b's steps — (input side, weight side):
-        7 × [X/ep, M, F/t]    gate, up, their product and their gradients (the input gradient's backward)
-        3.5 × [X/ep, M, h]    the down projection's weight gradient: its output gradient masked per expert, twice,
-                              and [M, X/ep·h] in float32 and bf16 (the executor's W, which derives weight gradients)"""
+def _dense_experts(config: Config, rows: int, s: int, routed: tuple[float, float], fix: Corrections
+                   ) -> tuple[float, float]:
+    """A dense `ragged_dot` (every local expert over all of a microbatch's routed rows M = rows·s·k, padded under
+    expert parallelism): the float32 buffers a backward through one MoE layer's experts holds, (input side, weight
+    side) = (`expert_hidden_buffers` × [X/ep, M, F/t], `expert_model_buffers` × [X/ep, M, h]) of `fix`."""
     m, p = config.model, config.parallel
     moe = m.moe
     experts_rows = (moe.n_experts // p.expert) * rows * s * moe.top_k * routed[0] * 4
-    return 7 * experts_rows * (moe.d_ff // p.tensor), 3.5 * experts_rows * m.d_model
+    return (fix.expert_hidden_buffers * experts_rows * (moe.d_ff // p.tensor),
+            fix.expert_model_buffers * experts_rows * m.d_model)
 
 
-def _table_branch(config: Config, local: ModelConfig, s: int, rows: int, kinds, routed, backend: str) -> float:
+def _table_branch(config: Config, local: ModelConfig, s: int, rows: int, kinds, routed, fix: Corrections) -> float:
     """What the running branch of a schedule table's tick holds beyond the switch's outputs (the working set): W
     replays each period of layers under a checkpoint that saves nothing, whatever the remat, and B recomputes what
-    the stash lacks — either holds one layer's activations as a plain backward would. On XLA:CPU, for MoE layers,
-    the dense expert buffers besides (`_dense_experts`: B the input side — under the tape the experts' group is one
-    SwiGLU whose hidden is not kept, so B runs its forward again beside its backward — W the weight side); where the
-    chunk's layers run as a loop of several trips, XLA:CPU stacks the loop body's temporaries on the branch's
-    (`jaxpar.analysis.heap`), which hold B's zero gradients for the chunk's matmul weights (a chunk's weights:
-    B derives none, but returns every gradient the switch does), and the two add; inlined (one trip) they share
-    the branch's heap. Measured: mixtral_8x7b's zb_h1 B on 128 simulated devices holds 14 [rows, F] float32
-    buffers in its layer loop; moe_tiny's zbv, one layer a chunk, the larger of the two."""
+    the stash lacks — either holds one layer's activations as a plain backward would. With `fix.dense_experts`, for
+    MoE layers, the dense expert buffers besides (`_dense_experts`: B the input side — under the tape the experts'
+    group is one SwiGLU whose hidden is not kept, so B runs its forward again beside its backward — W the weight
+    side); with `fix.stacked_temporaries`, where the chunk's layers run as a loop of several trips, the loop body's
+    temporaries sit on the branch's, which hold B's zero gradients for the chunk's matmul weights (a chunk's
+    weights: B derives none, but returns every gradient the switch does), and the two add; inlined (one trip) they
+    share the branch's heap."""
     layer = rows * max(_scaled(residuals(local, s, "none", k).layer, config, s, routed) for k in set(kinds))
-    if backend != "cpu":
-        return layer
-    looped = _layers_loop(config, len(kinds), single=True)  # kinds: the chunk's layers
-    inputs, weights = _dense_experts(config, rows, s, routed) if any(kinds) else (0.0, 0.0)
+    looped = fix.stacked_temporaries and _layers_loop(config, len(kinds), single=True)  # kinds: the chunk's layers
+    inputs, weights = _dense_experts(config, rows, s, routed, fix) if any(kinds) else (0.0, 0.0)
     join = (lambda a, b: a + b) if looped else max
     b_branch = join(layer, inputs) + (_stage_weights(config) if looped else 0)
     return max(b_branch, join(layer, weights))
@@ -526,9 +659,8 @@ def activation_bytes(config: Config, backend: str = "gpu") -> dict[str, float]:
     runs a layer at a time on top of what is saved (under remat, a loop's trip, a schedule table's B and W), and on
     'cpu' the dense MoE expert buffers of one layer."""
     m, p, t = config.model, config.parallel, config.train
-    if backend == "cpu" and m.dtype != "float32":
-        # XLA:CPU has no 16-bit float arithmetic: it computes bf16/f16 in float32 and keeps the activations so
-        # (llama_8b's saved [tokens, h] matmul outputs are f32 buffers in its step on 64 simulated devices).
+    fix = corrections(backend)
+    if fix.float32_activations and m.dtype != "float32":
         m = dataclasses.replace(m, dtype="float32")
     degrees = degrees_of(config)
     local = local_model(m, degrees)
@@ -536,7 +668,7 @@ def activation_bytes(config: Config, backend: str = "gpu") -> dict[str, float]:
     s = t.seq_len // p.context
     A = t.grad_accum
     h = m.d_model * jnp.dtype(m.dtype).itemsize  # bytes of one token of the residual stream
-    routed = _routed_factor(config, backend)
+    routed = _routed_factor(config, fix)
     loop = 0.0  # the pipeline loop's own buffers
     saved = None  # the activations kept for the backward (a table's slots: counted where the table is read)
     if p.pipe > 1:
@@ -574,19 +706,19 @@ def activation_bytes(config: Config, backend: str = "gpu") -> dict[str, float]:
             split = p.tensor if p.sequence_parallel else 1
             compute = jnp.dtype(config.model.dtype).itemsize
             tape_entries = table_chunk(local_model(config.model, degrees), s, p.remat, k).tape
-            tape = k * mb * sum(math.prod(shape) * compute / split if split > 1 and shape[-1] == m.d_model else nbytes
-                                for shape, nbytes, _ in tape_entries)
-            dys = k * mb * sum(nbytes / (split if shape[-1] == m.d_model else 1) for shape, nbytes, _ in chunk.dys)
+            tape = k * mb * sum(math.prod(e.shape) * compute / split if split > 1 and e.tag in STREAM else e.nbytes
+                                for e in tape_entries)
+            dys = k * mb * sum(e.nbytes / (split if e.tag in STREAM else 1) for e in chunk.dys)
             msg = mb * s * h / split  # the message: a chunk's output or its gradient, the stream
             saved = (prog.n_stash + 1) * stash + (prog.n_tape + 1) * tape
             weights = _stage_weights(config)
             rest = param_bytes(config) - p.repeats * weights  # the embedding, final norm and head
             loop += (prog.n_dys + 1) * dys + (prog.n_inbox + 1) * msg
             loop += stash + tape + dys + msg + weights + rest + (weights if p.repeats > 1 else 0)
-            if backend == "cpu" and A > 1:
-                # XLA:CPU stacks a computation's temporaries on its callees' (`jaxpar.analysis.heap`): the step's
-                # own after the accumulation loop — the summed gradients scaled, and reduced over `data` — sit
-                # above the loop's, which hold the executor's gradient sums: one more whole gradient.
+            if fix.stacked_temporaries and A > 1:
+                # The step's own temporaries after the accumulation loop — the summed gradients scaled, and
+                # reduced over `data` — sit above the loop's, which hold the executor's gradient sums: one more
+                # whole gradient.
                 loop += param_bytes(config, 1)
             # The last chunk's F runs the head and the loss on its microbatch: one microbatch's at a time, in the
             # F branch (beside B's and W's working sets, not on top: `_table_branch`).
@@ -629,21 +761,20 @@ def activation_bytes(config: Config, backend: str = "gpu") -> dict[str, float]:
 
     if p.pipe > 1 and p.schedule != "circular":
         # the running branch: F (the head and the loss on its microbatch, for the last chunk), B or W
-        none = max(_table_branch(config, local, s, layer_rows, kinds, routed, backend), outside)
+        none = max(_table_branch(config, local, s, layer_rows, kinds, routed, fix), outside)
         outside = 0.0
     else:
         none = 0.0 if p.remat == "none" and not trips else layer_rows * max(recomputed(k) for k in set(kinds))
-        if backend == "cpu" and any(kinds):
-            # XLA:CPU's dense `ragged_dot`: one MoE layer's backward holds ~7 [X/ep, rows·k, F/t] float32 buffers at
-            # once (gate, up, their product and gradients; counted in the buffer assignment of moe_tiny's step) —
-            # the backward's working set where it is larger than the layer's activations (which it reuses).
-            none = max(none, _dense_experts(config, layer_rows, s, routed)[0])
+        if fix.dense_experts and any(kinds):
+            # A dense `ragged_dot`'s input side: the backward's working set where it is larger than the layer's
+            # activations (which it reuses).
+            none = max(none, _dense_experts(config, layer_rows, s, routed, fix)[0])
     return {"layers": saved, "outside": outside, "loop": loop, "working_set": none}
 
 
 def predict_memory(config: Config, backend: str = "gpu") -> Memory:
     """The step's memory per device for `config` resolved for its devices (`Config.resolve_for_devices`), compiled
-    for `backend` ('gpu', or 'cpu': XLA:CPU's dense lowering of the MoE grouped matmuls, `_routed_factor`)."""
+    for `backend` (a `jax.Device.platform`: its `Corrections`, none but on 'cpu')."""
     state = state_bytes(config)
     act = activation_bytes(config, backend)
     return Memory(params=state["params"], optimizer=state["optimizer"], batch=state["batch"],
