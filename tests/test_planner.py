@@ -27,9 +27,11 @@ def _shard_bytes(tree) -> int:
     ("configs/tiny.py", ["parallel.zero=3"]),  # data 2 × pipe 2 × tensor 2, stacks stage-major
     ("configs/tiny.py", FLAT + ["parallel.tensor=4", "parallel.sequence_parallel=true"]),  # kv heads replicated
     ("configs/moe_tiny.py", FLAT + ["parallel.expert=2", "parallel.tensor=2", "parallel.zero=1"]),
-], ids=["zero1-accum", "zero3-pipe-tensor", "gqa-replicated-kv", "moe-expert-tensor"])
+    ("configs/moe_tiny.py", ["parallel.expert=2", "parallel.tensor=1", "parallel.zero=3", "moe.load_ema=0.9"]),
+], ids=["zero1-accum", "zero3-pipe-tensor", "gqa-replicated-kv", "moe-expert-tensor", "buffer-zero3-pipe"])
 def test_state_bytes_are_the_sums_of_the_real_shards(path, overrides):
-    """params, optimizer and batch bytes per device equal the abstract TrainState's shards (nothing compiled)."""
+    """params, optimizer and batch bytes per device equal the abstract TrainState's shards (nothing compiled) — a
+    model's buffers (expert_load) among the params, without moments."""
     config = load_config(path, overrides).resolve_for_devices(8)
     _, state, batch = abstract_step(config)
     predicted = state_bytes(config)

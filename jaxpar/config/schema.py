@@ -366,7 +366,7 @@ class ParallelConfig:
                               "set parallel.sequence_parallel=true (with parallel.tensor > 1), or "
                               "parallel.overlap=none")
         if self.overlap == "collective_matmul" and self.pipe > 1 and self.schedule != "circular":
-            # As the ring's: a ring step inside one stage's branch waits for stages on other actions (XLA:CPU).
+            # As the ring's below: a ring step inside one stage's branch waits for stages on other actions.
             raise ConfigError("parallel.overlap", self.overlap, f"its collective-permutes would run inside the "
                               f"per-stage branches of the '{self.schedule}' schedule, where XLA waits for every "
                               "device of the mesh (stages on other actions never arrive)",
@@ -376,6 +376,8 @@ class ParallelConfig:
         if self.context > 1 and self.context_impl == "ring" and self.pipe > 1 and self.schedule != "circular":
             # The executor runs each stage's action in its own switch branch; XLA:CPU's collective-permute waits
             # for every device of the mesh, so a ring step in one stage's branch waits for stages that never come.
+            # Refused on every backend, not only in the plan for CPUs: XLA:GPU also rendezvouses every
+            # participant of a collective-permute, and no GPU run has shown the branch safe there.
             raise ConfigError("parallel.context_impl", "ring", f"ring attention's collective-permutes would run "
                               f"inside the per-stage branches of the '{self.schedule}' schedule, where XLA waits "
                               "for every device of the mesh (stages on other actions never arrive)",

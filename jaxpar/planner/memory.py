@@ -70,7 +70,8 @@ from flax import nnx
 from jax._src import core as jax_core  # Var, Literal: the jaxpr the residuals are read from
 
 from jaxpar.config import Config, ModelConfig
-from jaxpar.model import KVCache, abstract_model, attention_mask, default_positions, layer_groups, run_layers
+from jaxpar.model import (KVCache, abstract_model, attention_mask, default_positions, layer_groups, run_layers,
+                          trainable)
 from jaxpar.parallel import executor, pipeline
 from jaxpar.parallel.axes import AXES, BATCH_AXES, DATA, TENSOR
 from jaxpar.plan import padded_vocab, plan_rules
@@ -156,10 +157,11 @@ def _shard_bytes(v: nnx.Variable, rules, degrees: dict[str, int], zero_data: int
     return n * jnp.dtype(v.dtype).itemsize
 
 
-def param_bytes(config: Config, zero_data: int = 1) -> int:
-    """Bytes of one device's shards of every parameter, each array also split over `data` when zero_data > 1 (ZeRO)
-    and its dims allow (`sharding.zero_spec`)."""
-    return _param_shards(config.model, tuple(degrees_of(config).items()), zero_data)
+def param_bytes(config: Config, zero_data: int = 1, weights_only: bool = False) -> int:
+    """Bytes of one device's shards of the model state — every parameter and buffer (`model.Buffer`; the weights
+    alone with `weights_only`: what Adam keeps moments of) — each array also split over `data` when zero_data > 1
+    (ZeRO) and its dims allow (`sharding.zero_spec`)."""
+    return _param_shards(config.model, tuple(degrees_of(config).items()), zero_data, weights_only)
 
 
 def state_floor(config: Config, devices: int) -> float:
@@ -174,7 +176,7 @@ def state_bytes(config: Config) -> dict[str, int]:
     """params, optimizer, gradients and batch bytes per device: exact sums over the shards (see the docstring)."""
     p, degrees = config.parallel, degrees_of(config)
     param = param_bytes(config, p.data if p.zero >= 3 else 1)
-    moments = param_bytes(config, p.data if p.zero >= 1 else 1)
+    moments = param_bytes(config, p.data if p.zero >= 1 else 1, weights_only=True)  # no moments of a buffer
     rows = config.train.batch_size // math.prod(degrees[a] for a in BATCH_AXES)
     # The step's gradients are whole over `data` until its end (ZeRO-3's reduce-scatter comes after the last
     # chunk: `train.step._mean`), and ZeRO-3 gathers every parameter whole for the step (`gather_zero`): one more
@@ -186,18 +188,19 @@ def state_bytes(config: Config) -> dict[str, int]:
 
 
 @functools.lru_cache(maxsize=64)
-def _variables(model: ModelConfig, vocab: int) -> tuple[nnx.Variable, ...]:
+def _variables(model: ModelConfig, vocab: int, weights_only: bool = False) -> tuple[nnx.Variable, ...]:
     _, params = abstract_model(model, vocab)
+    params = trainable(params) if weights_only else params
     return tuple(jax.tree.leaves(params, is_leaf=lambda x: isinstance(x, nnx.Variable)))
 
 
 @functools.lru_cache(maxsize=4096)
-def _param_shards(model: ModelConfig, degrees: tuple, zero_data: int) -> int:
-    """Bytes of one device's shards of every parameter."""
+def _param_shards(model: ModelConfig, degrees: tuple, zero_data: int, weights_only: bool = False) -> int:
+    """Bytes of one device's shards of the model state (of its weights alone with `weights_only`)."""
     degrees = dict(degrees)
     rules = plan_rules(model, degrees)
     return sum(_shard_bytes(v, rules, degrees, zero_data)
-               for v in _variables(model, padded_vocab(model, degrees[TENSOR])))
+               for v in _variables(model, padded_vocab(model, degrees[TENSOR]), weights_only))
 
 
 def kv_cache_bytes(model: ModelConfig, batch: int, slots: int, data: int = 1, tensor: int = 1) -> int:
