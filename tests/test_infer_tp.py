@@ -108,7 +108,7 @@ def test_kv_cache_bytes_are_the_decode_steps_arrays(family):
     """The planner's inference memory (`memory.inference_bytes`) equals, byte for byte, what one compiled decode step
     holds per device: its cache shards at (data, tensor) = (1, 1), (2, 2) and (2, 4) — at tensor 4 llama's 2 kv heads
     do not split, so each rank keeps one — and the parameter shards, which with the cache are the step's arguments
-    but for the token, row offsets, end and key (int32 [B/data] ×2, a scalar, a key: at most 60 bytes here)."""
+    but for the token, the rows' lengths and the key (int32 [B/data] ×2, a key: within the 60 bytes allowed here)."""
     from jaxpar.analysis.hlo import memory as compiled_memory
     from jaxpar.planner.memory import inference_bytes
 
