@@ -16,10 +16,10 @@ tensor-parallel shard_map with the vocab-parallel sampler, `decode.generate(...,
    the same weights, so they differ only where float rounding flips a near-tie).
 2. Per token against the context c: one jitted cached step (`model.decode` of one token per row with c − 1 slots
    already filled, so it attends over c keys, its own included) over a cache of max(c) slots (KV: one executable
-   for every c, `end` is traced) and over a cache of exactly c slots (KV fit: what `decode.generate` allocates when
-   P + N = c); and one cache-free step (the full forward over c tokens: what producing token c + 1 costs without a
-   cache). The fastest of a few calls in ms (each step emits one token per row), the ratio no-cache / KV, and each
-   step's matmul MFLOP per device counted from the compiled HLO (`dot_flops`).
+   for every c, the positions are traced) and over a cache of exactly c slots (KV fit: what `decode.generate`
+   allocates when P + N = c); and one cache-free step (the full forward over c tokens: what producing token c + 1
+   costs without a cache). The fastest of a few calls in ms (each step emits one token per row), the ratio
+   no-cache / KV, and each step's matmul MFLOP per device counted from the compiled HLO (`dot_flops`).
 
 3. Weight formats: the same weights in fp32, bf16 (compute and parameters), and bf16 compute with the layers'
    matrices stored int8 (a scale per output channel) or int4 (a scale per group of g inputs, g the largest of 128,
@@ -85,7 +85,7 @@ class Sizes:
 
     model: ModelConfig
     batch: int  # B prompts
-    prompt: int  # P tokens each (a multiple of 8: left_pad adds no padding, both paths see the same tokens)
+    prompt: int  # P tokens each (a multiple of 8: right_pad adds no padding, both paths see the same tokens)
     new_tokens: int  # N generated per prompt
     contexts: tuple[int, ...]  # c of the per-step sweep; the cache buffer has max(contexts) slots
     repeats: int  # timed end-to-end runs (after one warm-up run that compiles)
@@ -134,16 +134,18 @@ def make_forward(graphdef: nnx.GraphDef) -> Callable:
 
 
 def make_cached_step(graphdef: nnx.GraphDef) -> Callable:
-    """jit(params, tok [B], k, v, start [B], end []) → (logits [B, V], k, v): one KV-cache decode step.
+    """jit(params, tok [B], k, v, positions [B]) → (logits [B, V], k, v): one KV-cache decode step
+    (`decode.decode_step`).
 
-    k and v [L, B, S, K, E] are donated, so the one-slot `dynamic_update_slice` writes in place as it does inside
-    decode's `while_loop`; without donation every call would also copy the whole cache (2·L·B·S·K·E floats), a cost
-    that grows with S and that real decoding does not pay. `end` is traced: one compilation serves every context.
+    k and v [L, B, S, K, E] are donated, so the one-slot-a-row write is in place as it is inside decode's
+    `while_loop`; without donation every call would also copy the whole cache (2·L·B·S·K·E floats), a cost that
+    grows with S and that real decoding does not pay. `positions` is traced: one compilation serves every context.
     """
 
     @functools.partial(jax.jit, donate_argnums=(2, 3))
-    def step(params, tok, k, v, start, end):
-        logits, cache = nnx.merge(graphdef, params).decode(tok[:, None], KVCache(k, v, start, end))
+    def step(params, tok, k, v, positions):
+        logits, cache = decode.decode_step(nnx.merge(graphdef, params), tok[:, None], positions,
+                                           KVCache(k, v, positions))
         return logits[:, 0], constrain(cache.k, CACHE_AXES), constrain(cache.v, CACHE_AXES)
 
     return step
@@ -180,22 +182,19 @@ class CachedStep:
     def __init__(self, step: Callable, params: nnx.State, cfg: ModelConfig, batch: int, slots: int, mesh):
         replicated = NamedSharding(mesh, P())
         # The cache laid out as decode lays it out (kv heads over tensor); its contents do not change the cost.
-        empty = jax.jit(lambda: constrain(KVCache.empty(cfg, batch, slots, jnp.zeros((batch,), jnp.int32)).k,
-                                          CACHE_AXES))
+        empty = jax.jit(lambda: constrain(KVCache.empty(cfg, batch, slots).k, CACHE_AXES))
         self.params, self.k, self.v = params, empty(), empty()
         self.tok = jax.device_put(np.zeros((batch,), np.int32), replicated)
-        self.start = jax.device_put(np.zeros((batch,), np.int32), replicated)
-        self.replicated = replicated
-        self.compiled = step.lower(params, self.tok, self.k, self.v, self.start,
-                                   jax.device_put(np.int32(0), replicated)).compile()
+        self.replicated, self.batch = replicated, batch
+        self.compiled = step.lower(params, self.tok, self.k, self.v, self.tok).compile()
         self.flops = dot_flops(self.compiled)
 
     def seconds(self, context: int, repeats: int) -> float:
         """Fastest of `repeats` calls of the step that writes slot context − 1, so attends over `context` keys."""
-        end = jax.device_put(np.int32(context - 1), self.replicated)
+        positions = jax.device_put(np.full((self.batch,), context - 1, np.int32), self.replicated)
 
         def call() -> jax.Array:
-            logits, self.k, self.v = self.compiled(self.params, self.tok, self.k, self.v, self.start, end)
+            logits, self.k, self.v = self.compiled(self.params, self.tok, self.k, self.v, positions)
             return logits
 
         return seconds(call, repeats, min)
@@ -208,7 +207,7 @@ def per_step(sizes: Sizes, mesh, graphdef, params, rng: np.random.Generator) -> 
     rows = []
     with jax.set_mesh(mesh):
         step, forward = make_cached_step(graphdef), make_forward(graphdef)
-        # One executable for every c (`end` is traced): its FLOPs cannot depend on c.
+        # One executable for every c (the positions are traced): its FLOPs cannot depend on c.
         fixed = CachedStep(step, params, cfg, B, max(sizes.contexts), mesh)
         for c in sizes.contexts:
             # The same step over a buffer of exactly c slots (what decode.generate allocates for P + N = c): the

@@ -32,6 +32,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
@@ -275,10 +276,17 @@ def stats_total(stats: dict[str, Array]) -> dict[str, Array]:
 
 
 def run_layers(stacks: Stacks, x: Array, positions: Array, mask: Array | None, cfg: ModelConfig, *,
-               remat: str = "none", par: Parallel = SINGLE_DEVICE, tape: Tape | None = None, stats: bool = False):
+               remat: str = "none", par: Parallel = SINGLE_DEVICE, tape: Tape | None = None, stats: bool = False,
+               cache: tuple[Array, Array] | None = None):
     """Apply the layers of `stacks` in model order; `remat` checkpoints each layer. → x, or (x, the MoE layers'
     statistics, one row per MoE layer in model order: each leaf [L_moe, …]) with `stats` (an empty dict when no
     layer is an MoE layer; see `moe`; `stats_total` sums them).
+
+    cache (decoding: every layer of the model): (k, v) [L, B, S, K, E]. Model layer l writes the keys and values of
+    row b's T new tokens into slots positions[b, 0] … positions[b, 0]+T-1 of k[l], v[l] and attends over all S
+    slots under `mask`; the written (k, v) follow x in the result. The cache rides in the scan's carry and each layer
+    writes only its new slots (`write_rows`, in place): scanning it as inputs/outputs instead would copy every
+    layer's whole cache out and back in on every decode step.
 
     stacks: {stack name: {param: [n_s, …]}} — every layer of the model (`Transformer.stacks`), or a pipeline chunk's
     share, whose dense / MoE pattern is the model's first Σ n_s layers' (the config checks that every chunk has the
@@ -309,22 +317,42 @@ def run_layers(stacks: Stacks, x: Array, positions: Array, mask: Array | None, c
     if {name: pattern.count(name) for name in sizes} != sizes:
         raise ValueError(f"stacks of {sizes} layers are not the first {len(pattern)} layers of the model "
                          f"({dict(zip(*np.unique(pattern, return_counts=True)))} of each kind)")
+    if cache is not None and tape is not None:
+        raise ValueError("a KV cache is for decoding, which runs no pipeline tape")
     groups = layer_groups(pattern, single=tape is not None)
     per_layer_remat = remat != "none" and tape is None
 
-    def run_period(period, layers, x, par, take, one_trip=False):
-        """The period's layers in order → (x, their MoE layers' statistics stacked [m, …]). layers: {stack: {param: [per, …]}}; the
-        j-th layer of a stack in the period is take(stack, its array, j). one_trip: the scan runs a single
-        iteration, which XLA inlines — then the backward's recomputation sits beside the forward it repeats, and
-        without CSE barriers XLA merges the two and keeps every activation alive (remat would do nothing)."""
-        one_layer = lambda layer, x: block(layer, x, positions, mask, cfg, par)  # noqa: E731
+    def layer_step(layer, carry, at):
+        """One layer on the carry: x, or (x, (k, v)) with the cache, of which it reads and writes model layer `at`."""
+        if cache is None:
+            x, _, layer_stats = block(layer, carry, positions, mask, cfg, par)
+            return x, layer_stats
+        x, (k, v) = carry
+        start = positions[:, 0]  # [B]: each row's first new slot (positions hold every new token: [B, T])
+
+        def store(k_new, v_new):  # the new tokens' [B, T, K, E] → (the cache with them, layer `at`'s [B, S, K, E])
+            k_all, v_all = write_rows(k, k_new, start, at), write_rows(v, v_new, start, at)
+            # Read back after the write: the next layer's write then depends on this read, so XLA can update the
+            # carried cache in place (a read the write does not wait for would make it copy the whole cache first).
+            return (k_all, v_all), (k_all[at], v_all[at])
+
+        x, written, layer_stats = block(layer, x, positions, mask, cfg, par, kv_cache=store)
+        return (x, written), layer_stats
+
+    def run_period(period, layers, carry, par, take, one_trip=False, first=None):
+        """The period's layers in order → (carry, their MoE layers' statistics stacked [m, …]). layers: {stack:
+        {param: [per, …]}}; the j-th layer of a stack in the period is take(stack, its array, j); `first`: the
+        period's first model layer (traced; with the cache). one_trip: the scan runs a single iteration, which XLA
+        inlines — then the backward's recomputation sits beside the forward it repeats, and without CSE barriers
+        XLA merges the two and keeps every activation alive (remat would do nothing)."""
+        one_layer = layer_step
         if per_layer_remat:
             one_layer = jax.checkpoint(one_layer, policy=REMAT_POLICIES[remat], prevent_cse=one_trip)
         per_layer = []
-        for layer in _period_layers(period, layers, take):
-            x, _, layer_stats = one_layer(layer, x)
+        for j, layer in enumerate(_period_layers(period, layers, take)):
+            carry, layer_stats = one_layer(layer, carry, None if first is None else first + j)
             per_layer.append(layer_stats)
-        return x, _stack_stats(per_layer)
+        return carry, _stack_stats(per_layer)
 
     if tape is not None and tape.mode == MEASURE:
         ((period, count),) = groups
@@ -332,14 +360,17 @@ def run_layers(stacks: Stacks, x: Array, positions: Array, mask: Array | None, c
         return run_period(period, stacks, x, par.with_tape(tape), take=lambda _, a, j: tape.derive(a[j], a))[0]
 
     groups_stats, collected = [], None
-    for period, count, _, xs in _group_inputs(stacks, groups):
+    carry = x if cache is None else (x, cache)
+    for period, count, first, xs in _group_inputs(stacks, groups):
         whole = _whole_layers(period)
 
         unroll = max(1, min(cfg.scan_unroll // len(period), count))
 
-        def body(x, layers, period=period, take=whole, one_trip=unroll == count):
-            x, period_stats = run_period(period, layers, x, par, take, one_trip)
-            return x, period_stats if stats else None
+        def body(carry, xs, period=period, take=whole, first=first, one_trip=unroll == count):
+            layers, i = xs if cache is not None else (xs, None)  # the cache's layers: the group's period i's
+            at = None if i is None else first + i * len(period)
+            carry, period_stats = run_period(period, layers, carry, par, take, one_trip, at)
+            return carry, period_stats if stats else None
 
         def tapped(x, xs, period=period, take=whole):
             layers, feed = xs
@@ -347,51 +378,45 @@ def run_layers(stacks: Stacks, x: Array, positions: Array, mask: Array | None, c
             y, period_stats = run_period(period, layers, x, par.with_tape(t), take)
             return y, (t.inputs if tape.mode == RECORD else t.outputs, period_stats if stats else None)
 
+        step = body
+        if cache is not None:
+            xs = (xs, jnp.arange(count))
         if tape is not None:
-            body, xs = tapped, (xs, tape.feed)
+            step, xs = tapped, (xs, tape.feed)
             policy = "full" if tape.mode == REPLAY else remat  # REPLAY saves nothing, whatever `remat` (see above)
             if policy != "none":
-                body = jax.checkpoint(body, policy=REMAT_POLICIES[policy], prevent_cse=unroll == count)
-        x, out = jax.lax.scan(body, x, xs, unroll=unroll)
+                step = jax.checkpoint(step, policy=REMAT_POLICIES[policy], prevent_cse=unroll == count)
+        carry, out = jax.lax.scan(step, carry, xs, unroll=unroll)
         if tape is not None:
             collected, out = out
         # Per-period statistics come out stacked [count, m, …] (no carry to type under check_vma): the group's MoE
         # layers in model order, [count·m, …].
         groups_stats.append(jax.tree.map(lambda a: a.reshape(-1, *a.shape[2:]), out) if out else {})
     layer_stats = _stack_stats(groups_stats, axis_sizes=True)
+    if cache is not None:
+        x, cache = carry
+        return (x, cache, layer_stats) if stats else (x, cache)
+    x = carry
     if tape is None:
         return (x, layer_stats) if stats else x
     return (x, collected, layer_stats) if stats else (x, collected)
 
 
-def run_layers_cached(stacks: Stacks, x: Array, positions: Array, mask: Array, cfg: ModelConfig,
-                      k_cache: Array, v_cache: Array, slot: Array, par: Parallel = SINGLE_DEVICE
-                      ) -> tuple[Array, Array, Array]:
-    """`run_layers` for decoding: model layer l also writes its new keys/values into k_cache[l], v_cache[l]
-    [L, B, S, K, E] at slots slot … slot+T-1 and attends over the whole cache. Returns (x, k_cache, v_cache).
+def write_rows(cache: Array, new: Array, start: Array, layer: Array | int) -> Array:
+    """cache [L, B, S, …] with row b's new [B, T, …] written into slots start[b] … start[b]+T-1 of model layer
+    `layer`: rows at different positions, one scatter that XLA runs in place on a carried buffer. Slots past S are
+    dropped (a row's block must fit: start[b] + T ≤ S).
 
-    The caches ride in the scan's carry and each layer writes only its T new slots into them (an in-place
-    `dynamic_update_slice`): scanning them as inputs/outputs instead would copy every layer's whole cache out and
-    back in on every decode step.
-    """
-    T = positions.shape[1]  # new tokens a row (x holds T/t of them under sequence parallelism)
-    for period, count, first, xs in _group_inputs(stacks, layer_groups(cfg.layer_pattern)):
-
-        def body(carry, xs, period=period, first=first):
-            x, k_all, v_all = carry
-            layers, i = xs
-            for j, layer in enumerate(_period_layers(period, layers, _whole_layers(period))):
-                l = first + i * len(period) + j  # noqa: E741 — the model layer
-                k, v = k_all[l], v_all[l]  # [B, S, K, E]: this layer's cache, read by its attention
-                x, (k, v), _ = block(layer, x, positions, mask, cfg, par, kv_cache=(k, v, slot))
-                new_k = jax.lax.dynamic_slice_in_dim(k, slot, T, axis=1)[None]  # [1, B, T, K, E]: just the new slots
-                new_v = jax.lax.dynamic_slice_in_dim(v, slot, T, axis=1)[None]
-                k_all = jax.lax.dynamic_update_slice(k_all, new_k, (l, 0, slot, 0, 0))
-                v_all = jax.lax.dynamic_update_slice(v_all, new_v, (l, 0, slot, 0, 0))
-            return (x, k_all, v_all), None
-
-        (x, k_cache, v_cache), _ = jax.lax.scan(body, (x, k_cache, v_cache), (xs, jnp.arange(count)))
-    return x, k_cache, v_cache
+    The rows are the scatter's batching dimension (operand and indices alike), so each row's index is just its
+    (layer, slot) and the partitioner keeps a batch split over devices as it is; `vmap` of a dynamic_update_slice
+    gives the same scatter with the batch moved to the front, which transposes the whole cache around it."""
+    slots = start[:, None] + jnp.arange(new.shape[1], dtype=jnp.int32)  # [B, T]
+    index = jnp.stack([jnp.broadcast_to(layer, slots.shape).astype(jnp.int32), slots], -1)  # [B, T, 2]: (l, slot)
+    dims = jax.lax.ScatterDimensionNumbers(update_window_dims=tuple(range(2, new.ndim)), inserted_window_dims=(0, 2),
+                                           scatter_dims_to_operand_dims=(0, 2), operand_batching_dims=(1,),
+                                           scatter_indices_batching_dims=(0,))
+    return jax.lax.scatter(cache, index, new.astype(cache.dtype), dims, indices_are_sorted=True, unique_indices=True,
+                           mode=jax.lax.GatherScatterMode.FILL_OR_DROP)
 
 
 @jax.tree_util.register_dataclass
@@ -399,17 +424,16 @@ def run_layers_cached(stacks: Stacks, x: Array, positions: Array, mask: Array, c
 class KVCache:
     """Keys and values of every layer for B rows of up to S slots (the decoding state).
 
-    k, v  [L, B, S, K, E] in the compute dtype, keys after RoPE;
-    start [B] int32: the first slot of each row holding a real token — prompts are *left*-padded, so every row writes
-          its next token to the same slot and one `dynamic_update_slice` serves the batch;
-    end   int32 scalar: slots filled so far; the next token goes to slot `end`.
-    Slot i of row b holds the token at position i - start[b]; slots before start[b] are padding, never attended to.
+    k, v     [L, B, S, K, E] in the compute dtype, keys after RoPE: slot i of row b holds its token at position i;
+    lengths  [B] int32: the tokens each row holds, in slots 0 … lengths[b]-1. Rows need not be equally long: a step
+             writes each row's new tokens at its own position (`write_rows`), and a query attends only to its row's
+             slots up to its own position, so the slots past a row's length (a shorter prompt's padding, a previous
+             longer sequence) are never read before a later token overwrites them.
     """
 
     k: Array
     v: Array
-    start: Array
-    end: Array
+    lengths: Array
 
     @staticmethod
     def heads_per_rank(cfg: ModelConfig, tensor: int) -> int:
@@ -418,12 +442,12 @@ class KVCache:
         return cfg.n_kv_heads // tensor if cfg.n_kv_heads % tensor == 0 else 1
 
     @classmethod
-    def empty(cls, cfg: ModelConfig, batch: int, slots: int, start: Array, kv_heads: int | None = None) -> "KVCache":
-        """Zeros for `batch` rows of `slots` slots; kv_heads: the heads this device keeps (a tensor-parallel rank's
-        share, `Parallel.kv_heads`; default all of them)."""
+    def empty(cls, cfg: ModelConfig, batch: int, slots: int, kv_heads: int | None = None) -> "KVCache":
+        """Zeros for `batch` empty rows of `slots` slots; kv_heads: the heads this device keeps (a tensor-parallel
+        rank's share, `Parallel.kv_heads`; default all of them)."""
         shape = (cfg.n_layers, batch, slots, kv_heads or cfg.n_kv_heads, cfg.head_dim)
         zeros = jnp.zeros(shape, cfg.dtype)
-        return cls(zeros, zeros, jnp.asarray(start, jnp.int32), jnp.zeros((), jnp.int32))
+        return cls(zeros, zeros, jnp.zeros((batch,), jnp.int32))
 
 
 class Transformer(nnx.Module):
@@ -468,27 +492,32 @@ class Transformer(nnx.Module):
         x, layer_stats = run_layers(self.stacks(), x, positions, mask, self.cfg, remat=remat, par=par, stats=True)
         return (self.logits(x, par), layer_stats) if stats else self.logits(x, par)
 
-    def decode(self, tokens: Array, cache: KVCache, par: Parallel = SINGLE_DEVICE) -> tuple[Array, KVCache]:
-        """Run the next T tokens of every row (prefill: the left-padded prompts; decode: T = 1) against `cache`.
+    def decode(self, tokens: Array, cache: KVCache, par: Parallel = SINGLE_DEVICE, *, positions: Array | None = None,
+               counts: Array | None = None) -> tuple[Array, KVCache]:
+        """Run the next T tokens of every row against `cache` (prefill: the right-padded prompts; decode: T = 1).
 
-        tokens int [B, T] go to slots end … end+T-1. Returns float32 logits [B, T, V] (V_local: this rank's vocab
-        shard under tensor parallelism, `par`, whose cache holds its local kv heads) and the cache with their keys
-        and values written. Each step's matmuls cost O(T), independent of how full the cache is; attention reads the
-        whole cache, masked to the row's real, earlier slots (and the sliding window).
+        Row b's tokens int [B, T] sit at positions[b] … positions[b]+T-1 (default `cache.lengths`: after what the
+        row holds) and go to those slots; each attends to its row's slots at or before its own position (within
+        the sliding window), so rows at different positions share the step. counts [B]: the real tokens among a
+        row's T (a right-padded prompt; default T) — the row's length becomes positions + counts, and its padding's
+        slots are overwritten by the tokens that follow. Needs positions[b] + T ≤ S.
+
+        Returns float32 logits [B, T, V] (V_local: this rank's vocab shard under tensor parallelism, `par`, whose
+        cache holds its local kv heads) and the cache with the new keys and values written. Each step's matmuls
+        cost O(T), independent of how full the cache is; attention reads the whole cache, masked.
         """
-        B, T = tokens.shape
-        S = cache.k.shape[2]
-        slots = cache.end + jnp.arange(T, dtype=jnp.int32)  # [T]
-        positions = jnp.maximum(slots[None, :] - cache.start[:, None], 0)  # [B, T]; padding clamps to position 0
-        q, k = slots[None, :, None], jnp.arange(S, dtype=jnp.int32)[None, None, :]  # query / key slots
-        mask = (k <= q) & (k >= cache.start[:, None, None])  # [B, T, S]
+        T, S = tokens.shape[1], cache.k.shape[2]
+        start = cache.lengths if positions is None else jnp.asarray(positions, jnp.int32)  # [B]
+        pos = start[:, None] + jnp.arange(T, dtype=jnp.int32)  # [B, T]: the new tokens' positions, and slots
+        q, k = pos[:, :, None], jnp.arange(S, dtype=jnp.int32)[None, None, :]  # query / key positions
+        mask = k <= q  # [B, T, S]: earlier tokens of the row and itself; later slots are stale or padding
         if self.cfg.sliding_window:
             mask &= q - k < self.cfg.sliding_window
-        mask |= k == q  # a padding query attends to itself: no all-masked softmax rows (their output is unused)
-        x = self.embed_tokens(tokens, positions, par)
-        x, k_cache, v_cache = run_layers_cached(self.stacks(), x, positions, mask[:, None], self.cfg, cache.k,
-                                                cache.v, cache.end, par)
-        return self.logits(x, par), KVCache(k_cache, v_cache, cache.start, cache.end + T)
+        x = self.embed_tokens(tokens, pos, par)
+        x, (k_cache, v_cache) = run_layers(self.stacks(), x, pos, mask[:, None], self.cfg, par=par,
+                                           cache=(cache.k, cache.v))
+        lengths = start + (T if counts is None else jnp.asarray(counts, jnp.int32))
+        return self.logits(x, par), KVCache(k_cache, v_cache, lengths)
 
     def stacks(self) -> Stacks:
         """The layer stacks' parameters by stack name (`ModelConfig.layer_stacks`), each [n, …]."""
@@ -524,13 +553,12 @@ def _maybe(fn, x):
 
 
 def block(p: dict[str, Array], x: Array, positions: Array, mask: Array | None, cfg: ModelConfig,
-          par: Parallel = SINGLE_DEVICE, kv_cache: tuple[Array, Array, Array] | None = None
-          ) -> tuple[Array, tuple[Array, Array] | None, dict[str, Array]]:
+          par: Parallel = SINGLE_DEVICE, kv_cache: Callable | None = None) -> tuple[Array, object, dict[str, Array]]:
     """One pre-norm transformer block. p holds one layer's parameters (no leading L); x [B, T, D] float32
     ([B, T/t, D] under sequence parallelism: norms and residual adds run on sequence shards).
 
-    kv_cache: this layer's (k [B, S, K, E], v, slot) when decoding. Returns (x, updated (k, v) or None, the MoE
-    layer's statistics (`moe`; {} for a dense MLP))."""
+    kv_cache: the cache's store when decoding (`attention`). Returns (x, what the store returned as the cache, or
+    None; the MoE layer's statistics (`moe`; {} for a dense MLP))."""
     h = checkpoint_name(norm(x, par.replicated(p["attn_norm"]), _maybe(par.replicated, p.get("attn_norm_b")), cfg),
                         "attn_in")
     a, kv = attention(p, h, positions, mask, cfg, par, kv_cache)
@@ -554,14 +582,14 @@ def norm(x: Array, scale: Array, bias: Array | None, cfg: ModelConfig) -> Array:
 
 
 def attention(p: dict[str, Array], h: Array, positions: Array, mask: Array | None, cfg: ModelConfig,
-              par: Parallel = SINGLE_DEVICE, kv_cache: tuple[Array, Array, Array] | None = None
-              ) -> tuple[Array, tuple[Array, Array] | None]:
-    """Causal self-attention with GQA. h [B, T, D] (compute dtype) → ([B, T, D] float32, updated cache or None).
+              par: Parallel = SINGLE_DEVICE, kv_cache: Callable | None = None) -> tuple[Array, object]:
+    """Causal self-attention with GQA. h [B, T, D] (compute dtype) → ([B, T, D] float32, the cache or None).
 
     Query head n belongs to kv group n // G (Hugging Face's `repeat_kv` order), so a contiguous slice of query heads
     and the matching slice of kv heads form a self-contained tensor-parallel shard. QKV is column-parallel (local
-    heads), the output projection row-parallel. With `kv_cache` (k, v [B, S, K, E], slot) the new keys and values
-    are written at slot … slot+T-1 and the queries attend over all S slots under `mask`.
+    heads), the output projection row-parallel. With `kv_cache`, a store(k, v [B, T, K, E]) → (cache, (this layer's
+    k, v [B, S, K, E])) that writes the new keys and values into the cache (`run_layers`), the queries attend over
+    the layer's S slots under `mask` and the cache comes back beside the output.
     """
     dt = cfg.dtype
     wk, wv = par.kv_weight(p["wk"]), par.kv_weight(p["wv"])
@@ -579,10 +607,7 @@ def attention(p: dict[str, Array], h: Array, positions: Array, mask: Array | Non
     v = checkpoint_name(v, "v")
     new_cache = None
     if kv_cache is not None:
-        k_cache, v_cache, slot = kv_cache
-        k = jax.lax.dynamic_update_slice_in_dim(k_cache, k.astype(k_cache.dtype), slot, axis=1)  # [B, S, K, E]
-        v = jax.lax.dynamic_update_slice_in_dim(v_cache, v.astype(v_cache.dtype), slot, axis=1)
-        new_cache = (k, v)
+        new_cache, (k, v) = kv_cache(k, v)  # k, v [B, S, K, E]: the layer's cache, the new slots written
     o = checkpoint_name(par.attention(functools.partial(attend, cfg=cfg), q, k, v, mask), "context")  # [B, T, H, E]
     out = par.row(o, p["wo"], "bthe,hed->btd")  # [B, T, D] float32 ([B, T/t, D] under SP)
     if "bo" in p:

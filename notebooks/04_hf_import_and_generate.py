@@ -90,7 +90,7 @@ assert err < 1e-4
 # %% [markdown]
 # ## 3. Generate with the KV cache
 #
-# `LoadedModel.generate` is shaped like Hugging Face's `generate`: ragged prompts (left-padded for you), greedy or
+# `LoadedModel.generate` is shaped like Hugging Face's `generate`: ragged prompts (right-padded for you), greedy or
 # sampled (`do_sample`, `temperature`, `top_k`, `top_p`), `eos_token_id` stop tokens, `max_new_tokens`, a `seed`.
 # One prefill writes the prompts into the cache, then a device-side loop adds one token per step.
 #

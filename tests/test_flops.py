@@ -60,7 +60,7 @@ def test_inference_flops_match_compiled_prefill_and_decode():
     assert dot_flops(prefill) == pytest.approx(keys_full * 2 * S, rel=1e-3)
     assert flops.prefill_flops_per_token(cfg, S) < keys_full  # the model count keeps the causal pairs only
     # One decode step reads all S cache slots (masked): the formula at context S.
-    cache = KVCache.empty(cfg, 2, S, jnp.zeros((2,), jnp.int32))
+    cache = KVCache.empty(cfg, 2, S)
     decode = jax.jit(lambda p, t, c: nnx.merge(graphdef, p).decode(t, c)).lower(
         params, jax.ShapeDtypeStruct((2, 1), jnp.int32), cache).compile()
     assert dot_flops(decode) == pytest.approx(flops.decode_flops_per_token(cfg, S) * 2, rel=1e-3)

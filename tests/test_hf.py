@@ -131,12 +131,12 @@ def test_generate_api_masks_stops_and_seeds():
 def test_kv_cache_is_sharded_by_kv_heads_and_batch():
     """At (data 2, tensor 2) each device holds its batch half and its kv head of the cache (Llama fixture: K=2)."""
     loaded = load(FIXTURES / "llama", data=2, tensor=2)
-    tokens, start = decode.left_pad([[1, 2, 3], [4, 5]])
+    tokens, lengths = decode.right_pad([[1, 2, 3], [4, 5]])
     graphdef, params = nnx.split(loaded.model)
     with jax.set_mesh(loaded.mesh):
-        compiled = decode._generate.lower(graphdef, params, jnp.asarray(tokens), jnp.asarray(start), jax.random.key(0),
-                                          max_new_tokens=8, temperature=0.0, top_k=0, top_p=1.0, stop=(),
-                                          pad_token_id=0).compile()
+        compiled = decode._generate.lower(graphdef, params, jnp.asarray(tokens), jnp.asarray(lengths),
+                                          jax.random.key(0), max_new_tokens=8, temperature=0.0, top_k=0, top_p=1.0,
+                                          stop=(), pad_token_id=0).compile()
     cfg = loaded.config.model
     local = f"f32[{cfg.n_layers},1,{tokens.shape[1] + 8},1,{cfg.head_dim}]"  # [L, B/2, S, K/2, E]
     assert local in compiled.as_text()

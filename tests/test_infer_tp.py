@@ -44,13 +44,13 @@ def test_explicit_prefill_equals_the_single_device_model(family):
     parallelism and collective matmuls, equal the single-device model's (fp32, max |Δ| ≤ 1e-5) for every family,
     left-padded rows included."""
     cfg = FAMILIES[family]
-    tokens, start = decode.left_pad(PROMPTS)
+    tokens, lengths = decode.right_pad(PROMPTS)
     model = Transformer(cfg, rngs=nnx.Rngs(0))
-    cache = KVCache.empty(cfg, tokens.shape[0], tokens.shape[1], jnp.asarray(start))
+    cache = KVCache.empty(cfg, tokens.shape[0], tokens.shape[1])
     want = np.asarray(jax.jit(lambda m, t, c: m.decode(t, c)[0])(model, jnp.asarray(tokens), cache))
-    real = np.arange(tokens.shape[1])[None, :] >= start[:, None]  # padding slots' logits are never read
+    real = np.arange(tokens.shape[1])[None, :] < lengths[:, None]  # padding slots' logits are never read
     for tensor, overlap in ((2, False), (4, False), (4, True)):
-        got = decode.explicit_prefill_logits(*placed(cfg, tensor, data=2, overlap=overlap), tokens, start)
+        got = decode.explicit_prefill_logits(*placed(cfg, tensor, data=2, overlap=overlap), tokens)
         assert np.abs(got - want)[real].max() <= 1e-5, (tensor, overlap, np.abs(got - want)[real].max())
 
 
@@ -108,7 +108,7 @@ def test_kv_cache_bytes_are_the_decode_steps_arrays(family):
     """The planner's inference memory (`memory.inference_bytes`) equals, byte for byte, what one compiled decode step
     holds per device: its cache shards at (data, tensor) = (1, 1), (2, 2) and (2, 4) — at tensor 4 llama's 2 kv heads
     do not split, so each rank keeps one — and the parameter shards, which with the cache are the step's arguments
-    but for the token, row offsets, end and key (int32 [B/data] ×2, a scalar, a key: at most 60 bytes here)."""
+    but for the token, the rows' lengths and the key (int32 [B/data] ×2, a key: within the 60 bytes allowed here)."""
     from jaxpar.analysis.hlo import memory as compiled_memory
     from jaxpar.planner.memory import inference_bytes
 

@@ -121,21 +121,21 @@ def test_window_and_qkv_bias_match_numpy_reference(kw):
 
 @pytest.mark.parametrize("family,window", [("llama", 0), ("llama", 3), ("gpt2", 0)])
 def test_kv_cache_decode_equals_full_forward(family, window):
-    """Prefill left-padded prompts of different lengths, then decode one token at a time: every row's logits equal
+    """Prefill right-padded prompts of different lengths, then decode one token at a time: every row's logits equal
     the full causal forward over that row's tokens alone."""
     from jaxpar.model import KVCache
 
     model = make(family, sliding_window=window)
-    lengths = (4, 7)  # real prompt lengths (row 0 is left-padded by 3); tokens() rows have 11
+    lengths = (4, 7)  # real prompt lengths (row 0 is right-padded by 3); tokens() rows have 11
     rows = np.asarray(tokens(seed=4))
     P = max(lengths)
     prompt = np.zeros((2, P), np.int32)
     for b, n in enumerate(lengths):
-        prompt[b, P - n:] = rows[b, :n]
-    cache = KVCache.empty(model.cfg, 2, P + 4, jnp.asarray([P - n for n in lengths]))
-    decode = jax.jit(lambda m, t, c: m.decode(t, c))  # one compilation per token count (prefill, then 1)
-    logits, cache = decode(model, jnp.asarray(prompt), cache)
-    got = [[np.asarray(logits[b, P - 1])] for b in range(2)]
+        prompt[b, :n] = rows[b, :n]
+    cache = KVCache.empty(model.cfg, 2, P + 4)
+    decode = jax.jit(lambda m, t, c, n=None: m.decode(t, c, counts=n))  # one compilation per token count
+    logits, cache = decode(model, jnp.asarray(prompt), cache, jnp.asarray(lengths))
+    got = [[np.asarray(logits[b, n - 1])] for b, n in enumerate(lengths)]
     for step in range(3):  # feed the next real token of each row
         nxt = jnp.asarray([[rows[b, n + step]] for b, n in enumerate(lengths)])
         logits, cache = decode(model, nxt, cache)
@@ -144,7 +144,7 @@ def test_kv_cache_decode_equals_full_forward(family, window):
     for b, n in enumerate(lengths):
         full = np.asarray(jax.jit(lambda m, t: m(t))(model, jnp.asarray(rows[b:b + 1, :n + 3])))[0]  # [n+3, V]
         np.testing.assert_allclose(np.stack(got[b]), full[n - 1:n + 3], rtol=1e-5, atol=1e-5)
-    assert int(cache.end) == P + 3
+    assert cache.lengths.tolist() == [n + 3 for n in lengths]
 
 
 @pytest.mark.parametrize("family", ["llama", "gpt2"])

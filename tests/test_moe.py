@@ -340,7 +340,7 @@ def test_mixed_stack_matches_a_layer_loop_compiles_flat_and_decodes(moe_fields):
 
     def decode(params, tokens):
         m = nnx.merge(graphdef, params)
-        cache = KVCache.empty(cfg, 2, 12, jnp.zeros((2,), jnp.int32))
+        cache = KVCache.empty(cfg, 2, 12)
         prefill, cache = m.decode(tokens[:, :-1], cache)
         return prefill, m.decode(tokens[:, -1:], cache)[0]
 

@@ -79,17 +79,17 @@ def test_quantized_prefill_equals_the_single_device_quantized_model(family):
     scales split with heads and MLP columns). Quantization changes the logits (by less than the float logits' spread) and
     the greedy tokens at tensor 2 equal one device's."""
     cfg = FAMILIES[family]
-    tokens, start = decode.left_pad(PROMPTS)
-    real = np.arange(tokens.shape[1])[None, :] >= start[:, None]
-    float_logits = _logits(Transformer(cfg, rngs=nnx.Rngs(0)), cfg, tokens, start)
+    tokens, lengths = decode.right_pad(PROMPTS)
+    real = np.arange(tokens.shape[1])[None, :] < lengths[:, None]
+    float_logits = _logits(Transformer(cfg, rngs=nnx.Rngs(0)), cfg, tokens)
     for fmt, tensors in (("int8", (2, 4) if family == "llama" else (2,)), ("int4", (2,))):
         qcfg, single = _quantized(cfg, fmt)
-        want = _logits(single, qcfg, tokens, start)
+        want = _logits(single, qcfg, tokens)
         change = np.abs(want - float_logits)[real].max()
         assert 0 < change < float_logits[real].std(), (fmt, change)
         for tensor in tensors:
             model, plan = _placed(qcfg, single, tensor)
-            got = decode.explicit_prefill_logits(model, plan, tokens, start)
+            got = decode.explicit_prefill_logits(model, plan, tokens)
             assert np.abs(got - want)[real].max() <= 1e-5, (fmt, tensor, np.abs(got - want)[real].max())
         if family == "llama":
             greedy = decode.generate(model, PROMPTS, max_new_tokens=6, plan=plan, return_prompt=False)
@@ -99,8 +99,8 @@ def test_quantized_prefill_equals_the_single_device_quantized_model(family):
         make_plan(dataclasses.replace(cfg, weights="int4"), ParallelConfig(data=2, tensor=4), jax.devices())
 
 
-def _logits(model, cfg, tokens, start):
-    cache = KVCache.empty(cfg, tokens.shape[0], tokens.shape[1], jnp.asarray(start))
+def _logits(model, cfg, tokens):
+    cache = KVCache.empty(cfg, tokens.shape[0], tokens.shape[1])
     return np.asarray(jax.jit(lambda m, t, c: m.decode(t, c)[0])(model, jnp.asarray(tokens), cache))
 
 
@@ -133,7 +133,7 @@ def test_quantized_checkpoint_restores_onto_another_tensor_degree(tmp_path):
     tensor 2 they give the logits of the same model quantized at load on another degree; the workdir's format is in
     its config.json, and loading it as another format is refused."""
     src = f"{FIXTURES}/llama"
-    tokens, start = decode.left_pad(PROMPTS)
+    tokens, _ = decode.right_pad(PROMPTS)
     for fmt, extra, other in (("int8", [], dict(tensor=4, quantize="int8")),
                               ("int4", ["--group-size", "16"], dict(tensor=1, quantize="int4", group_size=16))):
         dst = tmp_path / fmt
@@ -141,7 +141,7 @@ def test_quantized_checkpoint_restores_onto_another_tensor_degree(tmp_path):
         stored = load(dst, tensor=2)
         assert stored.config.model.weights == fmt and stored.model.blocks.wq[...].dtype == getattr(jnp, fmt)
         fresh = load(src, **other)
-        got, want = (decode.explicit_prefill_logits(m.model, m.plan, tokens, start) for m in (stored, fresh))
+        got, want = (decode.explicit_prefill_logits(m.model, m.plan, tokens) for m in (stored, fresh))
         assert np.abs(got - want).max() <= 1e-5 * np.abs(want).max()  # fp32 rounding; the logits reach |8|
     with pytest.raises(ConfigError, match="stored quantized as int4 in groups of 16"):
         load(dst, quantize="int8")
@@ -166,8 +166,7 @@ def test_quantized_fixture_loss_stays_near_bf16(fixture):
         if fmt is None:
             stream = load_tokens(loaded.config.data, loaded.tokenizer, "eval", seq_len=64)
             windows = np.asarray(stream[:8 * 65]).reshape(8, 65) % loaded.config.model.vocab_size
-        logits = decode.explicit_prefill_logits(loaded.model, loaded.plan, windows[:, :-1].astype(np.int32),
-                                                np.zeros(8, np.int32))
+        logits = decode.explicit_prefill_logits(loaded.model, loaded.plan, windows[:, :-1].astype(np.int32))
         results[fmt] = next_token_nll(logits, windows[:, 1:]), logits.argmax(-1)
     (base, top), (int8, top8), (int4, top4) = results.values()
     print(f"{fixture}: held-out loss bf16 {base:.6f} int8 {int8:.6f} ({(int8 / base - 1) * 100:+.4f} %) int4 "

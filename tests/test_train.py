@@ -138,8 +138,8 @@ def test_quantized_model_keeps_held_out_loss_and_greedy_text(trained):
     got = {}
     for fmt, group in ((None, None), ("int8", None), ("int4", 32)):
         loaded = load(workdir, dtype="bfloat16", quantize=fmt, group_size=group)
-        top = [np.asarray(decode.explicit_prefill_logits(loaded.model, loaded.plan, rows[:, :-1].astype(np.int32),
-                                                         np.zeros(len(rows), np.int32))).argmax(-1)
+        top = [np.asarray(decode.explicit_prefill_logits(loaded.model, loaded.plan, rows[:, :-1].astype(np.int32))
+                          ).argmax(-1)
                for rows in (windows[:8], windows[8:])]  # held_out_loss's batches of 8: its compiled prefill
         got[fmt] = (held_out_loss(loaded, windows), np.concatenate(top),
                     generate_tokens(loaded, prompt, max_new_tokens=200, temperature=0.0)[0])

@@ -1,17 +1,24 @@
-"""KV-cache generation: one prefill over the (left-padded) prompts, then one token per step, all on device.
+"""KV-cache generation: a decode step that rows at different positions share, and the device-side loop over it.
 
-    prompts (ragged) ─left-pad→ tokens [B, P] ─prefill→ cache slots 0…P-1 ─decode→ slot P, P+1, … (one token each)
+    prompts (ragged) ─right-pad→ tokens [B, P], lengths n [B] ─prefill→ row b's slots 0…P-1 (n_b real)
+                     ─decode→ row b's token i at slot i: n_b, n_b+1, … (one token a row a step)
 
-Left padding puts every row's next token in the same cache slot, so each step is one `dynamic_update_slice` for
-the whole batch; the pad slots are masked out of attention and positions count from each row's first real token
-(`jaxpar.model.KVCache`). The decode loop is a `lax.while_loop` inside the same `jit` as the prefill: no host round
-trip per token, and it stops early once every row has emitted a stop token.
+Row b's token at position i lives in cache slot i, for every row: a step writes each row's new tokens at that row's
+own position (`jaxpar.model.KVCache.lengths`) and each query attends to its row's slots up to its own position, so
+rows of different lengths share a step with no left padding and no per-row offset. The prefill writes a short
+prompt's padding too; those slots lie past the row's position, never attended to, until its decoded tokens overwrite
+them.
+
+`decode_step(model, tokens [B, T], positions [B], cache) → (logits, cache)` is the step, callable from a host loop (an
+engine whose rows start and stop at different times). `generate` runs the same step in one loop on device
+(`_decode_loop`): the prefill, then a `lax.while_loop` of one token a row inside the same `jit` — no host round trip
+per token — that stops early once every row has emitted a stop token.
 
 Per step the matmuls see one token per row — their cost does not grow with the context; attention reads the whole
 cache buffer of `P + max_new_tokens` slots (masked), a cost fixed at compile time.
 
 On a mesh the parameters keep their tensor-parallel sharding. With an explicit plan (what `jaxpar.infer.text.load`
-gives) the whole loop runs inside one `shard_map` with the training step's collectives and a vocab-parallel sampler
+gives) the same loop runs inside one `shard_map` with the training step's collectives and a vocab-parallel sampler
 (`_explicit_parts`); without one GSPMD partitions the computation (the comparison baseline). Either way the cache is
 laid out like the activations that fill it — batch over `data`, kv heads over `tensor` (one head a rank when there
 are fewer kv heads than tensor ranks, as the weights are replicated then).
@@ -36,15 +43,16 @@ from jax.sharding import PartitionSpec as P
 from jaxpar.errors import GenerateError
 from jaxpar.infer.sampling import check_sampling_args, sample_logits, sample_sharded
 from jaxpar.model import KVCache
+from jaxpar.parallel.context import SINGLE_DEVICE, Parallel
 from jaxpar.parallel.vma import vary
 from jaxpar.sharding import constrain, param_specs
 
 CACHE_AXES = ("layers", "batch", "seq", "kv_heads", "head_dim")
 
 
-def left_pad(input_ids: Sequence[Sequence[int]] | np.ndarray, attention_mask: np.ndarray | None = None, *,
-             pad_token_id: int = 0, multiple: int = 8) -> tuple[np.ndarray, np.ndarray]:
-    """Ragged prompts → (tokens int32 [B, P], start int32 [B]) with each row's real tokens right-aligned.
+def right_pad(input_ids: Sequence[Sequence[int]] | np.ndarray, attention_mask: np.ndarray | None = None, *,
+              pad_token_id: int = 0, multiple: int = 8) -> tuple[np.ndarray, np.ndarray]:
+    """Ragged prompts → (tokens int32 [B, P] with each row's real tokens first, lengths int32 [B]).
 
     input_ids: a list of token lists, or an int array [B, T] whose `attention_mask` (1 real, 0 padding; either side)
     says which entries are real. P is the longest prompt rounded up to `multiple` (fewer distinct compilations).
@@ -62,51 +70,85 @@ def left_pad(input_ids: Sequence[Sequence[int]] | np.ndarray, attention_mask: np
         raise GenerateError("every prompt needs at least one token (and there must be at least one prompt)")
     P = -(-max(len(r) for r in rows) // multiple) * multiple
     tokens = np.full((len(rows), P), pad_token_id, np.int32)
-    start = np.array([P - len(r) for r in rows], np.int32)
     for b, r in enumerate(rows):
-        tokens[b, P - len(r):] = r
-    return tokens, start
+        tokens[b, :len(r)] = r
+    return tokens, np.array([len(r) for r in rows], np.int32)
+
+
+@functools.partial(jax.jit, static_argnames="par")
+def decode_step(model: nnx.Module, tokens: jax.Array, positions: jax.Array, cache: KVCache,
+                counts: jax.Array | None = None, par: Parallel = SINGLE_DEVICE) -> tuple[jax.Array, KVCache]:
+    """Run tokens int32 [B, T] of row b at positions[b] … positions[b]+T-1 against `cache` → (float32 logits
+    [B, T, V], the cache with their keys and values written; `Transformer.decode`). Rows may be at different
+    positions (a row restarting at 0 reuses its slots); counts [B]: the real tokens among a row's T (a right-padded
+    prompt), which set its length (`cache.lengths` = positions + counts, default + T).
+
+    `model` is the NNX module, a pytree of its parameters (sharded or not: GSPMD partitions); `par`, inside a
+    shard_map, the explicit context — V is then this rank's vocab shard and the cache its rows and kv heads."""
+    return model.decode(tokens, cache, par, positions=positions, counts=counts)
+
+
+def _decode_loop(prefill, step, sample, params, tokens: jax.Array, lengths: jax.Array, cache: KVCache,
+                 rng: jax.Array, *, max_new_tokens: int, stop: tuple[int, ...], pad_token_id: int,
+                 all_stopped=jnp.all) -> tuple[jax.Array, jax.Array]:
+    """Prefill the right-padded prompts tokens [B, P] (real lengths [B]) into the empty `cache`, then sample up to
+    max_new_tokens, one a row a step. → (new int32 [B, max_new_tokens], count int32 []) where columns ≥ count are
+    padding (every row had stopped) and a stopped row's later entries are pad_token_id.
+
+    prefill, step: fn(params, tokens [B, T], positions [B], cache, counts) → (logits [B, T, V(_local)], cache)
+    (`decode_step`; the explicit path's prefill may run a sequence split its steps cannot); sample(logits [B,
+    V(_local)], key) → tokens [B], the key folded with the step's index (0: the prefill's). all_stopped(done [B]):
+    whether every row has stopped — over all the data shards inside a shard_map, so every rank runs as many steps."""
+    logits, cache = prefill(params, tokens, jnp.zeros_like(lengths), cache, lengths)  # [B, P, V]
+    last = jnp.take_along_axis(logits, (lengths - 1)[:, None, None], axis=1)[:, 0]  # [B, V]: each row's last token
+    first = sample(last, jax.random.fold_in(rng, 0))  # [B]
+    out = jnp.full_like(first, pad_token_id, shape=(first.shape[0], max_new_tokens))  # typed like the rows
+    stop_ids = jnp.asarray(stop if stop else (-1,), jnp.int32)
+
+    def cond(carry):
+        n, _, _, _, _, finished = carry
+        return (n < max_new_tokens) & ~finished
+
+    def body(carry):
+        n, tok, cache, out, done, _ = carry
+        out = out.at[:, n].set(jnp.where(done, pad_token_id, tok))
+        done = done | jnp.isin(tok, stop_ids)
+        logits, cache = step(params, tok[:, None], cache.lengths, cache, None)  # [B, 1, V]
+        tok = sample(logits[:, 0], jax.random.fold_in(rng, n + 1))
+        return n + 1, tok, cache, out, done, all_stopped(done)
+
+    init = (jnp.int32(0), first, cache, out, jnp.zeros_like(first, bool), jnp.bool_(False))
+    n, _, _, out, _, _ = jax.lax.while_loop(cond, body, init)
+    return out, n
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "max_new_tokens", "temperature", "top_k", "top_p", "stop",
                                              "pad_token_id"))
-def _generate(graphdef: nnx.GraphDef, params: nnx.State, tokens: jax.Array, start: jax.Array, rng: jax.Array, *,
+def _generate(graphdef: nnx.GraphDef, params: nnx.State, tokens: jax.Array, lengths: jax.Array, rng: jax.Array, *,
               max_new_tokens: int, temperature: float, top_k: int, top_p: float, stop: tuple[int, ...],
               pad_token_id: int) -> tuple[jax.Array, jax.Array]:
-    """Prefill `tokens` [B, P], then sample up to max_new_tokens. → (new int32 [B, max_new_tokens], count int32 [])
-    where columns ≥ count are padding (every row had stopped) and a stopped row's later entries are pad_token_id."""
-    model = nnx.merge(graphdef, params)
-    B, P = tokens.shape
-    cache = KVCache.empty(model.cfg, B, P + max_new_tokens, start)
-    cache = KVCache(constrain(cache.k, CACHE_AXES), constrain(cache.v, CACHE_AXES), cache.start, cache.end)
-    sample = functools.partial(sample_logits, temperature=temperature, top_k=top_k, top_p=top_p)
-    logits, cache = model.decode(tokens, cache)
-    first = sample(logits[:, -1, :model.cfg.vocab_size], jax.random.fold_in(rng, 0))  # [B]
-    out = jnp.full((B, max_new_tokens), pad_token_id, jnp.int32)
-    stop_ids = jnp.asarray(stop if stop else (-1,), jnp.int32)
+    """`_decode_loop` on one device or under GSPMD: right-padded tokens [B, P] with their lengths [B] → (new
+    [B, max_new_tokens], count)."""
+    cfg = nnx.merge(graphdef, params).cfg
+    B, P_ = tokens.shape
+    cache = KVCache.empty(cfg, B, P_ + max_new_tokens)
+    cache = KVCache(constrain(cache.k, CACHE_AXES), constrain(cache.v, CACHE_AXES), cache.lengths)
 
-    def cond(carry):
-        n, _, _, _, done = carry
-        return (n < max_new_tokens) & ~jnp.all(done)
+    def step(params, tokens, positions, cache, counts):
+        return decode_step(nnx.merge(graphdef, params), tokens, positions, cache, counts)
 
-    def body(carry):
-        n, tok, cache, out, done = carry
-        out = out.at[:, n].set(jnp.where(done, pad_token_id, tok))
-        done = done | jnp.isin(tok, stop_ids)
-        logits, cache = model.decode(tok[:, None], cache)  # [B, 1, V]
-        tok = sample(logits[:, 0, :model.cfg.vocab_size], jax.random.fold_in(rng, n + 1))
-        return n + 1, tok, cache, out, done
+    def sample(logits, key):
+        return sample_logits(logits[:, :cfg.vocab_size], key, temperature=temperature, top_k=top_k, top_p=top_p)
 
-    init = (jnp.int32(0), first, cache, out, jnp.zeros((B,), bool))
-    n, _, _, out, _ = jax.lax.while_loop(cond, body, init)
-    return out, n
+    return _decode_loop(step, step, sample, params, tokens, lengths, cache, rng, max_new_tokens=max_new_tokens,
+                        stop=stop, pad_token_id=pad_token_id)
 
 
 def _explicit_parts(graphdef: nnx.GraphDef, plan, *, temperature: float, top_k: int, top_p: float):
-    """The two programs of explicit-TP decoding, to run inside the plan's shard_map: prefill(params, tokens [B, P],
-    start [B], slots, key) → (first token [B], cache) and step(params, tok [B], cache, key) → (next token, cache).
-    Each tensor rank keeps its heads' share of the KV cache (one head when there are fewer kv heads than ranks),
-    runs its column / row shards with f and g around them, and samples with `sample_sharded`."""
+    """What `_decode_loop` runs inside the plan's shard_map: (prefill, step, sample) — `decode_step` with the plan's
+    explicit context, and the vocab-parallel sampler `sample_sharded`. Each tensor rank keeps its heads' share of the
+    KV cache (one head when there are fewer kv heads than ranks), runs its column / row shards with f and g around
+    them, and samples its vocab shard's logits; the tokens come out the same on every tensor rank."""
     par, cfg = plan.parallel, plan.model
     axis = None if par.tensor is None else par.tensor.axis
     # Prefill runs the plan's layout (with sequence parallelism and collective matmuls if it has them: the prompt
@@ -118,16 +160,13 @@ def _explicit_parts(graphdef: nnx.GraphDef, plan, *, temperature: float, top_k: 
         return sample_sharded(logits, key, vocab_size=cfg.vocab_size, axis=axis, temperature=temperature,
                               top_k=top_k, top_p=top_p, first_row=jax.lax.axis_index("data") * logits.shape[0])
 
-    def prefill(params, tokens, start, slots, key):
-        cache = _local_cache(plan, tokens.shape[0], slots, start)
-        logits, cache = nnx.merge(graphdef, params).decode(tokens, cache, par)  # [B, P, V/t]
-        return sample(logits[:, -1], key), cache  # [B], the same on every tensor rank
+    def prefill(params, tokens, positions, cache, counts):
+        return decode_step(nnx.merge(graphdef, params), tokens, positions, cache, counts, par=par)  # [B, P, V/t]
 
-    def step(params, tok, cache, key):
-        logits, cache = nnx.merge(graphdef, params).decode(tok[:, None], cache, one_token)  # [B, 1, V/t]
-        return sample(logits[:, 0], key), cache
+    def step(params, tokens, positions, cache, counts):
+        return decode_step(nnx.merge(graphdef, params), tokens, positions, cache, counts, par=one_token)
 
-    return prefill, step
+    return prefill, step, sample
 
 
 # Compiled explicit programs, by what they depend on (never the plan's id, which a later plan may reuse); each holds
@@ -151,12 +190,12 @@ def _plan_key(graphdef: nnx.GraphDef, plan) -> tuple:
     return graphdef, plan.mesh, plan.rules, plan.parallel, plan.model
 
 
-def _local_cache(plan, batch: int, slots: int, start: jax.Array) -> KVCache:
+def _local_cache(plan, batch: int, slots: int) -> KVCache:
     """An empty cache of this rank's rows and kv heads, inside the plan's shard_map, typed as varying over what the
     keys and values written into it vary over (data, and tensor when the heads are split)."""
-    cache = KVCache.empty(plan.model, batch, slots, start, kv_heads(plan))
+    cache = KVCache.empty(plan.model, batch, slots, kv_heads(plan))
     heads = ("data",) + (("tensor",) if plan.parallel.tensor is not None else ())
-    return KVCache(vary(cache.k, heads), vary(cache.v, heads), cache.start, cache.end)
+    return KVCache(vary(cache.k, heads), vary(cache.v, heads), vary(cache.lengths, "data"))
 
 
 def kv_heads(plan) -> int:
@@ -171,77 +210,64 @@ def cache_spec(plan) -> P:
 
 
 def explicit_decode_step(model: nnx.Module, plan, batch: int, slots: int, **sampling):
-    """One decode step of the explicit path as its own program (for accounting and benchmarks): → (a jitted
-    fn(params, tok [B], k, v, start, end, key) → (tok, k, v), its example arguments), the cache [L, B, slots, K', E]
-    empty in the model's dtype."""
+    """One decode step of the explicit path and its sampler as their own program (for accounting and benchmarks):
+    → (a jitted fn(params, tok [B], k, v, lengths [B], key) → (next tok, k, v), its example arguments: the cache
+    [L, B, slots, K', E] empty in the model's dtype, every row at position slots − 1, so it attends over them all)."""
     graphdef, params = nnx.split(model)
-    _, step = _explicit_parts(graphdef, plan, **sampling)
+    _, step, sample = _explicit_parts(graphdef, plan, **sampling)
 
-    def run(params, tok, k, v, start, end, key):
-        tok, cache = step(params, tok, KVCache(k, v, start, end), key)
-        return tok, cache.k, cache.v
+    def run(params, tok, k, v, lengths, key):
+        logits, cache = step(params, tok[:, None], lengths, KVCache(k, v, lengths), None)  # [B, 1, V/t]
+        return sample(logits[:, 0], key), cache.k, cache.v
 
     specs, rows, cache = _param_specs(params, plan), P("data"), cache_spec(plan)
-    fn = jax.jit(jax.shard_map(run, mesh=plan.mesh, in_specs=(specs, rows, cache, cache, rows, P(), P()),
+    fn = jax.jit(jax.shard_map(run, mesh=plan.mesh, in_specs=(specs, rows, cache, cache, rows, P()),
                                out_specs=(rows, cache, cache), check_vma=True))
     cfg, t = plan.model, plan.degrees["tensor"]
     place = lambda x, spec: jax.device_put(x, jax.sharding.NamedSharding(plan.mesh, spec))  # noqa: E731
     kv = place(jnp.zeros((cfg.n_layers, batch, slots, kv_heads(plan) * t, cfg.head_dim), cfg.dtype), cache)
-    args = (params, place(jnp.zeros((batch,), jnp.int32), rows), kv, kv, place(jnp.zeros((batch,), jnp.int32), rows),
-            jnp.int32(slots - 1), jax.random.key(0))
+    args = (params, place(jnp.zeros((batch,), jnp.int32), rows), kv, kv,
+            place(jnp.full((batch,), slots - 1, jnp.int32), rows), jax.random.key(0))
     return fn, args
 
 
-def explicit_prefill_logits(model: nnx.Module, plan, tokens: np.ndarray, start: np.ndarray) -> np.ndarray:
-    """The explicit path's prefill logits, for checking it: left-padded tokens int32 [B, P] with their start [B]
-    (`left_pad`) → float32 [B, P, vocab_size], each tensor rank's vocab shard put together on the host (the sampler
-    never does that)."""
+def explicit_prefill_logits(model: nnx.Module, plan, tokens: np.ndarray) -> np.ndarray:
+    """The explicit path's prefill logits, for checking it: tokens int32 [B, P] from position 0 → float32
+    [B, P, vocab_size], each tensor rank's vocab shard put together on the host (the sampler never does that). A
+    right-padded row's (`right_pad`) real tokens attend to no padding: their logits are the prompt's alone."""
     graphdef, params = nnx.split(model)
+    prefill, _, _ = _explicit_parts(graphdef, plan, temperature=0.0, top_k=0, top_p=1.0)
 
     def build():  # once per model and plan: callers (held_out_loss) run it batch after batch
-        def run(params, tokens, start):
-            cache = _local_cache(plan, tokens.shape[0], tokens.shape[1], start)
-            return nnx.merge(graphdef, params).decode(tokens, cache, plan.parallel)[0]  # [B, P, V/t]
+        def run(params, tokens):
+            B, P_ = tokens.shape
+            positions = vary(jnp.zeros((B,), jnp.int32), "data")
+            return prefill(params, tokens, positions, _local_cache(plan, B, P_), None)[0]  # [B, P, V/t]
 
         vocab = "tensor" if plan.degrees["tensor"] > 1 else None
-        return jax.jit(jax.shard_map(run, mesh=plan.mesh, in_specs=(_param_specs(params, plan), P("data"), P("data")),
+        return jax.jit(jax.shard_map(run, mesh=plan.mesh, in_specs=(_param_specs(params, plan), P("data")),
                                      out_specs=P("data", None, vocab), check_vma=True))
 
     rows = jax.sharding.NamedSharding(plan.mesh, P("data"))
-    logits = _program(("prefill", *_plan_key(graphdef, plan)), build)(
-        params, jax.device_put(jnp.asarray(tokens), rows), jax.device_put(jnp.asarray(start), rows))
+    logits = _program(("prefill", *_plan_key(graphdef, plan)), build)(params, jax.device_put(jnp.asarray(tokens), rows))
     return np.asarray(logits)[..., :plan.model.vocab_size]
 
 
 def _explicit_generate(graphdef: nnx.GraphDef, plan, specs, *, max_new_tokens: int, temperature: float, top_k: int,
                        top_p: float, stop: tuple[int, ...], pad_token_id: int):
-    """`_generate` under one `shard_map` with the training step's explicit collectives (`_explicit_parts`): per-row
-    scalars (or the top-k candidates) cross the tensor group, never the logits. Rows are split over `data`; every
-    rank runs the same number of steps (the stop test is reduced over `data`). → a jitted fn(params, tokens [B, P],
-    start [B], rng) → (new [B, max_new_tokens], count)."""
-    prefill, step = _explicit_parts(graphdef, plan, temperature=temperature, top_k=top_k, top_p=top_p)
-    stop_ids = jnp.asarray(stop if stop else (-1,), jnp.int32)
+    """`_decode_loop` under one `shard_map` with the training step's explicit collectives (`_explicit_parts`):
+    per-row scalars (or the top-k candidates) cross the tensor group, never the logits. Rows are split over `data`;
+    every rank runs the same number of steps (the stop test is reduced over `data`). → a jitted fn(params, tokens
+    [B, P], lengths [B], rng) → (new [B, max_new_tokens], count)."""
+    prefill, step, sample = _explicit_parts(graphdef, plan, temperature=temperature, top_k=top_k, top_p=top_p)
 
-    def run(params, tokens, start, rng):
-        B, P_ = tokens.shape
-        first, cache = prefill(params, tokens, start, P_ + max_new_tokens, jax.random.fold_in(rng, 0))
-        out = vary(jnp.full((B, max_new_tokens), pad_token_id, jnp.int32), "data")
-        done = vary(jnp.zeros((B,), bool), "data")
+    def all_stopped(done):
+        return jax.lax.pmin(jnp.all(done).astype(jnp.int32), "data") == 1
 
-        def cond(carry):
-            n, _, _, _, _, finished = carry
-            return (n < max_new_tokens) & ~finished
-
-        def body(carry):
-            n, tok, cache, out, done, _ = carry
-            out = out.at[:, n].set(jnp.where(done, pad_token_id, tok))
-            done = done | jnp.isin(tok, stop_ids)
-            tok, cache = step(params, tok, cache, jax.random.fold_in(rng, n + 1))
-            finished = jax.lax.pmin(jnp.all(done).astype(jnp.int32), "data") == 1
-            return n + 1, tok, cache, out, done, finished
-
-        n, _, _, out, _, _ = jax.lax.while_loop(cond, body, (jnp.int32(0), first, cache, out, done, jnp.bool_(False)))
-        return out, n
+    def run(params, tokens, lengths, rng):
+        cache = _local_cache(plan, tokens.shape[0], tokens.shape[1] + max_new_tokens)
+        return _decode_loop(prefill, step, sample, params, tokens, lengths, cache, rng, max_new_tokens=max_new_tokens,
+                            stop=stop, pad_token_id=pad_token_id, all_stopped=all_stopped)
 
     rows = P("data")
     return jax.jit(jax.shard_map(run, mesh=plan.mesh, in_specs=(specs, rows, rows, P()), out_specs=(rows, P()),
@@ -261,8 +287,10 @@ def generate(model: nnx.Module, input_ids: Sequence[Sequence[int]] | np.ndarray,
              pad_token_id: int | None = None, seed: int = 0, mesh: jax.sharding.Mesh | None = None,
              return_prompt: bool = True, plan=None) -> np.ndarray:
     """Hugging Face-style generation with a KV cache: prompts (ragged lists, or [B, T] ids with an attention_mask)
-    → int32 [B, P + n]: the left-padded prompts followed by the new tokens (just the n new ones with
-    return_prompt=False). n = max_new_tokens unless every row stopped earlier.
+    → int32 [B, P + n]: the prompts left-padded with pad_token_id (as Hugging Face returns them) followed by the new
+    tokens (just the n new ones with return_prompt=False). n = max_new_tokens unless every row stopped earlier.
+    The device sees the prompts right-padded (`right_pad`) and each row decodes from its own length
+    (`decode_step`).
 
     do_sample=False is greedy; otherwise sampling at `temperature` with optional top_k (0: off — HF's default is
     50) and top_p (1.0: off). eos_token_id: one id or several; a row that emits one is finished and padded with
@@ -282,38 +310,41 @@ def generate(model: nnx.Module, input_ids: Sequence[Sequence[int]] | np.ndarray,
     pad = pad_token_id if pad_token_id is not None else (stop[0] if stop else 0)
     # A sequence-parallel prefill splits the prompt over tensor: its padded length must divide.
     sp = plan is not None and plan.tensor is not None and plan.tensor.sequence
-    tokens, start = left_pad(input_ids, attention_mask, pad_token_id=pad,
-                             multiple=math.lcm(8, plan.degrees["tensor"]) if sp else 8)
-    real = tokens[np.arange(tokens.shape[1])[None, :] >= start[:, None]]
+    tokens, lengths = right_pad(input_ids, attention_mask, pad_token_id=pad,
+                                multiple=math.lcm(8, plan.degrees["tensor"]) if sp else 8)
+    B, P_ = tokens.shape
+    real = tokens[np.arange(P_)[None, :] < lengths[:, None]]
     if real.size and (real.min() < 0 or real.max() >= cfg.vocab_size):
         bad = int(real.min() if real.min() < 0 else real.max())
         raise GenerateError(f"token id {bad} in the prompt is outside the model's vocabulary [0, {cfg.vocab_size})")
-    longest = tokens.shape[1] - int(start.min())
+    longest = int(lengths.max())
     if longest + max_new_tokens > cfg.max_seq_len:
         raise GenerateError(f"prompt of {longest} tokens + max_new_tokens = {max_new_tokens} exceeds the model's "
                          f"max_seq_len = {cfg.max_seq_len}; shorten the prompt or lower max_new_tokens")
     graphdef, params = nnx.split(model)
     rng = jax.random.key(seed)
+    settings = dict(max_new_tokens=max_new_tokens, temperature=float(temperature), top_k=int(top_k),
+                    top_p=float(top_p), stop=stop, pad_token_id=int(pad))
     if plan is not None and plan.sharded:
-        new = _generate_on_plan(graphdef, params, plan, tokens, start, rng, max_new_tokens=max_new_tokens,
-                                temperature=float(temperature), top_k=int(top_k), top_p=float(top_p), stop=stop,
-                                pad_token_id=int(pad))
-        return np.concatenate([tokens, new], axis=1) if return_prompt else new
-    with jax.set_mesh(mesh) if mesh is not None else contextlib.nullcontext():
-        if mesh is not None:
-            rows = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(
-                "data" if tokens.shape[0] % mesh.shape["data"] == 0 else None))
-            tokens_dev, start_dev = jax.device_put(tokens, rows), jax.device_put(start, rows)
-        else:
-            tokens_dev, start_dev = jnp.asarray(tokens), jnp.asarray(start)
-        new, n = _generate(graphdef, params, tokens_dev, start_dev, rng, max_new_tokens=max_new_tokens,
-                           temperature=float(temperature), top_k=int(top_k), top_p=float(top_p), stop=stop,
-                           pad_token_id=int(pad))
-        new = np.asarray(new)[:, :int(n)]
-    return np.concatenate([tokens, new], axis=1) if return_prompt else new
+        new = _generate_on_plan(graphdef, params, plan, tokens, lengths, rng, **settings)
+    else:
+        with jax.set_mesh(mesh) if mesh is not None else contextlib.nullcontext():
+            if mesh is not None:
+                rows = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(
+                    "data" if B % mesh.shape["data"] == 0 else None))
+                tokens_dev, lengths_dev = jax.device_put(tokens, rows), jax.device_put(lengths, rows)
+            else:
+                tokens_dev, lengths_dev = jnp.asarray(tokens), jnp.asarray(lengths)
+            new, n = _generate(graphdef, params, tokens_dev, lengths_dev, rng, **settings)
+            new = np.asarray(new)[:, :int(n)]
+    if not return_prompt:
+        return new
+    source = np.arange(P_)[None, :] - (P_ - lengths)[:, None]  # [B, P]: output column → the row's prompt index
+    prompts = np.where(source >= 0, np.take_along_axis(tokens, np.maximum(source, 0), axis=1), pad)
+    return np.concatenate([prompts.astype(np.int32), new], axis=1)
 
 
-def _generate_on_plan(graphdef, params, plan, tokens: np.ndarray, start: np.ndarray, rng, **settings) -> np.ndarray:
+def _generate_on_plan(graphdef, params, plan, tokens: np.ndarray, lengths: np.ndarray, rng, **settings) -> np.ndarray:
     """Run `_explicit_generate` (built once per graph, plan and settings) on rows padded to a multiple of `data`
     (a padding row is one pad token, dropped again) → the new tokens [B, n]."""
     data = plan.degrees["data"]
@@ -321,9 +352,9 @@ def _generate_on_plan(graphdef, params, plan, tokens: np.ndarray, start: np.ndar
     extra = -B % data
     if extra:
         tokens = np.concatenate([tokens, np.full((extra, tokens.shape[1]), settings["pad_token_id"], np.int32)])
-        start = np.concatenate([start, np.full((extra,), tokens.shape[1] - 1, np.int32)])
+        lengths = np.concatenate([lengths, np.ones((extra,), np.int32)])
     program = _program((*_plan_key(graphdef, plan), tuple(sorted(settings.items()))),
                        lambda: _explicit_generate(graphdef, plan, _param_specs(params, plan), **settings))
     rows = jax.sharding.NamedSharding(plan.mesh, P("data"))
-    new, n = program(params, jax.device_put(tokens, rows), jax.device_put(start, rows), rng)
+    new, n = program(params, jax.device_put(tokens, rows), jax.device_put(lengths, rows), rng)
     return np.asarray(new)[:B, :int(n)]

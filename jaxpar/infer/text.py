@@ -226,8 +226,7 @@ def held_out_loss(loaded: LoadedModel, windows: np.ndarray, *, batch: int = 8) -
     total = 0.0
     for i in range(0, len(windows), batch):
         rows = windows[i:i + batch]
-        logits = decode.explicit_prefill_logits(loaded.model, loaded.plan, rows[:, :-1].astype(np.int32),
-                                                np.zeros(len(rows), np.int32))
+        logits = decode.explicit_prefill_logits(loaded.model, loaded.plan, rows[:, :-1].astype(np.int32))
         total += next_token_nll(logits, rows[:, 1:]) * rows[:, 1:].size
     return total / (windows.shape[0] * (windows.shape[1] - 1))
 
