@@ -322,8 +322,9 @@ def run_layers(stacks: Stacks, x: Array, positions: Array, mask: Array | None, c
     groups = layer_groups(pattern, single=tape is not None)
     per_layer_remat = remat != "none" and tape is None
 
-    def layer_step(layer, carry, at):
-        """One layer on the carry: x, or (x, (k, v)) with the cache, of which it reads and writes model layer `at`."""
+    def layer_step(layer, carry, at, par):
+        """One layer on the carry: x, or (x, (k, v)) with the cache, of which it reads and writes model layer `at`.
+        `par`: the period's context (the pipeline tape's, under a schedule table), not run_layers' own."""
         if cache is None:
             x, _, layer_stats = block(layer, carry, positions, mask, cfg, par)
             return x, layer_stats
@@ -345,7 +346,7 @@ def run_layers(stacks: Stacks, x: Array, positions: Array, mask: Array | None, c
         period's first model layer (traced; with the cache). one_trip: the scan runs a single iteration, which XLA
         inlines — then the backward's recomputation sits beside the forward it repeats, and without CSE barriers
         XLA merges the two and keeps every activation alive (remat would do nothing)."""
-        one_layer = layer_step
+        one_layer = functools.partial(layer_step, par=par)
         if per_layer_remat:
             one_layer = jax.checkpoint(one_layer, policy=REMAT_POLICIES[remat], prevent_cse=one_trip)
         per_layer = []
