@@ -32,7 +32,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -105,9 +105,9 @@ class Blocks(nnx.Module):
                                                       dtype=jnp.float32))
             else:
                 setattr(self, name, _param(rngs, spec, cfg, layers=layers))
-        for name, (spec, init) in layer_buffers(cfg, moe).items():  # no draws: the parameters' values are unchanged
-            setattr(self, name, Buffer(jnp.full((layers, *spec.shape), init, jnp.float32),
-                                       logical_axes=("layers", *spec.axes), weight_decay=False))
+        for name, spec in layer_buffers(cfg, moe).items():  # no draws: the parameters' values are unchanged
+            setattr(self, name, Buffer(jnp.full((layers, *spec.shape), spec.init, jnp.float32),
+                                       logical_axes=("layers", *spec.axes)))
         self.cfg = cfg
 
     def stacked(self) -> dict[str, Array]:
@@ -135,11 +135,19 @@ class Buffer(nnx.Variable):
 MODEL_STATE = (nnx.Param, Buffer)  # what a checkpoint, a layout change and an export carry: `abstract_model`'s state
 
 
-def layer_buffers(cfg: ModelConfig, moe: bool) -> dict[str, tuple[Param, float]]:
-    """The buffers one layer holds → {name: (its Param-style spec: shape, logical axes; its initial value)}."""
+class BufferSpec(NamedTuple):
+    """One layer's buffer: its shape and logical axes (without the stacked layer dim), and the value it starts at."""
+
+    shape: tuple[int, ...]
+    axes: tuple[str | None, ...]
+    init: float
+
+
+def layer_buffers(cfg: ModelConfig, moe: bool) -> dict[str, BufferSpec]:
+    """The buffers one layer holds (an MoE layer when `moe`), by name."""
     if moe and cfg.moe.load_ema:
         X = cfg.moe.n_experts
-        return {"expert_load": (Param((X,), ("experts",), "zeros", decay=False), 1.0 / X)}
+        return {"expert_load": BufferSpec((X,), ("experts",), 1.0 / X)}
     return {}
 
 
@@ -165,7 +173,7 @@ def initial_buffers(abstract: nnx.State, cfg: ModelConfig) -> nnx.State:
     model is built from weights alone (a Hugging Face import) its buffers start as a new model's do."""
     inits = {**layer_buffers(cfg, False), **layer_buffers(cfg, cfg.moe.enabled)}
     return jax.tree_util.tree_map_with_path(
-        lambda path, v: v.replace(jnp.full(v.shape, inits[str(path[-1].key)][1], v.dtype)), buffers_of(abstract),
+        lambda path, v: v.replace(jnp.full(v.shape, inits[str(path[-1].key)].init, v.dtype)), buffers_of(abstract),
         is_leaf=lambda x: isinstance(x, nnx.Variable))
 
 

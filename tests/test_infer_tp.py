@@ -42,7 +42,7 @@ def placed(cfg: ModelConfig, tensor: int, data: int = 1, overlap: bool = False):
 def test_explicit_prefill_equals_the_single_device_model(family):
     """Prefill logits under the explicit shard_map at tensor 2 and 4 (data 2), and at tensor 4 with sequence
     parallelism and collective matmuls, equal the single-device model's (fp32, max |Δ| ≤ 1e-5) for every family,
-    left-padded rows included."""
+    right-padded rows of different lengths included."""
     cfg = FAMILIES[family]
     tokens, lengths = decode.right_pad(PROMPTS)
     model = Transformer(cfg, rngs=nnx.Rngs(0))

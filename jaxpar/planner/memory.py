@@ -259,8 +259,8 @@ EXPERT_ROWS = frozenset({"expert_in", "expert_out"})  # an MoE layer's [M, h] ro
 
 # Ops that pass their operand's elements on unchanged, up to layout and dtype (a residual computed so carries its
 # operand's tag, and an operand its result's), and elementwise ops, which do for an operand of the result's shape.
-_PASSES = frozenset({"reshape", "squeeze", "expand_dims", "copy", "copy_p", "convert_element_type",
-                     "reduce_precision", "slice", "split", "concatenate", "transpose"})
+_PASSES = (_VIEWS - {"broadcast_in_dim"}) | {"convert_element_type", "reduce_precision", "slice", "split",
+                                              "concatenate", "transpose"}
 _ELEMENTWISE = frozenset({"add", "add_any", "sub", "mul", "div", "neg", "exp", "exp2", "log", "log1p", "expm1",
                           "logistic", "tanh", "rsqrt", "sqrt", "integer_pow", "pow", "square", "max", "min", "select_n",
                           "sin", "cos", "abs", "sign", "erf", "erf_inv", "stop_gradient"})
