@@ -72,11 +72,10 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 from jaxpar.analysis import dot_flops  # noqa: E402
 from jaxpar.config import ModelConfig, ParallelConfig  # noqa: E402
 from jaxpar.infer import decode, sampling  # noqa: E402
-from jaxpar.infer.decode import CACHE_AXES  # noqa: E402
 from jaxpar.config import ConfigError  # noqa: E402
 from jaxpar.model import KVCache, Transformer, abstract_model, quantize_state  # noqa: E402
 from jaxpar.plan import make_plan  # noqa: E402
-from jaxpar.sharding import constrain, param_shardings  # noqa: E402
+from jaxpar.sharding import param_shardings  # noqa: E402
 
 
 @dataclasses.dataclass(frozen=True)
@@ -134,19 +133,20 @@ def make_forward(graphdef: nnx.GraphDef) -> Callable:
 
 
 def make_cached_step(graphdef: nnx.GraphDef) -> Callable:
-    """jit(params, tok [B], k, v, positions [B]) → (logits [B, V], k, v): one KV-cache decode step
+    """jit(params, tok [B], cache arrays, positions [B]) → (logits [B, V], cache arrays): one KV-cache decode step
     (`decode.decode_step`).
 
-    k and v [L, B, S, K, E] are donated, so the one-slot-a-row write is in place as it is inside decode's
-    `while_loop`; without donation every call would also copy the whole cache (2·L·B·S·K·E floats), a cost that
-    grows with S and that real decoding does not pay. `positions` is traced: one compilation serves every context.
+    The cache's arrays (GQA: k and v [L, B, S, K, E]) are donated, so the one-slot-a-row write is in place as it is
+    inside decode's `while_loop`; without donation every call would also copy the whole cache (2·L·B·S·K·E floats),
+    a cost that grows with S and that real decoding does not pay. `positions` is traced: one compilation serves
+    every context.
     """
 
-    @functools.partial(jax.jit, donate_argnums=(2, 3))
-    def step(params, tok, k, v, positions):
-        logits, cache = decode.decode_step(nnx.merge(graphdef, params), tok[:, None], positions,
-                                           KVCache(k, v, positions))
-        return logits[:, 0], constrain(cache.k, CACHE_AXES), constrain(cache.v, CACHE_AXES)
+    @functools.partial(jax.jit, donate_argnums=(2,))
+    def step(params, tok, arrays, positions):
+        model = nnx.merge(graphdef, params)
+        logits, cache = decode.decode_step(model, tok[:, None], positions, KVCache(arrays, positions))
+        return logits[:, 0], decode.laid_out(cache, model.cfg).arrays
 
     return step
 
@@ -182,11 +182,11 @@ class CachedStep:
     def __init__(self, step: Callable, params: nnx.State, cfg: ModelConfig, batch: int, slots: int, mesh):
         replicated = NamedSharding(mesh, P())
         # The cache laid out as decode lays it out (kv heads over tensor); its contents do not change the cost.
-        empty = jax.jit(lambda: constrain(KVCache.empty(cfg, batch, slots).k, CACHE_AXES))
-        self.params, self.k, self.v = params, empty(), empty()
+        empty = jax.jit(lambda: decode.laid_out(KVCache.empty(cfg, batch, slots), cfg).arrays)
+        self.params, self.arrays = params, empty()
         self.tok = jax.device_put(np.zeros((batch,), np.int32), replicated)
         self.replicated, self.batch = replicated, batch
-        self.compiled = step.lower(params, self.tok, self.k, self.v, self.tok).compile()
+        self.compiled = step.lower(params, self.tok, self.arrays, self.tok).compile()
         self.flops = dot_flops(self.compiled)
 
     def seconds(self, context: int, repeats: int) -> float:
@@ -194,7 +194,7 @@ class CachedStep:
         positions = jax.device_put(np.full((self.batch,), context - 1, np.int32), self.replicated)
 
         def call() -> jax.Array:
-            logits, self.k, self.v = self.compiled(self.params, self.tok, self.k, self.v, positions)
+            logits, self.arrays = self.compiled(self.params, self.tok, self.arrays, positions)
             return logits
 
         return seconds(call, repeats, min)

@@ -52,6 +52,13 @@ def divisors(n: int) -> list[int]:
     return [k for k in range(1, n + 1) if n % k == 0]
 
 
+def check_divides(name: str, value: int, by_name: str, by: int, why: str) -> None:
+    """Refuse `value` not divisible by `by`, listing the divisors of `value` that would work."""
+    if value % by:
+        raise ConfigError(name, value, f"must be divisible by {by_name} = {by} ({why})",
+                          f"use {by_name} among {divisors(value)}, or {name} a multiple of {by}")
+
+
 class CheckpointError(JaxparError):
     """A workdir's checkpoints cannot serve the request: none readable, or written by an incompatible config."""
 
@@ -94,4 +101,4 @@ class OutputError(JaxparError):
     kind = "cannot write"
 
 
-__all__ = ["CheckpointError", "ConfigError", "divisors", "short", "GenerateError", "InputNotFound", "JaxparError", "OutputError", "UsageError", "WorkdirLocked"]
+__all__ = ["CheckpointError", "check_divides", "ConfigError", "divisors", "short", "GenerateError", "InputNotFound", "JaxparError", "OutputError", "UsageError", "WorkdirLocked"]

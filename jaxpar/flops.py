@@ -48,7 +48,7 @@ from __future__ import annotations
 import dataclasses
 
 from jaxpar.config import ModelConfig
-from jaxpar.families import family
+from jaxpar.families import attention_kind, family
 
 TERA = 1e12
 
@@ -131,9 +131,9 @@ class LayerFlops:
 
 
 def layer_forward_flops(cfg: ModelConfig, keys: float, tensor: int = 1, moe: bool | None = None) -> LayerFlops:
-    """One layer's forward matmul FLOPs per token on one of `tensor` ranks (the Megatron split: query heads and MLP
-    columns divided by t; kv heads too, unless there are fewer of them than ranks — then each rank computes the
-    one it attends with). `keys`: how many keys each query's attention costs. tensor = 1 is the whole layer.
+    """One layer's forward matmul FLOPs per token on one of `tensor` ranks (the Megatron split: MLP columns divided
+    by t; the attention as its kind splits, `AttentionKind.flops` — GQA's query heads divided by t, its kv heads
+    too unless there are fewer of them than ranks, when each rank computes the one it attends with). `keys`: how many keys each query's attention costs. tensor = 1 is the whole layer.
     moe: an MoE layer (True) or a dense one (False); None: the mean over the model's layers (a mixed stack has
     both kinds, `ModelConfig.layer_kinds`)."""
     if moe is None:
@@ -143,8 +143,7 @@ def layer_forward_flops(cfg: ModelConfig, keys: float, tensor: int = 1, moe: boo
         a, b = layer_forward_flops(cfg, keys, tensor, True), layer_forward_flops(cfg, keys, tensor, False)
         mean = lambda x, y: (n_moe * x + (L - n_moe) * y) / L  # noqa: E731
         return LayerFlops(*(mean(x, y) for x, y in zip(dataclasses.astuple(a), dataclasses.astuple(b))))
-    h, E, F, t = cfg.d_model, cfg.head_dim, cfg.d_ff, tensor
-    a, K = cfg.n_heads / t, max(cfg.n_kv_heads / t, 1)
+    h, F, t = cfg.d_model, cfg.d_ff, tensor
     if moe:  # the *active* MLP: the router, k experts, the shared expert and its score
         m = cfg.moe
         down = 2 * (m.top_k * m.d_ff + m.shared_d_ff) / t * h
@@ -152,8 +151,8 @@ def layer_forward_flops(cfg: ModelConfig, keys: float, tensor: int = 1, moe: boo
     else:
         down = 2 * F / t * h
         mlp = family(cfg).mlp_matrices(cfg) * 2 * h * F / t
-    dense = 2 * h * E * (a + 2 * K) + 2 * a * E * h + mlp
-    return LayerFlops(dense=dense, attention=4 * a * E * keys, down_projection=down)
+    projections, core = attention_kind(cfg).flops(cfg, keys, t)  # GQA: q, k, v, o; scores and their product with V
+    return LayerFlops(dense=projections + mlp, attention=core, down_projection=down)
 
 
 def forward_flops_per_token(cfg: ModelConfig, seq_len: int, *, keys: float | None = None) -> ForwardFlops:

@@ -41,7 +41,7 @@ import numpy as np
 from flax import nnx
 
 from jaxpar.config import ModelConfig
-from jaxpar.families import Param, family
+from jaxpar.families import Param, attention_kind, family
 from jaxpar.matmul import QUANT_DTYPES, Quantized, quantize
 from jaxpar.parallel.context import SINGLE_DEVICE, Parallel
 from jaxpar.parallel.tensor import NEG_INF
@@ -285,14 +285,15 @@ def stats_total(stats: dict[str, Array]) -> dict[str, Array]:
 
 def run_layers(stacks: Stacks, x: Array, positions: Array, mask: Array | None, cfg: ModelConfig, *,
                remat: str = "none", par: Parallel = SINGLE_DEVICE, tape: Tape | None = None, stats: bool = False,
-               cache: tuple[Array, Array] | None = None):
+               cache: dict[str, Array] | None = None):
     """Apply the layers of `stacks` in model order; `remat` checkpoints each layer. → x, or (x, the MoE layers'
     statistics, one row per MoE layer in model order: each leaf [L_moe, …]) with `stats` (an empty dict when no
     layer is an MoE layer; see `moe`; `stats_total` sums them).
 
-    cache (decoding: every layer of the model): (k, v) [L, B, S, K, E]. Model layer l writes the keys and values of
-    row b's T new tokens into slots positions[b, 0] … positions[b, 0]+T-1 of k[l], v[l] and attends over all S
-    slots under `mask`; the written (k, v) follow x in the result. The cache rides in the scan's carry and each layer
+    cache (decoding: every layer of the model): `KVCache.arrays`, {name: [L, B, S, *slot]}. Model layer l's attention
+    writes what row b's T new tokens leave in its cache (GQA: their keys and values) into slots positions[b, 0] …
+    positions[b, 0]+T-1 of each array's entry l and attends over all S slots under `mask`; the written arrays follow
+    x in the result. The cache rides in the scan's carry and each layer
     writes only its new slots (`write_rows`, in place): scanning it as inputs/outputs instead would copy every
     layer's whole cache out and back in on every decode step.
 
@@ -331,19 +332,22 @@ def run_layers(stacks: Stacks, x: Array, positions: Array, mask: Array | None, c
     per_layer_remat = remat != "none" and tape is None
 
     def layer_step(layer, carry, at, par):
-        """One layer on the carry: x, or (x, (k, v)) with the cache, of which it reads and writes model layer `at`.
+        """One layer on the carry: x, or (x, the cache's arrays) with the cache, of which it reads and writes model
+        layer `at`.
         `par`: the period's context (the pipeline tape's, under a schedule table), not run_layers' own."""
         if cache is None:
             x, _, layer_stats = block(layer, carry, positions, mask, cfg, par)
             return x, layer_stats
-        x, (k, v) = carry
+        x, arrays = carry
         start = positions[:, 0]  # [B]: each row's first new slot (positions hold every new token: [B, T])
 
-        def store(k_new, v_new):  # the new tokens' [B, T, K, E] → (the cache with them, layer `at`'s [B, S, K, E])
-            k_all, v_all = write_rows(k, k_new, start, at), write_rows(v, v_new, start, at)
+        def store(new):  # {name: the new tokens' [B, T, *slot]} → (the cache with them, layer `at`'s [B, S, *slot])
+            if new.keys() != arrays.keys():
+                raise ValueError(f"the attention wrote cache arrays {sorted(new)}; its kind declares {sorted(arrays)}")
+            written = {name: write_rows(arrays[name], a, start, at) for name, a in new.items()}
             # Read back after the write: the next layer's write then depends on this read, so XLA can update the
             # carried cache in place (a read the write does not wait for would make it copy the whole cache first).
-            return (k_all, v_all), (k_all[at], v_all[at])
+            return written, {name: a[at] for name, a in written.items()}
 
         x, written, layer_stats = block(layer, x, positions, mask, cfg, par, kv_cache=store)
         return (x, written), layer_stats
@@ -431,32 +435,27 @@ def write_rows(cache: Array, new: Array, start: Array, layer: Array | int) -> Ar
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class KVCache:
-    """Keys and values of every layer for B rows of up to S slots (the decoding state).
+    """The decoding state of B rows of up to S slots: every layer's cache, as the model's attention kind lays it out
+    (`AttentionKind.cache`, jaxpar.families.attention), and each row's length.
 
-    k, v     [L, B, S, K, E] in the compute dtype, keys after RoPE: slot i of row b holds its token at position i;
+    arrays   {name: [L, B, S, *slot]} in the compute dtype — GQA's k and v [L, B, S, K, E], keys after RoPE: slot
+             i of row b holds what its token at position i left there;
     lengths  [B] int32: the tokens each row holds, in slots 0 … lengths[b]-1. Rows need not be equally long: a step
              writes each row's new tokens at its own position (`write_rows`), and a query attends only to its row's
              slots up to its own position, so the slots past a row's length (a shorter prompt's padding, a previous
              longer sequence) are never read before a later token overwrites them.
     """
 
-    k: Array
-    v: Array
+    arrays: dict[str, Array]
     lengths: Array
 
-    @staticmethod
-    def heads_per_rank(cfg: ModelConfig, tensor: int) -> int:
-        """The kv heads one tensor rank's cache holds: K/t, or one when K does not split over t (each rank keeps the
-        one kv head its query heads read)."""
-        return cfg.n_kv_heads // tensor if cfg.n_kv_heads % tensor == 0 else 1
-
     @classmethod
-    def empty(cls, cfg: ModelConfig, batch: int, slots: int, kv_heads: int | None = None) -> "KVCache":
-        """Zeros for `batch` empty rows of `slots` slots; kv_heads: the heads this device keeps (a tensor-parallel
-        rank's share, `Parallel.kv_heads`; default all of them)."""
-        shape = (cfg.n_layers, batch, slots, kv_heads or cfg.n_kv_heads, cfg.head_dim)
-        zeros = jnp.zeros(shape, cfg.dtype)
-        return cls(zeros, zeros, jnp.zeros((batch,), jnp.int32))
+    def empty(cls, cfg: ModelConfig, batch: int, slots: int, tensor: int = 1) -> "KVCache":
+        """Zeros for `batch` empty rows of `slots` slots, as one of `tensor` tensor-parallel ranks holds them (its
+        share of the heads; default 1: the whole cache)."""
+        arrays = {name: jnp.zeros((cfg.n_layers, batch, slots, *a.shape), cfg.dtype)
+                  for name, a in attention_kind(cfg).cache(cfg, tensor).items()}
+        return cls(arrays, jnp.zeros((batch,), jnp.int32))
 
 
 class Transformer(nnx.Module):
@@ -515,7 +514,7 @@ class Transformer(nnx.Module):
         cache holds its local kv heads) and the cache with the new keys and values written. Each step's matmuls
         cost O(T), independent of how full the cache is; attention reads the whole cache, masked.
         """
-        T, S = tokens.shape[1], cache.k.shape[2]
+        T, S = tokens.shape[1], jax.tree.leaves(cache.arrays)[0].shape[2]
         start = cache.lengths if positions is None else jnp.asarray(positions, jnp.int32)  # [B]
         pos = start[:, None] + jnp.arange(T, dtype=jnp.int32)  # [B, T]: the new tokens' positions, and slots
         q, k = pos[:, :, None], jnp.arange(S, dtype=jnp.int32)[None, None, :]  # query / key positions
@@ -523,10 +522,9 @@ class Transformer(nnx.Module):
         if self.cfg.sliding_window:
             mask &= q - k < self.cfg.sliding_window
         x = self.embed_tokens(tokens, pos, par)
-        x, (k_cache, v_cache) = run_layers(self.stacks(), x, pos, mask[:, None], self.cfg, par=par,
-                                           cache=(cache.k, cache.v))
+        x, arrays = run_layers(self.stacks(), x, pos, mask[:, None], self.cfg, par=par, cache=cache.arrays)
         lengths = start + (T if counts is None else jnp.asarray(counts, jnp.int32))
-        return self.logits(x, par), KVCache(k_cache, v_cache, lengths)
+        return self.logits(x, par), KVCache(arrays, lengths)
 
     def stacks(self) -> Stacks:
         """The layer stacks' parameters by stack name (`ModelConfig.layer_stacks`), each [n, …]."""
@@ -566,11 +564,11 @@ def block(p: dict[str, Array], x: Array, positions: Array, mask: Array | None, c
     """One pre-norm transformer block. p holds one layer's parameters (no leading L); x [B, T, D] float32
     ([B, T/t, D] under sequence parallelism: norms and residual adds run on sequence shards).
 
-    kv_cache: the cache's store when decoding (`attention`). Returns (x, what the store returned as the cache, or
+    kv_cache: the cache's store when decoding (`gqa_attention`). Returns (x, what the store returned as the cache, or
     None; the MoE layer's statistics (`moe`; {} for a dense MLP))."""
     h = checkpoint_name(norm(x, par.replicated(p["attn_norm"]), _maybe(par.replicated, p.get("attn_norm_b")), cfg),
                         "attn_in")
-    a, kv = attention(p, h, positions, mask, cfg, par, kv_cache)
+    a, kv = ATTENTION[family(cfg).attention](p, h, positions, mask, cfg, par, kv_cache)
     x = constrain(x + checkpoint_name(a, "attn_out"), ("batch", "seq", "embed"))
     h = checkpoint_name(norm(x, par.replicated(p["mlp_norm"]), _maybe(par.replicated, p.get("mlp_norm_b")), cfg),
                         "mlp_in")
@@ -590,15 +588,17 @@ def norm(x: Array, scale: Array, bias: Array | None, cfg: ModelConfig) -> Array:
     return y.astype(cfg.dtype)
 
 
-def attention(p: dict[str, Array], h: Array, positions: Array, mask: Array | None, cfg: ModelConfig,
-              par: Parallel = SINGLE_DEVICE, kv_cache: Callable | None = None) -> tuple[Array, object]:
-    """Causal self-attention with GQA. h [B, T, D] (compute dtype) → ([B, T, D] float32, the cache or None).
+def gqa_attention(p: dict[str, Array], h: Array, positions: Array, mask: Array | None, cfg: ModelConfig,
+                  par: Parallel = SINGLE_DEVICE, kv_cache: Callable | None = None) -> tuple[Array, object]:
+    """Causal self-attention with GQA (the attention kind `gqa`, jaxpar.families.attention). h [B, T, D] (compute
+    dtype) → ([B, T, D] float32, the cache or None).
 
     Query head n belongs to kv group n // G (Hugging Face's `repeat_kv` order), so a contiguous slice of query heads
     and the matching slice of kv heads form a self-contained tensor-parallel shard. QKV is column-parallel (local
-    heads), the output projection row-parallel. With `kv_cache`, a store(k, v [B, T, K, E]) → (cache, (this layer's
-    k, v [B, S, K, E])) that writes the new keys and values into the cache (`run_layers`), the queries attend over
-    the layer's S slots under `mask` and the cache comes back beside the output.
+    heads), the output projection row-parallel. With `kv_cache` — the store `run_layers` hands every attention kind:
+    store({name: the new tokens' [B, T, *slot]}) → (the cache with them written, this layer's {name: [B, S, *slot]})
+    for the arrays the kind's cache declares, here k and v [·, K, E] — the queries attend over the layer's S slots
+    under `mask` and the cache comes back beside the output.
     """
     dt = cfg.dtype
     wk, wv = par.kv_weight(p["wk"]), par.kv_weight(p["wv"])
@@ -616,12 +616,18 @@ def attention(p: dict[str, Array], h: Array, positions: Array, mask: Array | Non
     v = checkpoint_name(v, "v")
     new_cache = None
     if kv_cache is not None:
-        new_cache, (k, v) = kv_cache(k, v)  # k, v [B, S, K, E]: the layer's cache, the new slots written
+        new_cache, layer = kv_cache({"k": k, "v": v})
+        k, v = layer["k"], layer["v"]  # [B, S, K, E]: the layer's cache, the new slots written
     o = checkpoint_name(par.attention(functools.partial(attend, cfg=cfg), q, k, v, mask), "context")  # [B, T, H, E]
     out = par.row(o, p["wo"], "bthe,hed->btd")  # [B, T, D] float32 ([B, T/t, D] under SP)
     if "bo" in p:
         out = out + par.replicated(p["bo"]).astype(jnp.float32)
     return out, new_cache
+
+
+# Attention kind (`Family.attention`, jaxpar.families.attention.ATTENTION_KINDS) → its layer function, fn(p, h,
+# positions, mask, cfg, par, kv_cache) → ([B, T, D] float32, the cache or None); `block` calls it.
+ATTENTION = {"gqa": gqa_attention}
 
 
 def attend(q: Array, k: Array, v: Array, mask: Array | None, cfg: ModelConfig) -> Array:

@@ -28,6 +28,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 import jax
 
 from jaxpar.config import ConfigError, ModelConfig, ParallelConfig, resolve_attention
+from jaxpar.families import attention_kind
 from jaxpar.mesh import make_mesh
 from jaxpar.parallel.axes import (AXES, BATCH_AXES, CONTEXT, DATA, EXPERT, GRAD_AXES, MESH_AXES, PIPE, RULES, SEQ_AXES,
                                   TENSOR, MeshAxes)
@@ -210,15 +211,18 @@ def padded_vocab(model: ModelConfig, tensor: int) -> int:
 
 def plan_rules(model: ModelConfig, degrees: dict[str, int]) -> tuple[tuple[str, MeshAxes], ...]:
     """The logical → mesh rules of `model` on these degrees: the table's, with a one-rank axis named nowhere (its
-    values are typed, and run, as not varying over it) and GQA's exception — fewer kv heads than tensor ranks
-    replicates them (rank r uses kv head r // (t/K)). Needs no devices: the planner reads it for meshes it has not."""
+    values are typed, and run, as not varying over it) and the attention kind's exception: heads that several
+    tensor ranks share (`AttentionKind.shared`; GQA with fewer kv heads than ranks, rank r using kv head r // (t/K))
+    are held whole — its `shared_axes` split over nothing. Needs no devices: the planner reads it for meshes it has
+    not."""
     rules = RULES
     if degrees[EXPERT] == 1:  # experts held whole: their gradients reduce like any replicated parameter's
         rules = tuple((name, None if axis == EXPERT else axis) for name, axis in rules)
     if degrees[TENSOR] == 1:  # nothing is split over tensor
         rules = tuple((name, None if axis == TENSOR else axis) for name, axis in rules)
-    elif model.n_kv_heads % degrees[TENSOR]:
-        rules = tuple((name, None if name == "kv_heads" else axis) for name, axis in rules)
+    elif attention_kind(model).shared(model, degrees[TENSOR]) > 1:
+        shared = attention_kind(model).shared_axes
+        rules = tuple((name, None if name in shared else axis) for name, axis in rules)
     return rules
 
 

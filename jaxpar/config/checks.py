@@ -10,7 +10,7 @@ import math
 import typing
 from typing import Any
 
-from jaxpar.errors import ConfigError, divisors
+from jaxpar.errors import ConfigError
 
 
 def reject_unknown(d: dict, known: dict, prefix: str) -> None:
@@ -71,13 +71,6 @@ def check_choice(name: str, value: Any, choices: tuple) -> None:
         close = difflib.get_close_matches(str(value), [str(c) for c in choices], n=1)
         hint = f"did you mean {close[0]!r}? " if close else ""
         raise ConfigError(name, value, f"must be one of {', '.join(map(repr, choices))}", f"{hint}pick one of those")
-
-
-def check_divides(name: str, value: int, by_name: str, by: int, why: str) -> None:
-    """Refuse `value` not divisible by `by`, listing the divisors of `value` that would work."""
-    if value % by:
-        raise ConfigError(name, value, f"must be divisible by {by_name} = {by} ({why})",
-                          f"use {by_name} among {divisors(value)}, or {name} a multiple of {by}")
 
 
 def same_chunks(kinds: tuple, chunks: int) -> bool:

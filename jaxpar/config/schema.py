@@ -10,9 +10,9 @@ import difflib
 import json
 from typing import Any
 
-from jaxpar.config.checks import (check_fields, check_positive, check_choice, check_divides, same_chunks, nearest_multiples)
-from jaxpar.errors import ConfigError, divisors
-from jaxpar.families import FAMILIES
+from jaxpar.config.checks import check_fields, check_positive, check_choice, same_chunks, nearest_multiples
+from jaxpar.errors import ConfigError, check_divides, divisors
+from jaxpar.families import FAMILIES, attention_kind
 from jaxpar.parallel import axes
 from jaxpar.parallel.schedule import SCHEDULES, check as schedule_check
 
@@ -486,15 +486,10 @@ class CheckpointConfig:
 
 def check_layout(m: ModelConfig, p: ParallelConfig) -> None:
     """The rules between a model and its layout, for training and inference alike (`Config` checks them with the
-    rest; `jaxpar.infer.text.load` for an inference layout): heads, kv heads and MLP widths against `tensor`, the
-    layers against the pipeline's chunks, and the mixture-of-experts rules. The embedding needs none: it is padded to
-    a multiple of `tensor` (jaxpar.sharding)."""
-    check_divides("model.n_heads", m.n_heads, "parallel.tensor", p.tensor, "each tensor shard holds whole query heads")
-    if m.n_kv_heads % p.tensor and p.tensor % m.n_kv_heads:
-        raise ConfigError("model.n_kv_heads", m.n_kv_heads,
-                          f"must be a multiple or a divisor of parallel.tensor = {p.tensor} (kv heads are split "
-                          "over tensor, or replicated so each rank holds the one its query heads use)",
-                          f"use n_kv_heads among {divisors(p.tensor)} or a multiple of {p.tensor}")
+    rest; `jaxpar.infer.text.load` for an inference layout): the attention kind's heads (its `check`) and the MLP
+    widths against `tensor`, the layers against the pipeline's chunks, and the mixture-of-experts rules. The
+    embedding needs none: it is padded to a multiple of `tensor` (jaxpar.sharding)."""
+    attention_kind(m).check(m, p.tensor)  # its heads (or latent dims) against the tensor degree
     check_divides("model.d_ff", m.d_ff, "parallel.tensor", p.tensor, "the MLP hidden dim is split over tensor")
     stages = p.pipe * p.repeats
     if m.n_layers % stages:

@@ -4,7 +4,8 @@ mapping), registered here. The contract is `jaxpar.families.base.Family`."""
 from __future__ import annotations
 
 from jaxpar.families import gpt2, llama
-from jaxpar.families.base import Family, Param, Rule
+from jaxpar.families.attention import ATTENTION_KINDS
+from jaxpar.families.base import AttentionKind, CacheArray, Family, Param, Rule
 
 FAMILIES: dict[str, Family] = {f.name: f for f in (llama.FAMILY, gpt2.FAMILY)}
 
@@ -14,4 +15,10 @@ def family(cfg) -> Family:
     return FAMILIES[cfg.family]
 
 
-__all__ = ["FAMILIES", "Family", "Param", "Rule", "family"]
+def attention_kind(cfg) -> AttentionKind:
+    """The attention kind of a ModelConfig's family (`Family.attention`)."""
+    return ATTENTION_KINDS[family(cfg).attention]
+
+
+__all__ = ["ATTENTION_KINDS", "AttentionKind", "CacheArray", "FAMILIES", "Family", "Param", "Rule", "attention_kind",
+           "family"]

@@ -73,6 +73,45 @@ class Param:
 
 
 @dataclasses.dataclass(frozen=True)
+class CacheArray:
+    """One array of a layer's decoding cache, held as [L, B, S, *shape]: one slot of one row on one tensor rank.
+
+    axes: the logical axis of each of `shape`'s dims — how GSPMD lays the cache out (`jaxpar.sharding`'s rules).
+    split: the dim whose tensor ranks' shares lie side by side in the explicit path's global array (its shard_map
+    spec splits that dim over `tensor`); None: every tensor rank holds the array whole (a latent cache)."""
+
+    shape: tuple[int, ...]
+    axes: tuple[str | None, ...]
+    split: int | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionKind:
+    """One attention kind.
+
+    params(cfg) → its parameters by name (the projections; a family adds its norms and biases around them).
+    cache(cfg, tensor) → its decoding cache's arrays by name, as one tensor rank of `tensor` holds them.
+    check(cfg, tensor) → raise ConfigError for a tensor degree this kind cannot split over (naming the field).
+    shared(cfg, tensor) → how many tensor ranks hold the same heads (1: every rank its own share): GQA with fewer kv
+        heads than ranks replicates them — the logical axes in `shared_axes` are then held whole
+        (`jaxpar.plan.plan_rules`), and `TensorParallel.kv_replicas` picks each rank's head.
+    flops(cfg, keys, tensor) → forward FLOPs per token on one rank: (projections, the core attention over `keys`
+        keys per query).
+    local(cfg, tensor) → the ModelConfig fields of one tensor rank's share, as a plain model (the memory planner
+        traces it: `jaxpar.planner.memory.local_model`).
+    """
+
+    name: str
+    params: Callable[[object], dict[str, Param]]
+    cache: Callable[[object, int], dict[str, CacheArray]]
+    check: Callable[[object, int], None]
+    shared: Callable[[object, int], int]
+    flops: Callable[[object, float, int], tuple[float, float]]
+    local: Callable[[object, int], dict[str, int]]
+    shared_axes: tuple[str, ...] = ()
+
+
+@dataclasses.dataclass(frozen=True)
 class Rule:
     """jaxpar parameter `param` ⇄ Hugging Face tensor `name` ("{l}" = layer index for stacked params).
 
@@ -138,28 +177,12 @@ class Family:
     default_d_ff: Callable[[int], int]  # d_model → the MLP width a d_ff of 0 means
     check: Callable[[Any], None]  # cfg → raise ConfigError for what the family cannot run
     hf: HuggingFace
+    attention: str = "gqa"  # its attention kind: an entry of jaxpar.families.attention.ATTENTION_KINDS
 
     def mlp_matrices(self, cfg) -> int:
         """How many D×F weight matrices one layer's dense MLP holds (3 for SwiGLU, 2 for a plain MLP): FLOP formulas.
         (An MoE layer's active matrices: `jaxpar.flops`.)"""
         return 3 if self.mlp == "swiglu" else 2
-
-
-def attention_params(cfg, *, norm_bias: bool) -> dict[str, Param]:
-    """The parameters every family's attention and its two pre-norms hold (shared layout: GQA, heads split)."""
-    D, H, K, E = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
-    params = {
-        "attn_norm": Param((D,), ("norm",), "ones", decay=False),
-        "wq": Param((D, H, E), ("embed", "heads", "head_dim"), "normal", contract=(0,)),
-        "wk": Param((D, K, E), ("embed", "kv_heads", "head_dim"), "normal", contract=(0,)),
-        "wv": Param((D, K, E), ("embed", "kv_heads", "head_dim"), "normal", contract=(0,)),
-        "wo": Param((H, E, D), ("heads", "head_dim", "embed"), "out", contract=(0, 1)),
-        "mlp_norm": Param((D,), ("norm",), "ones", decay=False),
-    }
-    if norm_bias:
-        params.update(attn_norm_b=Param((D,), ("norm",), "zeros", decay=False),
-                      mlp_norm_b=Param((D,), ("norm",), "zeros", decay=False))
-    return params
 
 
 def moe_params(cfg) -> dict[str, Param]:
@@ -184,11 +207,3 @@ def moe_params(cfg) -> dict[str, Param]:
         if cfg.moe.shared_gate:
             params["ws_score"] = Param((D,), ("embed",), "normal")
     return params
-
-
-def qkv_bias_params(cfg) -> dict[str, Param]:
-    """Biases of the q, k, v projections: bq [H, E]; bk, bv [K, E]."""
-    H, K, E = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
-    return {"bq": Param((H, E), ("heads", "head_dim"), "zeros", decay=False),
-            "bk": Param((K, E), ("kv_heads", "head_dim"), "zeros", decay=False),
-            "bv": Param((K, E), ("kv_heads", "head_dim"), "zeros", decay=False)}

@@ -14,13 +14,14 @@ uses Conv1D, whose weights are [in, out] (no transpose), with q, k, v fused in o
 from __future__ import annotations
 
 from jaxpar.errors import ConfigError
-from jaxpar.families.base import Family, HuggingFace, Param, Rule, attention_params, qkv_bias_params, same
+from jaxpar.families.attention import GQA, attention_params, qkv_bias_params
+from jaxpar.families.base import Family, HuggingFace, Param, Rule, same
 
 
 def layer_params(cfg, moe: bool = False) -> dict[str, Param]:
     """GPT-2's layer: the shared attention with LayerNorms (scale and bias), a GELU MLP, biases everywhere."""
     D, F = cfg.d_model, cfg.d_ff
-    params = attention_params(cfg, norm_bias=True)
+    params = attention_params(cfg, GQA, norm_bias=True)
     params.update(w_up=Param((D, F), ("embed", "mlp"), "normal", contract=(0,)),
                   w_down=Param((F, D), ("mlp", "embed"), "out", contract=(0,)))
     params.update(qkv_bias_params(cfg))
@@ -123,4 +124,4 @@ def tensors(cfg, names: set[str] | None = None) -> list[Rule]:
 
 FAMILY = Family(name="gpt2", summary="LayerNorm, learned positions, GELU, biases (GPT-2)", norm="layer",
                 positions="learned", mlp="gelu", layer_params=layer_params, default_d_ff=default_d_ff, check=check,
-                hf=HuggingFace(ARCHITECTURES, read, write, exportable, tensors))
+                hf=HuggingFace(ARCHITECTURES, read, write, exportable, tensors), attention=GQA.name)

@@ -21,15 +21,15 @@ from typing import Any
 
 from jaxpar.errors import ConfigError
 from jaxpar.families import moe_hf
-from jaxpar.families.base import (Family, HuggingFace, Param, Rule, attention_params, moe_params, qkv_bias_params,
-                                  same)
+from jaxpar.families.attention import GQA, attention_params, qkv_bias_params
+from jaxpar.families.base import Family, HuggingFace, Param, Rule, moe_params, same
 
 
 def layer_params(cfg, moe: bool) -> dict[str, Param]:
     """The llama layer: the shared attention with RMSNorms, a SwiGLU MLP (or, `moe`, a mixture of SwiGLU experts:
     Mixtral, Qwen2-MoE), q/k/v biases only with qkv_bias."""
     D, F = cfg.d_model, cfg.d_ff
-    params = attention_params(cfg, norm_bias=False)
+    params = attention_params(cfg, GQA, norm_bias=False)
     if moe:
         params.update(moe_params(cfg))
     else:
@@ -241,4 +241,4 @@ def tensors(cfg, names: set[str] | None = None) -> list[Rule]:
 
 FAMILY = Family(name="llama", summary="RMSNorm, RoPE, SwiGLU, GQA (Llama, Mistral, Qwen2)", norm="rms",
                 positions="rope", mlp="swiglu", layer_params=layer_params, default_d_ff=default_d_ff, check=check,
-                hf=HuggingFace(ARCHITECTURES, read, write, exportable, tensors))
+                hf=HuggingFace(ARCHITECTURES, read, write, exportable, tensors), attention=GQA.name)

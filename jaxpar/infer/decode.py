@@ -20,8 +20,9 @@ cache buffer of `P + max_new_tokens` slots (masked), a cost fixed at compile tim
 On a mesh the parameters keep their tensor-parallel sharding. With an explicit plan (what `jaxpar.infer.text.load`
 gives) the same loop runs inside one `shard_map` with the training step's collectives and a vocab-parallel sampler
 (`_explicit_parts`); without one GSPMD partitions the computation (the comparison baseline). Either way the cache is
-laid out like the activations that fill it — batch over `data`, kv heads over `tensor` (one head a rank when there
-are fewer kv heads than tensor ranks, as the weights are replicated then).
+laid out like the activations that fill it, as the model's attention kind declares it (`AttentionKind.cache`: nothing
+here knows GQA) — batch over `data`, GQA's kv heads over `tensor` (one head a rank when there are fewer kv heads than
+tensor ranks, as the weights are replicated then).
 """
 
 from __future__ import annotations
@@ -41,13 +42,26 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from jaxpar.errors import GenerateError
+from jaxpar.families import attention_kind
 from jaxpar.infer.sampling import check_sampling_args, sample_logits, sample_sharded
 from jaxpar.model import KVCache
 from jaxpar.parallel.context import SINGLE_DEVICE, Parallel
 from jaxpar.parallel.vma import vary
 from jaxpar.sharding import constrain, param_specs
 
-CACHE_AXES = ("layers", "batch", "seq", "kv_heads", "head_dim")
+
+
+def cache_axes(cfg) -> dict[str, tuple[str | None, ...]]:
+    """The logical axes of each array of the model's decoding cache (`KVCache.arrays`, as its attention kind declares
+    them): [L, B, S] then the kind's per-slot axes — GQA's k and v ("layers", "batch", "seq", "kv_heads",
+    "head_dim")."""
+    return {name: ("layers", "batch", "seq", *a.axes) for name, a in attention_kind(cfg).cache(cfg, 1).items()}
+
+
+def laid_out(cache: KVCache, cfg) -> KVCache:
+    """The cache constrained to its logical layout (GSPMD: rows over `data`, what the rules split over `tensor`)."""
+    axes = cache_axes(cfg)
+    return KVCache({name: constrain(a, axes[name]) for name, a in cache.arrays.items()}, cache.lengths)
 
 
 def right_pad(input_ids: Sequence[Sequence[int]] | np.ndarray, attention_mask: np.ndarray | None = None, *,
@@ -131,8 +145,7 @@ def _generate(graphdef: nnx.GraphDef, params: nnx.State, tokens: jax.Array, leng
     [B, max_new_tokens], count)."""
     cfg = nnx.merge(graphdef, params).cfg
     B, P_ = tokens.shape
-    cache = KVCache.empty(cfg, B, P_ + max_new_tokens)
-    cache = KVCache(constrain(cache.k, CACHE_AXES), constrain(cache.v, CACHE_AXES), cache.lengths)
+    cache = laid_out(KVCache.empty(cfg, B, P_ + max_new_tokens), cfg)
 
     def step(params, tokens, positions, cache, counts):
         return decode_step(nnx.merge(graphdef, params), tokens, positions, cache, counts)
@@ -191,42 +204,50 @@ def _plan_key(graphdef: nnx.GraphDef, plan) -> tuple:
 
 
 def _local_cache(plan, batch: int, slots: int) -> KVCache:
-    """An empty cache of this rank's rows and kv heads, inside the plan's shard_map, typed as varying over what the
-    keys and values written into it vary over (data, and tensor when the heads are split)."""
-    cache = KVCache.empty(plan.model, batch, slots, kv_heads(plan))
-    heads = ("data",) + (("tensor",) if plan.parallel.tensor is not None else ())
-    return KVCache(vary(cache.k, heads), vary(cache.v, heads), vary(cache.lengths, "data"))
+    """An empty cache of this rank's rows and share of the heads, inside the plan's shard_map, each array typed as
+    varying over what is written into it: its rows over data, and over tensor where the ranks hold shares of it
+    (`CacheArray.split`)."""
+    t = plan.degrees["tensor"]
+    cache = KVCache.empty(plan.model, batch, slots, tensor=t)
+    kinds = attention_kind(plan.model).cache(plan.model, t)
+    split = ("tensor",) if plan.parallel.tensor is not None else ()
+    arrays = {name: vary(a, ("data", *(split if kinds[name].split is not None else ())))
+              for name, a in cache.arrays.items()}
+    return KVCache(arrays, vary(cache.lengths, "data"))
 
 
-def kv_heads(plan) -> int:
-    """The kv heads one tensor rank's cache holds (`KVCache.heads_per_rank`)."""
-    return KVCache.heads_per_rank(plan.model, plan.degrees["tensor"])
-
-
-def cache_spec(plan) -> P:
-    """Where the explicit path's KV cache [L, B, S, K', E] lives: rows over `data`, each tensor rank's heads
-    (K' = t · `kv_heads`) over `tensor`."""
-    return P(None, "data", None, "tensor" if plan.degrees["tensor"] > 1 else None, None)
+def cache_spec(plan) -> dict[str, P]:
+    """Where the explicit path's cache arrays [L, B, S, *slot] live: rows over `data`, the dim each tensor rank holds
+    its share of (`CacheArray.split`: GQA's kv heads) over `tensor` — its global size t × a rank's."""
+    tensor = "tensor" if plan.degrees["tensor"] > 1 else None
+    return {name: P(None, "data", None, *(tensor if i == a.split else None for i in range(len(a.shape))))
+            for name, a in attention_kind(plan.model).cache(plan.model, plan.degrees["tensor"]).items()}
 
 
 def explicit_decode_step(model: nnx.Module, plan, batch: int, slots: int, **sampling):
     """One decode step of the explicit path and its sampler as their own program (for accounting and benchmarks):
-    → (a jitted fn(params, tok [B], k, v, lengths [B], key) → (next tok, k, v), its example arguments: the cache
-    [L, B, slots, K', E] empty in the model's dtype, every row at position slots − 1, so it attends over them all)."""
+    → (a jitted fn(params, tok [B], cache arrays, lengths [B], key) → (next tok, cache arrays), its example
+    arguments: the cache ({name: [L, B, slots, *slot]}, `cache_spec`) empty in the model's dtype, every row at
+    position slots − 1, so it attends over them all)."""
     graphdef, params = nnx.split(model)
     _, step, sample = _explicit_parts(graphdef, plan, **sampling)
 
-    def run(params, tok, k, v, lengths, key):
-        logits, cache = step(params, tok[:, None], lengths, KVCache(k, v, lengths), None)  # [B, 1, V/t]
-        return sample(logits[:, 0], key), cache.k, cache.v
+    def run(params, tok, arrays, lengths, key):
+        logits, cache = step(params, tok[:, None], lengths, KVCache(arrays, lengths), None)  # [B, 1, V/t]
+        return sample(logits[:, 0], key), cache.arrays
 
     specs, rows, cache = _param_specs(params, plan), P("data"), cache_spec(plan)
-    fn = jax.jit(jax.shard_map(run, mesh=plan.mesh, in_specs=(specs, rows, cache, cache, rows, P()),
-                               out_specs=(rows, cache, cache), check_vma=True))
+    fn = jax.jit(jax.shard_map(run, mesh=plan.mesh, in_specs=(specs, rows, cache, rows, P()),
+                               out_specs=(rows, cache), check_vma=True))
     cfg, t = plan.model, plan.degrees["tensor"]
     place = lambda x, spec: jax.device_put(x, jax.sharding.NamedSharding(plan.mesh, spec))  # noqa: E731
-    kv = place(jnp.zeros((cfg.n_layers, batch, slots, kv_heads(plan) * t, cfg.head_dim), cfg.dtype), cache)
-    args = (params, place(jnp.zeros((batch,), jnp.int32), rows), kv, kv,
+
+    def empty(a):  # the global array: each tensor rank's share side by side along its split dim
+        shape = tuple(n * t if i == a.split else n for i, n in enumerate(a.shape))
+        return jnp.zeros((cfg.n_layers, batch, slots, *shape), cfg.dtype)
+
+    arrays = {name: place(empty(a), cache[name]) for name, a in attention_kind(cfg).cache(cfg, t).items()}
+    args = (params, place(jnp.zeros((batch,), jnp.int32), rows), arrays,
             place(jnp.full((batch,), slots - 1, jnp.int32), rows), jax.random.key(0))
     return fn, args
 

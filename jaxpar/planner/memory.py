@@ -70,8 +70,8 @@ from flax import nnx
 from jax._src import core as jax_core  # Var, Literal: the jaxpr the residuals are read from
 
 from jaxpar.config import Config, ModelConfig
-from jaxpar.model import (KVCache, abstract_model, attention_mask, default_positions, layer_groups, run_layers,
-                          trainable)
+from jaxpar.families import attention_kind
+from jaxpar.model import (abstract_model, attention_mask, default_positions, layer_groups, run_layers, trainable)
 from jaxpar.parallel import executor, pipeline
 from jaxpar.parallel.axes import AXES, BATCH_AXES, DATA, TENSOR
 from jaxpar.plan import padded_vocab, plan_rules
@@ -204,17 +204,17 @@ def _param_shards(model: ModelConfig, degrees: tuple, zero_data: int, weights_on
 
 
 def kv_cache_bytes(model: ModelConfig, batch: int, slots: int, data: int = 1, tensor: int = 1) -> int:
-    """Bytes one device holds of the inference KV cache (`jaxpar.infer.decode`: keys and values [L, B, slots, K', E]
-    in the model's dtype, rows over `data`, kv heads over `tensor`):
+    """Bytes one device holds of the inference cache (`jaxpar.infer.decode`: the attention kind's arrays
+    [L, B, slots, *slot] in the model's dtype, rows over `data`, each tensor rank's share as its kind declares it,
+    `AttentionKind.cache`):
 
-        2 · L · ⌈B / data⌉ · slots · K_local · E · itemsize,   K_local = K / t, or 1 when K does not split over t
-                                                               (`KVCache.heads_per_rank`)
+        L · ⌈B / data⌉ · slots · Σ_arrays |slot| · itemsize
+        (GQA: keys and values, |slot| = K_local · E, K_local = K / t, or 1 when K does not split over t)
 
     Every layer's cache is on every device (inference runs no pipeline). A generate call's `slots` is the padded
     prompt length plus max_new_tokens."""
-    k_local = KVCache.heads_per_rank(model, tensor)
-    return (2 * model.n_layers * -(-batch // data) * slots * k_local * model.head_dim
-            * jnp.dtype(model.dtype).itemsize)
+    per_slot = sum(math.prod(a.shape) for a in attention_kind(model).cache(model, tensor).values())
+    return model.n_layers * -(-batch // data) * slots * per_slot * jnp.dtype(model.dtype).itemsize
 
 
 def inference_bytes(model: ModelConfig, batch: int, slots: int, data: int = 1, tensor: int = 1) -> dict[str, int]:
@@ -235,13 +235,14 @@ def _adam_counters() -> int:
 
 
 def local_model(model: ModelConfig, degrees: dict[str, int]) -> ModelConfig:
-    """The model as one tensor rank holds it: a/t query heads, max(K/t, 1) kv heads, d_ff/t (and the experts'),
-    vocab/t — what a device computes, as a plain model the residual trace can run."""
+    """The model as one tensor rank holds it: its attention kind's share (`AttentionKind.local`: GQA's a/t query
+    heads and K/t or one kv heads), d_ff/t (and the experts'), vocab/t — what a device computes, as a plain model the
+    residual trace can run."""
     t = degrees[TENSOR]
     moe = model.moe
     if moe.enabled:
         moe = dataclasses.replace(moe, d_ff=moe.d_ff // t, shared_d_ff=moe.shared_d_ff // t)
-    return dataclasses.replace(model, n_heads=model.n_heads // t, n_kv_heads=max(model.n_kv_heads // t, 1),
+    return dataclasses.replace(model, **attention_kind(model).local(model, t),
                                head_dim=model.head_dim, d_ff=model.d_ff // t, vocab_size=padded_vocab(model, t) // t,
                                moe=moe, weights="float", attention="xla")
 

@@ -1,0 +1,91 @@
+"""Attention kinds: what a layer's attention holds, what its decoding cache holds, and the rules it sets.
+
+A family names its attention kind (`Family.attention`) as it names its MLP; this table declares each kind as data —
+its parameters, its cache layout (per array: one slot's shape on one tensor rank and the logical axes of each
+dim), its layout rules against the tensor degree, and its FLOPs — and `jaxpar.model.ATTENTION` holds the function
+that computes it. Everything that sizes, lays out, checks or counts attention reads these entries: the model's
+parameters and its `KVCache`, decoding's cache layout on a mesh (`jaxpar.infer.decode`), the planner's cache bytes
+(`jaxpar.planner.memory.kv_cache_bytes`), the config's layout checks and the FLOP formulas. So a new kind (latent
+attention, a paged layout) is a new entry here and its function in jaxpar.model; decode, the planner and the checks
+do not change.
+
+Like the family files, this module imports no jax (the config validates against it before jax loads).
+"""
+
+from __future__ import annotations
+
+from jaxpar.errors import ConfigError, check_divides, divisors
+from jaxpar.families.base import AttentionKind, CacheArray, Param
+
+# Dimension letters: D d_model, H query heads, K kv heads, E head_dim, t the tensor degree.
+
+
+def _gqa_params(cfg) -> dict[str, Param]:
+    D, H, K, E = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+    return {"wq": Param((D, H, E), ("embed", "heads", "head_dim"), "normal", contract=(0,)),
+            "wk": Param((D, K, E), ("embed", "kv_heads", "head_dim"), "normal", contract=(0,)),
+            "wv": Param((D, K, E), ("embed", "kv_heads", "head_dim"), "normal", contract=(0,)),
+            "wo": Param((H, E, D), ("heads", "head_dim", "embed"), "out", contract=(0, 1))}
+
+
+def _gqa_heads(cfg, tensor: int) -> int:
+    """The kv heads one tensor rank holds: K/t, or one when K does not split over t (the one its query heads read)."""
+    return cfg.n_kv_heads // tensor if cfg.n_kv_heads % tensor == 0 else 1
+
+
+def _gqa_cache(cfg, tensor: int) -> dict[str, CacheArray]:
+    slot = CacheArray((_gqa_heads(cfg, tensor), cfg.head_dim), ("kv_heads", "head_dim"), split=0)
+    return {"k": slot, "v": slot}  # keys after RoPE, and values
+
+
+def _gqa_check(cfg, tensor: int) -> None:
+    check_divides("model.n_heads", cfg.n_heads, "parallel.tensor", tensor, "each tensor shard holds whole query heads")
+    if cfg.n_kv_heads % tensor and tensor % cfg.n_kv_heads:
+        raise ConfigError("model.n_kv_heads", cfg.n_kv_heads,
+                          f"must be a multiple or a divisor of parallel.tensor = {tensor} (kv heads are split "
+                          "over tensor, or replicated so each rank holds the one its query heads use)",
+                          f"use n_kv_heads among {divisors(tensor)} or a multiple of {tensor}")
+
+
+def _gqa_shared(cfg, tensor: int) -> int:
+    return tensor // cfg.n_kv_heads if tensor > 1 and cfg.n_kv_heads % tensor else 1
+
+
+def _gqa_flops(cfg, keys: float, tensor: int) -> tuple[float, float]:
+    """q, k, v and out projections: 2·D·E·(H + 2K) + 2·H·E·D; scores and their product with V: 4·H·E·keys (local
+    heads: H/t, and K/t or at least one)."""
+    D, E = cfg.d_model, cfg.head_dim
+    H, K = cfg.n_heads / tensor, max(cfg.n_kv_heads / tensor, 1)
+    return 2 * D * E * (H + 2 * K) + 2 * H * E * D, 4 * H * E * keys
+
+
+def _gqa_local(cfg, tensor: int) -> dict[str, int]:
+    return {"n_heads": cfg.n_heads // tensor, "n_kv_heads": _gqa_heads(cfg, tensor)}
+
+
+# Grouped-query attention (multi-head when K = H): query head n reads kv head n // (H/K); the cache holds every
+# layer's keys and values per slot, kv heads split over tensor.
+GQA = AttentionKind("gqa", params=_gqa_params, cache=_gqa_cache, check=_gqa_check, shared=_gqa_shared,
+                    flops=_gqa_flops, local=_gqa_local, shared_axes=("kv_heads",))
+
+ATTENTION_KINDS: dict[str, AttentionKind] = {GQA.name: GQA}
+
+
+def attention_params(cfg, kind: AttentionKind, *, norm_bias: bool) -> dict[str, Param]:
+    """A layer's attention half as a family lists it: the pre-attention norm, the kind's parameters, the pre-MLP
+    norm (with LayerNorm biases when `norm_bias`) — in this order, which is the order a seed's draws follow."""
+    D = cfg.d_model
+    params = {"attn_norm": Param((D,), ("norm",), "ones", decay=False), **kind.params(cfg),
+              "mlp_norm": Param((D,), ("norm",), "ones", decay=False)}
+    if norm_bias:
+        params.update(attn_norm_b=Param((D,), ("norm",), "zeros", decay=False),
+                      mlp_norm_b=Param((D,), ("norm",), "zeros", decay=False))
+    return params
+
+
+def qkv_bias_params(cfg) -> dict[str, Param]:
+    """GQA's q, k, v projection biases (GPT-2; the llama family with qkv_bias, Qwen2): bq [H, E]; bk, bv [K, E]."""
+    H, K, E = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+    return {"bq": Param((H, E), ("heads", "head_dim"), "zeros", decay=False),
+            "bk": Param((K, E), ("kv_heads", "head_dim"), "zeros", decay=False),
+            "bv": Param((K, E), ("kv_heads", "head_dim"), "zeros", decay=False)}
