@@ -19,6 +19,13 @@ from jaxpar.sharding import param_shardings, param_specs
 from jaxpar.train.step import loss_and_grads, sharded_loss_and_grads
 
 
+def canonical_host(params, config, mesh=None) -> dict:
+    """A trained model state (parameters and buffers, laid out for `config` on `mesh`) on the host, as the
+    checkpoint stores it: layers in model order, vocab unpadded."""
+    plan = make_plan(config.model, config.parallel, mesh)
+    return jax.tree.map(np.asarray, nnx.to_pure_dict(plan.to_canonical(params)))
+
+
 def single_device(cfg, batch):
     """The reference: one device, no mesh, unpadded vocab, layers in model order → (params, loss, grads)."""
     graphdef, params = nnx.split(Transformer(cfg, rngs=nnx.Rngs(0)), nnx.Param)

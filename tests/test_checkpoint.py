@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from _parity import canonical_host
 from jaxpar.config import load_config
-from jaxpar.plan import make_plan
 from jaxpar.store import checkpoint
 from jaxpar.train import build_trainer, fit
 
@@ -37,11 +37,6 @@ def config_at(name, steps):
 
 def run(name, workdir, steps):
     return fit(config_at(name, steps), workdir, devices=jax.devices()[: LAYOUTS[name][1]], progress=False)
-
-
-def canonical_host(params, config, mesh):
-    plan = make_plan(config.model, config.parallel, mesh)
-    return jax.tree.map(np.asarray, nnx.to_pure_dict(plan.to_canonical(params)))
 
 
 def canonical_state(state, config, mesh) -> dict:

@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from _parity import canonical_host
 from jaxpar.config import load_config
 from jaxpar.model import abstract_model, buffers_of
-from jaxpar.plan import make_plan
 from jaxpar.store import checkpoint
 from jaxpar.train import build_trainer, fit
 from jaxpar.train.step import loss_and_grads
@@ -39,11 +39,6 @@ LAYOUTS = {  # name: (overrides, devices)
 
 def config_at(name):
     return load_config("configs/moe_tiny.py", MODEL + LAYOUTS[name][0])
-
-
-def canonical_host(params, config, mesh=None) -> dict:
-    plan = make_plan(config.model, config.parallel, mesh)
-    return jax.tree.map(np.asarray, nnx.to_pure_dict(plan.to_canonical(params)))
 
 
 def test_expert_load_follows_its_rule_and_the_optimizer_never_sees_it():
