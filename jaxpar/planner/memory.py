@@ -734,7 +734,11 @@ def activation_bytes(config: Config, backend: str = "gpu") -> dict[str, float]:
     # Traced for one row: every residual is [rows, …] (or [rows·s, …]), so the bytes scale with the rows.
     traced = {k: residuals(local, s, p.remat, k) for k in set(kinds)}
     if saved is None:
-        per_kind = {k: _scaled(r.stacked if looped else r.layer, config, s, routed) for k, r in traced.items()}
+        # A loop's stacked residuals are what the trace stacks: the experts' rows as the trace has them (EP's padding
+        # applies). Only an inlined run of layers keeps XLA:CPU's dense `ragged_dot` rows X/ep times beside the
+        # backward (moe_tiny under SP, one layer a trip: +34 % → +6 % against the compiled peak; bench/RESULTS.md).
+        kept = (routed[0], routed[0]) if looped else routed
+        per_kind = {k: _scaled(r.stacked if looped else r.layer, config, s, kept) for k, r in traced.items()}
         saved = layers * layer_rows * sum(per_kind[k] for k in kinds)
     first = traced[kinds[0]]
     outside = outside_rows * _scaled(first.outside, config, s)
