@@ -736,7 +736,7 @@ def activation_bytes(config: Config, backend: str = "gpu") -> dict[str, float]:
     if saved is None:
         # A loop's stacked residuals are what the trace stacks: the experts' rows as the trace has them (EP's padding
         # applies). Only an inlined run of layers keeps XLA:CPU's dense `ragged_dot` rows X/ep times beside the
-        # backward (moe_tiny under SP, one layer a trip: +34 % → +6 % against the compiled peak; bench/RESULTS.md).
+        # backward (measured: bench/RESULTS.md, "Planner memory: the XLA:CPU corrections").
         kept = (routed[0], routed[0]) if looped else routed
         per_kind = {k: _scaled(r.stacked if looped else r.layer, config, s, kept) for k, r in traced.items()}
         saved = layers * layer_rows * sum(per_kind[k] for k in kinds)
