@@ -1,14 +1,20 @@
 """The matmul seam: every use of a weight matrix in the model goes through one small policy object.
 
 The model never writes `x @ w.astype(dtype)` itself. It hands the stored parameter to the parallel context
-(`par.column`, `par.row`, `par.embed`), and the context hands it to its `Einsum` at the one place the contraction
-happens. That is the seam the weight formats plug into, the way gemma's `Einsum` module and torchtitan's float8
+(`par.column`, `par.row`, `par.embed`), and the context hands it to the `Einsum` of the weight's role at the one
+place the contraction happens. That is the seam the weight formats plug into, the way gemma's `Einsum` module and torchtitan's float8
 converters do it:
 
     plain (this file)      stored float weight → cast to the activation's dtype → einsum, float32 accumulation
     int8 / int4 (this file) stored `Quantized(q, scale)` → dequantized to the activation's dtype → the same einsum
     fp8 (later)            a scaled low-precision dot, float32 accumulation
     LoRA (later)           x·W + (x·A)·B, with W frozen
+
+Policies are chosen per *role* (`ROLES`: attention, mlp, experts, router, embedding, head). Each matrix's family
+`Param` carries its role, the model names the same role where it calls the context (`par.column(…, "mlp")`), and
+the plan binds a `Policies` table (`make_plan(…, matmul=Policies.blocks(fp8))`) that `Parallel` holds: so FP8 or
+LoRA can take the block's matmuls while the router, the embedding and the LM head stay in float. Every role is
+plain by default.
 
 Tensor parallelism wraps the policy rather than replacing it: a column-parallel group applies its entry collective
 (f or the sequence all-gather) and then this policy per weight; a row-parallel matmul applies this policy and then
@@ -17,6 +23,26 @@ collectives.
 
 The policy must be hashable (a frozen dataclass): the sequence-parallel matmul group is a `custom_vjp` that takes it
 as a static argument.
+
+A policy is `operand` (the stored weight → what the contraction reads: a function of the weight alone, idempotent)
+then `contract` (activations × prepared operand, linear in the activations). What stays exact where, for a scaled
+format such as FP8 with per-tensor scales:
+
+- Collective matmul (jaxpar.parallel.overlap) contracts the sequence chunk by chunk around a ring. It runs
+  `operand` once per weight before the ring, and in its backward takes one vjp of `operand` (at the stored weight)
+  on the chunks' summed weight gradient; each chunk is only `contract`, and the input gradient is the vjp of
+  `contract` at one primal of the input's shape. So a weight-side scale (from the weight's amax, or from an amax
+  history kept as a `model.Buffer`) is computed once and every chunk contracts the very operand the plain path
+  contracts: exact.
+- A scale on the *activations* or on the output gradients (FP8's e4m3 inputs, e5m2 gradients) must not be taken
+  from the operand the contraction sees: a chunk's amax is not the tensor's, and the ring's input-gradient vjp is
+  taken at a stand-in primal. Such a scale is state (delayed scaling: an amax history, a Buffer, updated after the
+  step from amaxes reduced over every mesh axis that splits the tensor), an input of `contract`, not a function of x.
+- The same holds for the pipeline executor, which prepares a chunk's weights once a tick by their roles (the tape
+  records each group's role) and runs the model on them: `operand` applied again must change nothing.
+- Under tensor parallelism `operand` sees this rank's shard: a scale computed from the shard is per shard. A
+  whole-tensor scale (DESIGN's contract: the same numbers on every layout) is reduced over exactly the mesh axes
+  that split the weight — outside the policy, with the state that holds it.
 
 Token dimensions are flattened before the contraction. The model's activations are [B, T, ...]; contracted as they
 are, the weight gradient of `btd,df->btf` contracts two dimensions (b and t), and XLA's CPU compiler lays that dot
@@ -92,18 +118,28 @@ def quantize(w: Array, scale_shape: tuple[int, ...], fmt: str) -> Quantized:
 @dataclasses.dataclass(frozen=True)
 class Einsum:
     """The plain policy: the stored weight (float32 master, or whatever `param_dtype` is) is cast to the activation's
-    dtype — the compute dtype, bf16 on GPUs — and contracted with float32 accumulation."""
+    dtype — the compute dtype, bf16 on GPUs — and contracted with float32 accumulation.
+
+    A policy is two steps, and a new one overrides either: `operand` prepares a stored weight (cast, dequantize,
+    quantize-dequantize at a scale) and `contract` contracts activations with prepared operands. `__call__` is the
+    two in a row; the collective matmul prepares once and contracts each ring chunk (see the module docstring)."""
 
     def __call__(self, equation: str, x: Array, w: Array) -> Array:
         """einsum(equation, x, w) → float32. x is already in the compute dtype; w as stored (or as `operand`
         made it: applying that again changes nothing)."""
-        return token_einsum(equation, x, self.operand(w, x.dtype))
+        return self.contract(equation, x, self.operand(w, x.dtype))
 
     def operand(self, w: Array, dtype) -> Array:
         """The stored weight as the contraction reads it, for activations in `dtype` (a `Quantized` one
-        dequantized). (The pipeline executor prepares a chunk's weights with it once a tick, so what its backward
-        closes over is one copy.)"""
+        dequantized). A function of w alone, and idempotent: operand(operand(w)) = operand(w). (The pipeline
+        executor prepares a chunk's weights with it once a tick and runs the model on them, so what its backward
+        closes over is one copy; the model's own call prepares them again, which must change nothing.)"""
         return w.dequantize(dtype) if isinstance(w, Quantized) else w.astype(dtype)
+
+    def contract(self, equation: str, x: Array, w: Array) -> Array:
+        """einsum(equation, x, w) → float32 on a prepared operand w. Linear in x: the collective matmul's backward
+        takes its vjp with respect to x once, at any primal of x's shape."""
+        return token_einsum(equation, x, w)
 
     def ragged(self, x: Array, w: Array, group_sizes: Array) -> Array:
         """Grouped matmul (the experts of an MoE layer): rows x [M, K] sorted by group, w [G, K, N], group_sizes
@@ -116,6 +152,54 @@ class Einsum:
 
 
 PLAIN = Einsum()
+
+# The roles a weight matrix is contracted under (`families.base.Param.role` says each parameter's; the model names
+# the role at each call of the seam). A shared expert is a dense MLP every token passes: `mlp`; a shared expert's
+# sigmoid score is a gate like the router's: `router`. The LM head is `head` even when tied to the embedding.
+ROLES = ("attention", "mlp", "experts", "router", "embedding", "head")
+BLOCK_ROLES = ("attention", "mlp", "experts")  # the matmuls FP8 and LoRA are for; the rest stay float by default
+
+
+@dataclasses.dataclass(frozen=True)
+class Policies:
+    """The matmul policy of each role (`ROLES`): a hashable table the plan binds and `Parallel` holds. A role left
+    out is contracted by `PLAIN`.
+
+        Policies()                          every role plain (the reference)
+        Policies.of(mlp=Fp8())              one role
+        Policies.blocks(Fp8())              the block's matmuls (attention, mlp, experts); router, embedding and
+                                            head stay float
+    """
+
+    bound: tuple[tuple[str, Einsum], ...] = ()  # (role, policy), in ROLES order
+
+    def __post_init__(self):
+        roles = [role for role, _ in self.bound]
+        unknown = sorted(set(roles) - set(ROLES))
+        if unknown or len(set(roles)) != len(roles):
+            raise ValueError(f"matmul roles {roles}: each at most once, from {ROLES}")
+        object.__setattr__(self, "bound", tuple(sorted(self.bound, key=lambda b: ROLES.index(b[0]))))
+
+    @classmethod
+    def of(cls, **by_role: Einsum) -> "Policies":
+        """A table binding each named role to its policy (the others plain)."""
+        return cls(tuple(by_role.items()))
+
+    @classmethod
+    def blocks(cls, policy: Einsum) -> "Policies":
+        """`policy` for the transformer block's matmuls (`BLOCK_ROLES`), plain for the router, embedding and head."""
+        return cls(tuple((role, policy) for role in BLOCK_ROLES))
+
+    @classmethod
+    def every(cls, policy: Einsum) -> "Policies":
+        """`policy` for every role."""
+        return cls(tuple((role, policy) for role in ROLES))
+
+    def for_role(self, role: str) -> Einsum:
+        """The policy that contracts the weights of `role`."""
+        if role not in ROLES:
+            raise ValueError(f"matmul role {role!r}: expected one of {ROLES}")
+        return dict(self.bound).get(role, PLAIN)
 
 
 @functools.lru_cache(maxsize=None)

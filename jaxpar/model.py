@@ -470,7 +470,8 @@ class Transformer(nnx.Module):
         V, D, fam = cfg.vocab_size, cfg.d_model, family(cfg)
         self.padded_vocab = Vp = padded_vocab or V
         # Random rows for the real vocab first, then zero rows: the real rows get the same values at any padding.
-        self.embed = _param(rngs, Param((V, D), ("vocab", "embed"), "normal"), cfg, pad=((0, Vp - V), (0, 0)))
+        self.embed = _param(rngs, Param((V, D), ("vocab", "embed"), "normal", role="embedding"), cfg,
+                            pad=((0, Vp - V), (0, 0)))
         if fam.positions == "learned":
             self.pos_embed = _param(rngs, Param((cfg.max_seq_len, D), (None, "embed"), "half"), cfg)
         stacks = cfg.layer_stacks
@@ -481,7 +482,8 @@ class Transformer(nnx.Module):
         if fam.norm == "layer":
             self.final_norm_b = _param(rngs, Param((D,), ("norm",), "zeros", decay=False), cfg)
         if not cfg.tie_embeddings:
-            self.lm_head = _param(rngs, Param((D, V), ("embed", "vocab"), "normal"), cfg, pad=((0, 0), (0, Vp - V)))
+            self.lm_head = _param(rngs, Param((D, V), ("embed", "vocab"), "normal", role="head"), cfg,
+                                  pad=((0, 0), (0, Vp - V)))
         self.cfg = cfg
 
     def __call__(self, tokens: Array, *, positions: Array | None = None, segment_ids: Array | None = None,
@@ -545,7 +547,7 @@ class Transformer(nnx.Module):
         bias = self.final_norm_b[...] if hasattr(self, "final_norm_b") else None
         x = norm(x, par.replicated(self.final_norm[...]), _maybe(par.replicated, bias), cfg)
         head = self.embed[...].T if cfg.tie_embeddings else self.lm_head[...]  # [D, V_local]
-        (logits,) = par.column(x, (head,), ("btd,dv->btv",))  # [B, T, V_local] float32
+        (logits,) = par.column(x, (head,), ("btd,dv->btv",), "head")  # [B, T, V_local] float32
         if self.padded_vocab != cfg.vocab_size:
             logits = jnp.where(par.vocab_ids(logits.shape[-1]) < cfg.vocab_size, logits, NEG_INF)
         return constrain(logits, ("batch", "seq", "vocab"))
@@ -603,7 +605,7 @@ def gqa_attention(p: dict[str, Array], h: Array, positions: Array, mask: Array |
     dt = cfg.dtype
     wk, wv = par.kv_weight(p["wk"]), par.kv_weight(p["wv"])
     q, k, v = (y.astype(dt) for y in par.column(h, (p["wq"], wk, wv),
-                                                ("btd,dhe->bthe", "bsd,dke->bske", "bsd,dke->bske")))
+                                                ("btd,dhe->bthe", "bsd,dke->bske", "bsd,dke->bske"), "attention"))
     # q [B, T, H, E]; k, v [B, S, K, E] (local heads under tensor parallelism; S = T, the full sequence)
     if "bq" in p:  # gpt2, and the llama family with qkv_bias (Qwen2)
         bk, bv = par.kv_weight(p["bk"]), par.kv_weight(p["bv"])
@@ -619,7 +621,7 @@ def gqa_attention(p: dict[str, Array], h: Array, positions: Array, mask: Array |
         new_cache, layer = kv_cache({"k": k, "v": v})
         k, v = layer["k"], layer["v"]  # [B, S, K, E]: the layer's cache, the new slots written
     o = checkpoint_name(par.attention(functools.partial(attend, cfg=cfg), q, k, v, mask), "context")  # [B, T, H, E]
-    out = par.row(o, p["wo"], "bthe,hed->btd")  # [B, T, D] float32 ([B, T/t, D] under SP)
+    out = par.row(o, p["wo"], "bthe,hed->btd", "attention")  # [B, T, D] float32 ([B, T/t, D] under SP)
     if "bo" in p:
         out = out + par.replicated(p["bo"]).astype(jnp.float32)
     return out, new_cache
@@ -650,7 +652,7 @@ def mlp(p: dict[str, Array], h: Array, cfg: ModelConfig, par: Parallel = SINGLE_
     h [B, T, D] (compute dtype) → [B, T, D] float32."""
     act = ACTIVATIONS[family(cfg).mlp](p, h, cfg, par)  # [B, T, F] (F/t local), compute dtype
     act = constrain(act, ("batch", "seq", "mlp"))
-    out = par.row(act, p["w_down"], "btf,fd->btd")
+    out = par.row(act, p["w_down"], "btf,fd->btd", "mlp")
     if "b_down" in p:
         out = out + par.replicated(p["b_down"]).astype(jnp.float32)
     return out
@@ -667,15 +669,15 @@ def moe(p: dict[str, Array], h: Array, cfg: ModelConfig, par: Parallel = SINGLE_
     ws_* the shared expert. Statistics, summed over the B rows: `aux` (load-balancing loss) and `z` (z-loss),
     which the step adds to the objective (`moe_objective`), `load` [X] (assignments per expert) and `dropped`."""
     m = cfg.moe
-    logits = par.dot("btd,dx->btx", h, p["router"])  # [B, T, X] float32 (T/t under SP)
+    logits = par.dot("btd,dx->btx", h, p["router"], "router")  # [B, T, X] float32 (T/t under SP)
     routing = par.route(logits, m.top_k, m.norm_topk_prob, m.capacity_factor)
-    ffn = functools.partial(grouped_swiglu, dot=par.dot, dtype=cfg.dtype)
+    ffn = functools.partial(grouped_swiglu, dot=par.policy("experts"), dtype=cfg.dtype)
     out = par.experts(h, routing, (p["we_gate"], p["we_up"], p["we_down"]), ffn, m.capacity_factor)
     if "ws_gate" in p:  # the shared expert: a dense SwiGLU every token passes
-        gate, up = par.column(h, (p["ws_gate"], p["ws_up"]), ("btd,df->btf", "btd,df->btf"))
-        shared = par.row((jax.nn.silu(gate) * up).astype(cfg.dtype), p["ws_down"], "btf,fd->btd")
+        gate, up = par.column(h, (p["ws_gate"], p["ws_up"]), ("btd,df->btf", "btd,df->btf"), "mlp")
+        shared = par.row((jax.nn.silu(gate) * up).astype(cfg.dtype), p["ws_down"], "btf,fd->btd", "mlp")
         if "ws_score" in p:
-            shared = shared * jax.nn.sigmoid(par.dot("btd,d->bt", h, p["ws_score"]))[..., None]
+            shared = shared * jax.nn.sigmoid(par.dot("btd,d->bt", h, p["ws_score"], "router"))[..., None]
         out = out + shared
     stats = dict(aux=routing.aux, z=routing.z, load=routing.load.sum(0), dropped=routing.dropped)  # whole rows
     return out, stats
@@ -704,14 +706,14 @@ def grouped_swiglu(rows: Array, group_sizes: Array, weights, *, dot, dtype) -> A
 
 def swiglu(p: dict[str, Array], h: Array, cfg: ModelConfig, par: Parallel) -> Array:
     """silu(h·W_gate) ⊙ (h·W_up): two matrices in one column-parallel group (llama)."""
-    gate, up = par.column(h, (p["w_gate"], p["w_up"]), ("btd,df->btf", "btd,df->btf"))
+    gate, up = par.column(h, (p["w_gate"], p["w_up"]), ("btd,df->btf", "btd,df->btf"), "mlp")
     gate, up = checkpoint_name(gate, "mlp_gate"), checkpoint_name(up, "mlp_up")
     return checkpoint_name((jax.nn.silu(gate) * up).astype(cfg.dtype), "mlp_hidden")
 
 
 def gelu(p: dict[str, Array], h: Array, cfg: ModelConfig, par: Parallel) -> Array:
     """gelu(h·W_up + b_up) with GPT-2's tanh GELU ("gelu_new")."""
-    (up,) = par.column(h, (p["w_up"],), ("btd,df->btf",))  # [B, T, F]
+    (up,) = par.column(h, (p["w_up"],), ("btd,df->btf",), "mlp")  # [B, T, F]
     up = checkpoint_name(up, "mlp_up")
     return checkpoint_name(jax.nn.gelu((up + p["b_up"]).astype(cfg.dtype), approximate=True), "mlp_hidden")
 

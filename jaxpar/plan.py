@@ -29,6 +29,7 @@ import jax
 
 from jaxpar.config import ConfigError, ModelConfig, ParallelConfig, resolve_attention
 from jaxpar.families import attention_kind
+from jaxpar.matmul import Policies
 from jaxpar.mesh import make_mesh
 from jaxpar.parallel.axes import (AXES, BATCH_AXES, CONTEXT, DATA, EXPERT, GRAD_AXES, MESH_AXES, PIPE, RULES, SEQ_AXES,
                                   TENSOR, MeshAxes)
@@ -57,6 +58,8 @@ class Plan:
     pipeline: the circular pipeline's counts when pipe > 1, else None.
     zero: ZeRO stage: 1 shards optimizer moments over `data`, 3 parameters too.
     explicit: the step runs under shard_map with our collectives; False leaves partitioning to GSPMD.
+    matmul: the matmul policy of each weight role (jaxpar.matmul.Policies; every role plain by default), which
+        `parallel` hands the model.
     """
 
     mesh: Mesh | None = None
@@ -70,6 +73,7 @@ class Plan:
     model: ModelConfig | None = None
     context: ContextParallel | None = None
     expert: ExpertParallel = ExpertParallel()
+    matmul: Policies = Policies()
 
     @property
     def data(self) -> int:
@@ -130,7 +134,7 @@ class Plan:
     @property
     def parallel(self) -> Parallel:
         """The context the model calls at its parallel boundaries (jaxpar.parallel.context)."""
-        return Parallel(self.tensor, context=self.context, expert=self.expert)
+        return Parallel(self.tensor, context=self.context, expert=self.expert, matmul=self.matmul)
 
     @property
     def batch_spec(self) -> P:
@@ -155,16 +159,21 @@ def batch_sharding(mesh: Mesh) -> NamedSharding:
 
 
 def make_plan(model: ModelConfig, parallel: ParallelConfig | None = None, devices: Sequence | Mesh | None = None,
-              explicit: bool = True) -> Plan:
+              explicit: bool = True, matmul: Policies = Policies()) -> Plan:
     """The plan of `model` with `parallel` on `devices` — a list of devices (a mesh is built over them), an existing
     mesh with the axes of the table, or None for the single-device reference.
 
     explicit: the step runs under `shard_map` with our collectives (TensorParallel bound to 'tensor'); False leaves
     partitioning to GSPMD (the comparison baseline of bench/tp.py, and inference), which has no pipeline and no
     sequence parallelism: asking it for either is a ConfigError.
+
+    matmul: the policy that contracts each weight role's matmuls (jaxpar.matmul.Policies: e.g.
+    `Policies.blocks(fp8)` for the block's matmuls, router, embedding and head in float); every role plain by
+    default.
     """
     if devices is None:
-        return Plan(padded_vocab=model.vocab_size, explicit=explicit, model=resolve_attention(model, jax.devices()[0]))
+        return Plan(padded_vocab=model.vocab_size, explicit=explicit, model=resolve_attention(model, jax.devices()[0]),
+                    matmul=matmul)
     if isinstance(devices, Mesh):
         mesh = devices
         if tuple(mesh.axis_names) != AXES:
@@ -201,7 +210,7 @@ def make_plan(model: ModelConfig, parallel: ParallelConfig | None = None, device
         context = ContextParallel(CONTEXT, degrees[CONTEXT], parallel.context_impl, model.sliding_window)
     expert = ExpertParallel(EXPERT if degrees[EXPERT] > 1 else None, degrees[EXPERT])
     return Plan(mesh, degrees, rules, padded_vocab(model, t), tensor, pipeline, parallel.zero, explicit,
-                runs, context, expert)
+                runs, context, expert, matmul)
 
 
 def padded_vocab(model: ModelConfig, tensor: int) -> int:

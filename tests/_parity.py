@@ -41,11 +41,12 @@ def lay_out(cfg, params, plan):
     return graphdef, jax.device_put(laid_out, param_shardings(laid_out, plan.mesh, plan.rules, plan.param_zero_data))
 
 
-def on_layout(cfg, params, batch, parallel, *, remat: str = "none", grad_accum: int = 1, stats: bool = False):
+def on_layout(cfg, params, batch, parallel, *, remat: str = "none", grad_accum: int = 1, stats: bool = False,
+              matmul=None):
     """The same parameters laid out for `parallel` (a ParallelConfig) on all devices — vocab padded, layers in the
     plan's order, ZeRO-3 split if asked — through `sharded_loss_and_grads` → (loss, gradients in model order), and
-    with `stats` the MoE statistics summed over the step third."""
-    plan = make_plan(cfg, parallel, jax.devices())
+    with `stats` the MoE statistics summed over the step third. matmul: the plan's matmul policies (default plain)."""
+    plan = make_plan(cfg, parallel, jax.devices(), **({} if matmul is None else {"matmul": matmul}))
     graphdef, laid_out = lay_out(cfg, params, plan)
     specs = param_specs(laid_out, plan.rules, plan.param_zero_data)
     fn = sharded_loss_and_grads(graphdef, plan, param_specs=specs, remat=remat, grad_accum=grad_accum, stats=stats)

@@ -256,7 +256,7 @@ def test_every_weight_matrix_goes_through_the_matmul_policy(family):
     (what an int8 / fp8 / LoRA policy will rely on)."""
     import dataclasses
 
-    from jaxpar.matmul import Einsum
+    from jaxpar.matmul import Einsum, Policies
     from jaxpar.parallel.context import Parallel
 
     seen = []
@@ -273,7 +273,7 @@ def test_every_weight_matrix_goes_through_the_matmul_policy(family):
 
     model = make(family, n_layers=1)  # one layer: the scan body is traced once
     plain = model(tokens())
-    recorded = model(tokens(), par=Parallel(dot=Recording()))
+    recorded = model(tokens(), par=Parallel(matmul=Policies.every(Recording())))
     np.testing.assert_array_equal(recorded, plain)  # the default policy is the plain computation
     D, H, K, E, F, V = 22, 6, 2, 6, 13, 263
     want = [("table", V, D), (H, E), (K, E), (K, E), (E, D)] + ([(D, F)] if family == "gpt2" else [(D, F), (D, F)])
@@ -285,7 +285,7 @@ def test_every_weight_matrix_goes_through_the_matmul_policy(family):
         def __call__(self, equation, x, w):
             return super().__call__(equation, x, w * 0)
 
-    zeroed = model(tokens(), par=Parallel(dot=Zero()))
+    zeroed = model(tokens(), par=Parallel(matmul=Policies.every(Zero())))
     np.testing.assert_array_equal(zeroed, jnp.zeros_like(zeroed))  # the policy, not the model, applies the weights
 
 

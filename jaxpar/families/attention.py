@@ -22,10 +22,10 @@ from jaxpar.families.base import AttentionKind, CacheArray, Param
 
 def _gqa_params(cfg) -> dict[str, Param]:
     D, H, K, E = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
-    return {"wq": Param((D, H, E), ("embed", "heads", "head_dim"), "normal", contract=(0,)),
-            "wk": Param((D, K, E), ("embed", "kv_heads", "head_dim"), "normal", contract=(0,)),
-            "wv": Param((D, K, E), ("embed", "kv_heads", "head_dim"), "normal", contract=(0,)),
-            "wo": Param((H, E, D), ("heads", "head_dim", "embed"), "out", contract=(0, 1))}
+    return {"wq": Param((D, H, E), ("embed", "heads", "head_dim"), "normal", contract=(0,), role="attention"),
+            "wk": Param((D, K, E), ("embed", "kv_heads", "head_dim"), "normal", contract=(0,), role="attention"),
+            "wv": Param((D, K, E), ("embed", "kv_heads", "head_dim"), "normal", contract=(0,), role="attention"),
+            "wo": Param((H, E, D), ("heads", "head_dim", "embed"), "out", contract=(0, 1), role="attention")}
 
 
 def _gqa_heads(cfg, tensor: int) -> int:

@@ -31,6 +31,9 @@ class Param:
     (consecutive: wq [D, H, E] → (0,), wo [H, E, D] → (0, 1)); its other dims are output channels. Empty: not a
     matmul weight, or one kept in float (the router). These are the matrices weight-only quantization stores as
     integers (`quantized`).
+    role: for a weight the model contracts through the matmul seam, the role it is contracted under
+    (jaxpar.matmul.ROLES: attention, mlp, experts, router, embedding, head), whose policy the plan binds; None for
+    anything else. The model names the same role where it uses the weight (a test holds the two together).
     """
 
     shape: tuple[int, ...]
@@ -38,6 +41,7 @@ class Param:
     init: str
     decay: bool = True  # AdamW weight decay applies (matrices, embeddings); False for norm scales and biases
     contract: tuple[int, ...] = ()
+    role: str | None = None
 
     def scale(self, group: int | None) -> "Param":
         """The scale of this matrix quantized in groups of `group` consecutive input elements (row-major over the
@@ -195,15 +199,15 @@ def moe_params(cfg) -> dict[str, Param]:
         ws_score [D]                                   its sigmoid gate, when moe.shared_gate
     """
     D, X, F = cfg.d_model, cfg.moe.n_experts, cfg.moe.d_ff
-    params = {"router": Param((D, X), ("embed", None), "normal"),
-              "we_gate": Param((X, D, F), ("experts", "embed", "mlp"), "normal", contract=(1,)),
-              "we_up": Param((X, D, F), ("experts", "embed", "mlp"), "normal", contract=(1,)),
-              "we_down": Param((X, F, D), ("experts", "mlp", "embed"), "out", contract=(1,))}
+    params = {"router": Param((D, X), ("embed", None), "normal", role="router"),
+              "we_gate": Param((X, D, F), ("experts", "embed", "mlp"), "normal", contract=(1,), role="experts"),
+              "we_up": Param((X, D, F), ("experts", "embed", "mlp"), "normal", contract=(1,), role="experts"),
+              "we_down": Param((X, F, D), ("experts", "mlp", "embed"), "out", contract=(1,), role="experts")}
     if cfg.moe.shared_d_ff:
         Fs = cfg.moe.shared_d_ff
-        params.update(ws_gate=Param((D, Fs), ("embed", "mlp"), "normal", contract=(0,)),
-                      ws_up=Param((D, Fs), ("embed", "mlp"), "normal", contract=(0,)),
-                      ws_down=Param((Fs, D), ("mlp", "embed"), "out", contract=(0,)))
+        params.update(ws_gate=Param((D, Fs), ("embed", "mlp"), "normal", contract=(0,), role="mlp"),
+                      ws_up=Param((D, Fs), ("embed", "mlp"), "normal", contract=(0,), role="mlp"),
+                      ws_down=Param((Fs, D), ("mlp", "embed"), "out", contract=(0,), role="mlp"))
         if cfg.moe.shared_gate:
-            params["ws_score"] = Param((D,), ("embed",), "normal")
+            params["ws_score"] = Param((D,), ("embed",), "normal", role="router")
     return params

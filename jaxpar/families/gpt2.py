@@ -22,8 +22,8 @@ def layer_params(cfg, moe: bool = False) -> dict[str, Param]:
     """GPT-2's layer: the shared attention with LayerNorms (scale and bias), a GELU MLP, biases everywhere."""
     D, F = cfg.d_model, cfg.d_ff
     params = attention_params(cfg, GQA, norm_bias=True)
-    params.update(w_up=Param((D, F), ("embed", "mlp"), "normal", contract=(0,)),
-                  w_down=Param((F, D), ("mlp", "embed"), "out", contract=(0,)))
+    params.update(w_up=Param((D, F), ("embed", "mlp"), "normal", contract=(0,), role="mlp"),
+                  w_down=Param((F, D), ("mlp", "embed"), "out", contract=(0,), role="mlp"))
     params.update(qkv_bias_params(cfg))
     params.update(bo=Param((D,), ("embed",), "zeros", decay=False), b_up=Param((F,), ("mlp",), "zeros", decay=False),
                   b_down=Param((D,), ("embed",), "zeros", decay=False))

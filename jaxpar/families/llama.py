@@ -33,9 +33,9 @@ def layer_params(cfg, moe: bool) -> dict[str, Param]:
     if moe:
         params.update(moe_params(cfg))
     else:
-        params.update(w_gate=Param((D, F), ("embed", "mlp"), "normal", contract=(0,)),
-                      w_up=Param((D, F), ("embed", "mlp"), "normal", contract=(0,)),
-                      w_down=Param((F, D), ("mlp", "embed"), "out", contract=(0,)))
+        params.update(w_gate=Param((D, F), ("embed", "mlp"), "normal", contract=(0,), role="mlp"),
+                      w_up=Param((D, F), ("embed", "mlp"), "normal", contract=(0,), role="mlp"),
+                      w_down=Param((F, D), ("mlp", "embed"), "out", contract=(0,), role="mlp"))
     if cfg.qkv_bias:
         params.update(qkv_bias_params(cfg))
     return params

@@ -3,6 +3,7 @@
 The model (jaxpar.model) speaks logical axes and calls these methods where a parallel strategy may need to act:
 
     column / row        enter and leave a tensor-parallel region around the matmuls of one group
+    dot                 a matmul outside any region (the router: a weight every rank holds whole)
     replicated          a parameter every tensor rank holds whole, applied to (possibly sequence-sharded) tokens
     kv_weight           the kv heads this rank attends with (GQA with fewer kv heads than tensor ranks)
     embed / vocab_ids   the vocab-parallel embedding lookup and the ids of this rank's logit columns
@@ -20,7 +21,8 @@ the model with the default context *is* the reference every parallel layout is t
 field: `tensor` (jaxpar.parallel.tensor.TensorParallel), `context` (jaxpar.parallel.context_parallel) and `expert`
 (jaxpar.parallel.expert.ExpertParallel), each implemented in its own file under jaxpar/parallel/, so a new strategy
 widens neither the model nor another strategy.
-Every weight the methods receive is contracted through `dot` (jaxpar.matmul), the seam weight formats replace.
+Every weight the methods receive is contracted through the matmul policy of its role (`matmul`, a
+jaxpar.matmul.Policies table the plan binds: the model names the role at each call), the seam weight formats replace.
 A `tape` (jaxpar.parallel.weightgrad) sees every matmul group the model runs: the zero-bubble pipeline schedules use
 it to split a chunk's backward into its input gradients (B) and its weight gradients (W).
 The plan (jaxpar.plan: `plan.parallel`) builds the context once per model and mesh.
@@ -35,7 +37,7 @@ from typing import Callable, Sequence
 import jax
 import jax.numpy as jnp
 
-from jaxpar.matmul import PLAIN, Einsum
+from jaxpar.matmul import Einsum, Policies
 from jaxpar.parallel.context_parallel import ContextParallel
 from jaxpar.parallel.expert import ExpertParallel, GroupedFFN, Routing, route
 from jaxpar.parallel.sequence import local_gather
@@ -48,11 +50,12 @@ Array = jax.Array
 @dataclasses.dataclass(frozen=True)
 class Parallel:
     """The boundaries the model calls. tensor: Megatron TP/SP inside shard_map, or None (single device / GSPMD).
-    context: the sequence split over `context`, or None. tape: set by the pipeline executor around one layer
-    (`with_tape`); None everywhere else."""
+    context: the sequence split over `context`, or None. matmul: the policy of each matmul role (jaxpar.matmul;
+    every role plain by default). tape: set by the pipeline executor around one layer (`with_tape`); None
+    everywhere else."""
 
     tensor: TensorParallel | None = None
-    dot: Einsum = PLAIN
+    matmul: Policies = Policies()
     context: ContextParallel | None = None
     tape: Tape | None = dataclasses.field(default=None, compare=False, repr=False)
     expert: ExpertParallel = ExpertParallel()
@@ -61,26 +64,39 @@ class Parallel:
         """This context with `tape` watching its matmul groups (jaxpar.parallel.weightgrad)."""
         return dataclasses.replace(self, tape=tape)
 
-    def column(self, h: Array, weights: Sequence[Array], equations: Sequence[str]) -> list[Array]:
-        """Matmuls of one column-parallel group sharing the input h [B, T, D] (compute dtype) → float32 outputs."""
+    def policy(self, role: str) -> Einsum:
+        """The matmul policy of `role` (jaxpar.matmul.ROLES)."""
+        return self.matmul.for_role(role)
+
+    def column(self, h: Array, weights: Sequence[Array], equations: Sequence[str], role: str) -> list[Array]:
+        """Matmuls of one column-parallel group sharing the input h [B, T, D] (compute dtype), its weights of
+        matmul role `role` → float32 outputs."""
+        dot = self.policy(role)
 
         def group(h, weights):
             if self.tensor is not None:
-                return self.tensor.column(h, weights, equations, self.dot)
-            return [self.dot(eq, h, w) for eq, w in zip(equations, weights)]
+                return self.tensor.column(h, weights, equations, dot)
+            return [dot(eq, h, w) for eq, w in zip(equations, weights)]
 
-        return group(h, weights) if self.tape is None else self.tape.group(h, weights, group)
+        return group(h, weights) if self.tape is None else self.tape.group(h, weights, group, role)
 
-    def row(self, x: Array, w: Array, equation: str) -> Array:
-        """The matmul that closes a region: x (compute dtype) · w → float32 [B, T, D]. Rounded to the compute dtype
-        once, as the tensor-parallel partial sums are for the wire, so the reference and every layout agree."""
+    def row(self, x: Array, w: Array, equation: str, role: str) -> Array:
+        """The matmul that closes a region: x (compute dtype) · w (of matmul role `role`) → float32 [B, T, D].
+        Rounded to the compute dtype once, as the tensor-parallel partial sums are for the wire, so the reference
+        and every layout agree."""
+        dot = self.policy(role)
 
         def group(x, weights):
             if self.tensor is not None:
-                return [self.tensor.row(x, weights[0], equation, self.dot)]
-            return [self.dot(equation, x, weights[0]).astype(x.dtype).astype(jnp.float32)]
+                return [self.tensor.row(x, weights[0], equation, dot)]
+            return [dot(equation, x, weights[0]).astype(x.dtype).astype(jnp.float32)]
 
-        return (group(x, (w,)) if self.tape is None else self.tape.group(x, (w,), group))[0]
+        return (group(x, (w,)) if self.tape is None else self.tape.group(x, (w,), group, role))[0]
+
+    def dot(self, equation: str, x: Array, w: Array, role: str) -> Array:
+        """A matmul of this rank's tokens x (compute dtype) with a weight every tensor rank holds whole (the MoE
+        router, a shared expert's score), by the policy of `role` → float32. No region, no collective."""
+        return self.policy(role)(equation, x, w)
 
     def replicated(self, p: Array) -> Array:
         """A parameter held whole by every tensor rank (norm scales, output biases, positions)."""
@@ -93,7 +109,7 @@ class Parallel:
 
     def embed(self, table: Array, tokens: Array, dtype) -> Array:
         """Token embedding: table [V, D] as stored, tokens [B, T] → float32 [B, T, D] (rows read in `dtype`)."""
-        rows = self.dot.table(table, dtype)
+        rows = self.policy("embedding").table(table, dtype)
         if self.tensor is not None:
             return self.tensor.embed(rows, tokens)
         return jnp.take(rows, tokens, axis=0).astype(jnp.float32)
@@ -132,7 +148,8 @@ class Parallel:
                 capacity_factor: float) -> Array:
         """An MoE layer's routed experts: Σ_j gate_j · FFN_{expert_j}(h) over each token's kept assignments.
         h [B, T, D] (compute dtype; T/t under SP) → float32 [B, T, D], rounded to the compute dtype once like `row`.
-        weights [X_local, …] each, `ffn` the experts' grouped computation (jaxpar.parallel.expert.GroupedFFN).
+        weights [X_local, …] each, `ffn` the experts' grouped computation (jaxpar.parallel.expert.GroupedFFN), which
+        contracts them by the `experts` role's policy (`policy("experts")`).
         Under tensor parallelism this is a region like an MLP's: f in (under SP: the tokens and their routing
         gathered), each rank its slice of every expert, g out (under SP: reduce-scattered). For a tape (the B/W
         split) the group's input is the tokens with their routing: W replays the experts on the same assignments."""
@@ -149,7 +166,9 @@ class Parallel:
             return [self.tensor.exit(partial.astype(h.dtype)).astype(jnp.float32)]
 
         inputs = (h, routing.experts, routing.gates, routing.keep)
-        return (group(inputs, weights) if self.tape is None else self.tape.group(inputs, weights, group))[0]
+        if self.tape is None:
+            return group(inputs, weights)[0]
+        return self.tape.group(inputs, weights, group, "experts")[0]
 
     def context_shard(self, x: Array) -> Array:
         """This rank's part of a full-sequence array [B, S, …] under context parallelism (→ [B, S/c, …]); x itself

@@ -59,15 +59,20 @@ class Chunk:
     chunk_fn, operand: as `execute` takes them; chunk_a, chunk_b: the chunk's parameters, twice (two traces); x0: a
     microbatch's input [mb, …]; like(x, ref): x typed as ref is (inside shard_map, as varying over the pipe axis)."""
 
-    def __init__(self, chunk_fn: Callable, chunk_a, chunk_b, x0: Array, operand: Callable[[Array], Array],
+    def __init__(self, chunk_fn: Callable, chunk_a, chunk_b, x0: Array, operand: Callable[[Array, str], Array],
                  like: Callable = lambda x, ref: x):
         self.chunk_fn, self.operand, self.like = chunk_fn, operand, like
         self.params_ref = chunk_a
         param_leaves, self.param_def = jax.tree.flatten(chunk_a)
         measured = Tape(MEASURE)
         chunk_fn(chunk_a, x0, measured)
-        weight_ids = {id(w) for w in measured.weights}
-        self.is_matmul = [id(leaf) in weight_ids for leaf in param_leaves]
+        role_of = {}  # id(weight) → its matmul role, as the model contracted it
+        for w, role in zip(measured.weights, measured.roles):
+            if role_of.setdefault(id(w), role) != role:
+                raise ValueError(f"a weight of the chunk is contracted as both {role_of[id(w)]} and {role}: "
+                                 "the executor prepares each weight once, by one role's policy")
+        self.is_matmul = [id(leaf) in role_of for leaf in param_leaves]
+        self.roles = [role_of[id(leaf)] for leaf in param_leaves if id(leaf) in role_of]  # part(…, True)'s
         if not any(self.is_matmul):
             raise ValueError("the chunk contracts none of its parameters through Parallel.column / Parallel.row: "
                              "the executor's W has no weight gradients to derive")
@@ -97,9 +102,10 @@ class Chunk:
 
     def known(self, params_r) -> list:
         """What B takes from the live parameters rather than the stash: the chunk's parameters, and its weights as
-        the matmuls read them (`operand`: cast once here, or every in-flight microbatch's residuals would hold a
-        compute-dtype copy of the chunk's weights)."""
-        return jax.tree.leaves(params_r) + [self.operand(w) for w in self.part(params_r, True)]
+        the matmuls read them (`operand`, by each weight's role: cast once here, or every in-flight microbatch's
+        residuals would hold a compute-dtype copy of the chunk's weights)."""
+        weights = self.part(params_r, True)
+        return jax.tree.leaves(params_r) + [self.operand(w, role) for w, role in zip(weights, self.roles)]
 
     def vjp(self, params_r, x):
         """(y, vjp of (non-matmul params, x, probes), the groups' inputs, the chunk's statistics, known(params_r),
@@ -154,7 +160,8 @@ add_to_objective.defvjp(_add_fwd, _add_bwd)
 
 
 def execute(program: Program, chunk_fn: Callable, layers, rest, tokens: Array, targets: Array, embed_fn: Callable,
-            head_loss_fn: Callable, *, axis: str = "pipe", operand: Callable[[Array], Array] = lambda w: w):
+            head_loss_fn: Callable, *, axis: str = "pipe",
+            operand: Callable[[Array, str], Array] = lambda w, role: w):
     """Run a schedule's ticks on this stage. Call inside shard_map with `axis` bound.
 
     chunk_fn(chunk_params, x [mb, …], tape=None) → [mb, …]: one chunk's k layers; with a tape
@@ -166,7 +173,8 @@ def execute(program: Program, chunk_fn: Callable, layers, rest, tokens: Array, t
     rest: the parameters outside the chunks (embedding, final norm, head), held whole by every stage.
     tokens, targets: int [m, mb, T]: every microbatch's inputs and next-token targets.
     embed_fn(rest, tokens [mb, T]) → x [mb, …];  head_loss_fn(rest, y [mb, …], targets [mb, T]) → mean loss.
-    operand(w): a matmul weight as the contraction reads it (jaxpar.matmul: `Einsum.operand`).
+    operand(w, role): a matmul weight as the contraction of its role reads it (jaxpar.matmul: the role's policy's
+    `Einsum.operand`; the role is the one the model named for the weight, which the tape records).
 
     Returns (loss, layer_grads, rest_grads, stats), this stage's share: loss = Σ_j loss_j / m over the microbatches
     whose last chunk it holds; the complete gradients of its chunks; the gradients of `rest` from the microbatches it

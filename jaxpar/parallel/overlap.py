@@ -26,6 +26,14 @@ Backward (custom_vjp, the same decomposition):
                      — two rings in one loop, the bytes of the plain backward's all-gather and reduce-scatter.
     matmul_scatter   dZ gathered chunk by chunk: dx_c = dZ_c·Wᵀ and dW = Σ_c x_cᵀ·dZ_c.
 
+The weights reach the ring through the matmul policy `dot` (jaxpar.matmul.Einsum) in two steps, and the ring only
+runs the second: `dot.operand` prepares each stored weight once, before the loop (and its vjp runs once, on the
+chunks' summed gradient, accumulated in float32 and rounded once as the plain backward's single product is);
+every chunk is `dot.contract` of its rows with the prepared operands, and the input gradient is the vjp of that
+contraction at one primal of the input's shape (it is linear in its input). So the ring contracts exactly what the
+plain path contracts — whatever the operand does to the weight (dequantize, quantize-dequantize at a scale taken
+from the weight or given as state) — and never prepares it per chunk.
+
 All shapes [B, T, …] with the sequence on dim 1 (inputs and outputs of every equation the model passes here).
 """
 
@@ -64,12 +72,24 @@ def _in_chunk_order(pieces: list[Array], r: Array) -> Array:
     return ordered.reshape(ordered.shape[0], t * ordered.shape[2], *ordered.shape[3:])
 
 
-def _matmuls(h, weights, equations, dot):
-    return [dot(eq, h, w) for eq, w in zip(equations, weights)]
+def _prepare(weights, dot, dtype):
+    """The stored weights as the policy's contraction reads them (once, outside the ring)."""
+    return tuple(dot.operand(w, dtype) for w in weights)
 
 
-def _add(a, b):
-    return b if a is None else jax.tree.map(jnp.add, a, b)
+def _contract(h, operands, equations, dot):
+    return [dot.contract(eq, h, w) for eq, w in zip(equations, operands)]
+
+
+def _accumulate(total, grads):
+    """total + grads, leaf by leaf, in float32 (the chunks' weight gradients; None: nothing yet)."""
+    grads = jax.tree.map(lambda g: g.astype(jnp.float32), grads)
+    return grads if total is None else jax.tree.map(jnp.add, total, grads)
+
+
+def _as(grads, operands):
+    """Accumulated gradients in their operands' dtypes (the one rounding of the plain path's product)."""
+    return jax.tree.map(lambda g, w: g.astype(w.dtype), grads, operands)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -86,9 +106,10 @@ def gather_matmuls(h: Array, weights: tuple[Array, ...], equations: tuple[str, .
 
 def _gather_matmuls(h, weights, equations, axis, dot):
     t, r = jax.lax.axis_size(axis), jax.lax.axis_index(axis)
+    operands = _prepare(weights, dot, h.dtype)
     steps, chunk = [], h
     for i in range(t):
-        steps.append(_matmuls(chunk, weights, equations, dot))  # the rows of chunk (r + i) mod t
+        steps.append(_contract(chunk, operands, equations, dot))  # the rows of chunk (r + i) mod t
         if i < t - 1:
             chunk = _pass_down(chunk, axis, t)
     return [_in_chunk_order([s[k] for s in steps], r) for k in range(len(weights))]
@@ -102,18 +123,20 @@ def _gm_bwd(equations, axis, dot, residuals, dys):
     h, weights = residuals
     t, r = jax.lax.axis_size(axis), jax.lax.axis_index(axis)
     n = h.shape[SEQ]
-    _, d_input = jax.vjp(lambda x: _matmuls(x, weights, equations, dot), h)  # linear in x: any primal of h's shape
-    dws, acc, chunk = None, None, h
+    operands, d_prepare = jax.vjp(lambda ws: _prepare(ws, dot, h.dtype), weights)  # once, outside the ring
+    _, d_input = jax.vjp(lambda x: _contract(x, operands, equations, dot), h)  # linear in x: any primal of h's shape
+    d_ops, acc, chunk = None, None, h
     for i in range(t):
         # ring 1: the input chunk (r + i) mod t, for the weights' gradient
         c = (r + i) % t
-        _, d_weights = jax.vjp(lambda ws, x=chunk: _matmuls(x, ws, equations, dot), weights)
-        dws = _add(dws, d_weights([_chunk(dy, c, n) for dy in dys])[0])
+        _, d_operands = jax.vjp(lambda ops, x=chunk: _contract(x, ops, equations, dot), operands)
+        d_ops = _accumulate(d_ops, d_operands([_chunk(dy, c, n) for dy in dys])[0])
         # ring 2: the input gradient's partial sums, chunk (r − 1 − i) mod t, passed up and summed on the way
         (partial,) = d_input([_chunk(dy, (r - 1 - i) % t, n) for dy in dys])
         acc = partial if acc is None else _pass_up(acc, axis, t) + partial
         if i < t - 1:
             chunk = _pass_down(chunk, axis, t)
+    (dws,) = d_prepare(_as(d_ops, operands))
     return acc, dws
 
 
@@ -135,9 +158,10 @@ def matmul_scatter(x: Array, w: Array, equation: str, axis: str, dot) -> Array:
 def _matmul_scatter(x, w, equation, axis, dot):
     t, r = jax.lax.axis_size(axis), jax.lax.axis_index(axis)
     n = x.shape[SEQ] // t
+    (operand,) = _prepare((w,), dot, x.dtype)
     acc = None
     for i in range(t):
-        partial = dot(equation, _chunk(x, (r - 1 - i) % t, n), w).astype(x.dtype)
+        partial = dot.contract(equation, _chunk(x, (r - 1 - i) % t, n), operand).astype(x.dtype)
         acc = partial if acc is None else _pass_up(acc, axis, t) + partial
     return acc
 
@@ -150,20 +174,22 @@ def _ms_bwd(equation, axis, dot, residuals, dz):
     x, w = residuals
     t, r = jax.lax.axis_size(axis), jax.lax.axis_index(axis)
     n = x.shape[SEQ] // t
+    (operand,), d_prepare = jax.vjp(lambda w_: _prepare((w_,), dot, x.dtype), w)  # once, outside the ring
 
-    def partial(x_c, w):
-        return dot(equation, x_c, w).astype(x.dtype)
+    def partial(x_c, operand):
+        return dot.contract(equation, x_c, operand).astype(x.dtype)
 
-    _, d_input = jax.vjp(lambda x_c: partial(x_c, w), _chunk(x, r, n))  # linear in x_c
-    dxs, dw, chunk = [], None, dz
+    _, d_input = jax.vjp(lambda x_c: partial(x_c, operand), _chunk(x, r, n))  # linear in x_c
+    dxs, d_op, chunk = [], None, dz
     for i in range(t):
         c = (r + i) % t  # the output gradient of chunk c, gathered as it passes
         (dx_c,) = d_input(chunk)
         dxs.append(dx_c)
-        _, d_weight = jax.vjp(lambda w_, x_c=_chunk(x, c, n): partial(x_c, w_), w)
-        dw = _add(dw, d_weight(chunk)[0])
+        _, d_operand = jax.vjp(lambda op, x_c=_chunk(x, c, n): partial(x_c, op), operand)
+        d_op = _accumulate(d_op, d_operand(chunk)[0])
         if i < t - 1:
             chunk = _pass_down(chunk, axis, t)
+    (dw,) = d_prepare((_as(d_op, operand),))
     return _in_chunk_order(dxs, r), dw
 
 

@@ -51,7 +51,8 @@ class Tape:
 
     feed: RECORD — per group, the probes to add to its outputs (a list of arrays per group); REPLAY — per group,
     its stashed input; MEASURE — nothing. After the layer ran: `inputs` and `outputs` per group, and (MEASURE)
-    `weights`, each group weight traced back to the array it was derived from.
+    `weights`, each group weight traced back to the array it was derived from, and `roles`, each one's matmul role
+    (jaxpar.matmul.ROLES: the executor prepares each weight by its role's policy).
     """
 
     def __init__(self, mode: str, feed: Sequence | None = None):
@@ -61,6 +62,7 @@ class Tape:
         self.inputs: list = []  # per group: an array, or a pytree of them
         self.outputs: list[list[Array]] = []
         self.weights: list[Array] = []
+        self.roles: list[str] = []
         self.steps = 1  # MEASURE: how many times the chunk's scan runs the traced unit (set by the model's runner)
         self._source: dict[int, tuple[Array, Array]] = {}  # id(derived) → (derived, source): the pair keeps ids live
 
@@ -76,8 +78,10 @@ class Tape:
             w = self._source[id(w)][1]
         return w
 
-    def group(self, x, weights: Sequence[Array], fn: Callable[[object, Sequence[Array]], list[Array]]) -> list[Array]:
-        """One matmul group: fn(x, weights) → its outputs, run as the mode says (see the module docstring)."""
+    def group(self, x, weights: Sequence[Array], fn: Callable[[object, Sequence[Array]], list[Array]],
+              role: str) -> list[Array]:
+        """One matmul group of weights of matmul role `role`: fn(x, weights) → its outputs, run as the mode says
+        (see the module docstring)."""
         i = len(self.inputs)
         if self.mode == REPLAY:
             x = self.feed[i]
@@ -86,6 +90,7 @@ class Tape:
             ys = [y + probe for y, probe in zip(ys, self.feed[i], strict=True)]
         if self.mode == MEASURE:
             self.weights.extend(self.root(w) for w in weights)
+            self.roles.extend(role for _ in weights)
         self.inputs.append(x)
         self.outputs.append(ys)
         return ys

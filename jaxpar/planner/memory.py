@@ -529,7 +529,7 @@ def table_chunk(model: ModelConfig, seq: int, remat: str, k: int) -> TableChunk:
             return y, (collected, stats)
 
         measured = []
-        chunk = executor.Chunk(chunk_fn, stacks, jax.tree.map(lambda a: a * 1, stacks), x, lambda w: w)
+        chunk = executor.Chunk(chunk_fn, stacks, jax.tree.map(lambda a: a * 1, stacks), x, lambda w, role: w)
         # the slots, then the MEASURE trace's group inputs and outputs, which the tape and dys slots are shaped as
         return (chunk.stash_ref, chunk.tape_ref, chunk.dys_ref,
                 jax.tree.leaves(measured[0].inputs), jax.tree.leaves(measured[0].outputs))

@@ -162,7 +162,7 @@ def scheduled_loss_and_grads(graphdef: nnx.GraphDef, params: nnx.State, batch: j
 
     loss, layer_grads, rest_grads, stats = executor.execute(
         pipe.program, chunk_fn, layers, rest, tokens.reshape(m, mb, T), targets.reshape(m, mb, T), embed_fn,
-        head_loss_fn, axis=PIPE, operand=lambda w: par.dot.operand(w, cfg.dtype))
+        head_loss_fn, axis=PIPE, operand=lambda w, role: par.policy(role).operand(w, cfg.dtype))
     block_grads = jax.tree.map(lambda a: a.reshape(a.shape[0] * a.shape[1], *a.shape[2:]), layer_grads)
     return loss, merge_state(rest_grads, block_grads), in_model_order(stats, pipe)
 
