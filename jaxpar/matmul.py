@@ -2,8 +2,8 @@
 
 The model never writes `x @ w.astype(dtype)` itself. It hands the stored parameter to the parallel context
 (`par.column`, `par.row`, `par.embed`), and the context hands it to the `Einsum` of the weight's role at the one
-place the contraction happens. That is the seam the weight formats plug into, the way gemma's `Einsum` module and torchtitan's float8
-converters do it:
+place the contraction happens. That is the seam the weight formats plug into, the way gemma's `Einsum` module and
+torchtitan's float8 converters do it:
 
     plain (this file)      stored float weight → cast to the activation's dtype → einsum, float32 accumulation
     int8 / int4 (this file) stored `Quantized(q, scale)` → dequantized to the activation's dtype → the same einsum
