@@ -134,8 +134,8 @@ def layer_forward_flops(cfg: ModelConfig, keys: float, tensor: int = 1, moe: boo
     """One layer's forward matmul FLOPs per token on one of `tensor` ranks (the Megatron split: MLP columns divided
     by t; the attention as its kind splits, `AttentionKind.flops` — GQA's query heads divided by t, its kv heads
     too unless there are fewer of them than ranks, when each rank computes the one it attends with). `keys`: how
-    many keys each query's attention costs. tensor = 1 is the whole layer. moe: an MoE layer (True) or a dense one (False); None: the mean over the model's layers (a mixed
-    stack has both kinds, `ModelConfig.layer_kinds`)."""
+    many keys each query's attention costs. tensor = 1 is the whole layer. moe: an MoE layer (True) or a dense one
+    (False); None: the mean over the model's layers (a mixed stack has both kinds, `ModelConfig.layer_kinds`)."""
     if moe is None:
         n_moe, L = cfg.moe_layer_count, cfg.n_layers
         if n_moe in (0, L):
