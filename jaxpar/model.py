@@ -45,7 +45,6 @@ from jaxpar.families import Param, attention_kind, family
 from jaxpar.matmul import QUANT_DTYPES, Quantized, quantize
 from jaxpar.parallel.context import SINGLE_DEVICE, Parallel
 from jaxpar.parallel.tensor import NEG_INF
-from jaxpar.parallel.weightgrad import MEASURE, RECORD, REPLAY, Tape
 from jaxpar.sharding import constrain
 
 Array = jax.Array
@@ -227,32 +226,32 @@ def layer_groups(pattern: tuple[str, ...], single: bool = False) -> list[tuple[t
     return groups
 
 
-def _periods(a, start: int, count: int, n: int):
+def _periods(a, start: int, count: int, n: int, derive):
     """Entries start … start + count·n of stack a [N, …] as the scan's input: [count, n, …] (n per period), or
     [count, …] as it is when a period holds one layer of the stack — a uniform stack scans its own array, as it
     did before stacks were grouped: the reshape would cost the backward pass a copy of the gradients per layer
-    (XLA:CPU, measured with `activation_bytes_per_layer`)."""
+    (XLA:CPU, measured with `activation_bytes_per_layer`). derive: `Parallel.derive`."""
     def cut(a):
-        a = a[start:start + count * n]
-        return a if n == 1 else a.reshape(count, n, *a.shape[1:])
+        part = a[start:start + count * n]
+        return derive(part if n == 1 else part.reshape(count, n, *part.shape[1:]), a)
 
     return jax.tree.map(cut, a)  # a `Quantized` matrix: its integers and scales alike
 
 
-def _whole_layers(period: tuple[str, ...]):
+def _whole_layers(period: tuple[str, ...], derive):
     """take(stack, array, j) for a scan body over `_periods` slices: the array itself where the period holds one
-    layer of the stack, else its entry j."""
+    layer of the stack, else its entry j. derive: `Parallel.derive`."""
     single = {name for name in period if period.count(name) == 1}
-    return lambda name, a, j: a if name in single else jax.tree.map(lambda x: x[j], a)
+    return lambda name, a, j: a if name in single else jax.tree.map(lambda x: derive(x[j], x), a)
 
 
-def _group_inputs(stacks: Stacks, groups):
+def _group_inputs(stacks: Stacks, groups, derive):
     """Per group of `layer_groups`: (period, count, its first layer's index in the run, its scan input — each stack's
-    entries of the group as `_periods` gives them: {stack: {param: [count(, n), …]}})."""
+    entries of the group as `_periods` gives them: {stack: {param: [count(, n), …]}}). derive: `Parallel.derive`."""
     offsets, first = dict.fromkeys(stacks, 0), 0
     for period, count in groups:
         per = {name: period.count(name) for name in stacks if name in period}
-        xs = {name: {k: _periods(a, offsets[name], count, n) for k, a in stacks[name].items()}
+        xs = {name: {k: _periods(a, offsets[name], count, n, derive) for k, a in stacks[name].items()}
               for name, n in per.items()}
         for name, n in per.items():
             offsets[name] += count * n
@@ -284,7 +283,7 @@ def stats_total(stats: dict[str, Array]) -> dict[str, Array]:
 
 
 def run_layers(stacks: Stacks, x: Array, positions: Array, mask: Array | None, cfg: ModelConfig, *,
-               remat: str = "none", par: Parallel = SINGLE_DEVICE, tape: Tape | None = None, stats: bool = False,
+               remat: str = "none", par: Parallel = SINGLE_DEVICE, stats: bool = False,
                cache: dict[str, Array] | None = None):
     """Apply the layers of `stacks` in model order; `remat` checkpoints each layer. → x, or (x, the MoE layers'
     statistics, one row per MoE layer in model order: each leaf [L_moe, …]) with `stats` (an empty dict when no
@@ -302,18 +301,10 @@ def run_layers(stacks: Stacks, x: Array, positions: Array, mask: Array | None, c
     same). The run is cut into `layer_groups`, each a `jax.lax.scan` over its periods with each stack's slice viewed
     as [count, per-period, …]; `cfg.scan_unroll` periods per iteration.
 
-    tape (the pipeline's B/W split, jaxpar.parallel.weightgrad): the run is one group. MEASURE traces its first
-    period alone, outside any loop, so the tape can trace the weights back to `stacks`' arrays, and notes the
-    periods the scan runs (`tape.steps`) (→ x). RECORD and REPLAY scan `tape.feed` (leaves [count, …]) beside the
-    periods, give each period a tape of its own and return (x, what the tapes collected, stacked [count, …]) — and
-    the statistics third with `stats`: the group inputs (RECORD) or outputs (REPLAY). RECORD checkpoints the whole period
-    under `remat` (the tape lives in its body). REPLAY checkpoints each period with nothing saved, whatever `remat`:
-    W's vjp then runs no forward of its own, and its backward recomputes one period at a time. A group of matmuls
-    alone needs nothing but its stashed input, but the MoE experts' group is a whole SwiGLU (gate and up, SiLU·mul,
-    down), whose weight gradients need its hidden activations; without the checkpoint the vjp's forward scan stacks
-    them for every layer of the chunk (mixtral_8x7b's zb_h1 step on 128 simulated devices: five float32 and one bf16
-    [8 layers, 32768, 14336], 82.7 GB; the step's peak went from 177 to 123 GB). The FLOPs are the same: that
-    forward only ever fed the transpose.
+    Each group runs through the context (`par.scan_layers`: one period per scan step, each layer checkpointed under
+    `remat`), and is the whole run where the context asks for one (`par.one_group`: a pipeline chunk under a
+    schedule table, whose tape runs the scan its own way — jaxpar.parallel.weightgrad). The statistics are those
+    of the periods the context's scan reports ({} where it reports none).
 
     Why unroll: each scan iteration is a loop trip whose layer is cut off from its neighbours — XLA cannot fuse or
     schedule across the boundary, and every activation the backward needs is written into a stacked [n, …] buffer
@@ -326,10 +317,9 @@ def run_layers(stacks: Stacks, x: Array, positions: Array, mask: Array | None, c
     if {name: pattern.count(name) for name in sizes} != sizes:
         raise ValueError(f"stacks of {sizes} layers are not the first {len(pattern)} layers of the model "
                          f"({dict(zip(*np.unique(pattern, return_counts=True)))} of each kind)")
-    if cache is not None and tape is not None:
+    if cache is not None and par.tape is not None:
         raise ValueError("a KV cache is for decoding, which runs no pipeline tape")
-    groups = layer_groups(pattern, single=tape is not None)
-    per_layer_remat = remat != "none" and tape is None
+    groups = layer_groups(pattern, single=par.one_group)
 
     def layer_step(layer, carry, at, par):
         """One layer on the carry: x, or (x, the cache's arrays) with the cache, of which it reads and writes model
@@ -352,56 +342,36 @@ def run_layers(stacks: Stacks, x: Array, positions: Array, mask: Array | None, c
         x, written, layer_stats = block(layer, x, positions, mask, cfg, par, kv_cache=store)
         return (x, written), layer_stats
 
-    def run_period(period, layers, carry, par, take, one_trip=False, first=None):
+    def run_period(period, layers, carry, par, layer_remat=None, first=None):
         """The period's layers in order → (carry, their MoE layers' statistics stacked [m, …]). layers: {stack:
-        {param: [per, …]}}; the j-th layer of a stack in the period is take(stack, its array, j); `first`: the
-        period's first model layer (traced; with the cache). one_trip: the scan runs a single iteration, which XLA
-        inlines — then the backward's recomputation sits beside the forward it repeats, and without CSE barriers
-        XLA merges the two and keeps every activation alive (remat would do nothing)."""
+        {param: [per, …]}}, its slice of `_group_inputs`; `first`: the period's first model layer (traced; with the
+        cache). layer_remat: the checkpoint `par.scan_layers` puts on each layer, or None."""
         one_layer = functools.partial(layer_step, par=par)
-        if per_layer_remat:
-            one_layer = jax.checkpoint(one_layer, policy=REMAT_POLICIES[remat], prevent_cse=one_trip)
+        if layer_remat is not None:
+            one_layer = layer_remat(one_layer)
         per_layer = []
-        for j, layer in enumerate(_period_layers(period, layers, take)):
+        for j, layer in enumerate(_period_layers(period, layers, _whole_layers(period, par.derive))):
             carry, layer_stats = one_layer(layer, carry, None if first is None else first + j)
             per_layer.append(layer_stats)
         return carry, _stack_stats(per_layer)
 
-    if tape is not None and tape.mode == MEASURE:
-        ((period, count),) = groups
-        tape.steps = count  # the group starts every stack: its first period holds entries 0, 1, … of each
-        return run_period(period, stacks, x, par.with_tape(tape), take=lambda _, a, j: tape.derive(a[j], a))[0]
-
-    groups_stats, collected = [], None
+    checkpoint = None if remat == "none" else functools.partial(jax.checkpoint, policy=REMAT_POLICIES[remat])
+    groups_stats = []
     carry = x if cache is None else (x, cache)
-    for period, count, first, xs in _group_inputs(stacks, groups):
-        whole = _whole_layers(period)
-
+    for period, count, first, xs in _group_inputs(stacks, groups, par.derive):
         unroll = max(1, min(cfg.scan_unroll // len(period), count))
 
-        def body(carry, xs, period=period, take=whole, first=first, one_trip=unroll == count):
+        def body(carry, xs, par, layer_remat, period=period, first=first):
+            """One period (`par.scan_layers`): `par` is the period's context (the pipeline tape's, under a schedule
+            table), not run_layers' own."""
             layers, i = xs if cache is not None else (xs, None)  # the cache's layers: the group's period i's
             at = None if i is None else first + i * len(period)
-            carry, period_stats = run_period(period, layers, carry, par, take, one_trip, at)
+            carry, period_stats = run_period(period, layers, carry, par, layer_remat, at)
             return carry, period_stats if stats else None
 
-        def tapped(x, xs, period=period, take=whole):
-            layers, feed = xs
-            t = Tape(tape.mode, feed)
-            y, period_stats = run_period(period, layers, x, par.with_tape(t), take)
-            return y, (t.inputs if tape.mode == RECORD else t.outputs, period_stats if stats else None)
-
-        step = body
         if cache is not None:
             xs = (xs, jnp.arange(count))
-        if tape is not None:
-            step, xs = tapped, (xs, tape.feed)
-            policy = "full" if tape.mode == REPLAY else remat  # REPLAY saves nothing, whatever `remat` (see above)
-            if policy != "none":
-                step = jax.checkpoint(step, policy=REMAT_POLICIES[policy], prevent_cse=unroll == count)
-        carry, out = jax.lax.scan(step, carry, xs, unroll=unroll)
-        if tape is not None:
-            collected, out = out
+        carry, out = par.scan_layers(body, carry, xs, unroll=unroll, remat=checkpoint)
         # Per-period statistics come out stacked [count, m, …] (no carry to type under check_vma): the group's MoE
         # layers in model order, [count·m, …].
         groups_stats.append(jax.tree.map(lambda a: a.reshape(-1, *a.shape[2:]), out) if out else {})
@@ -410,9 +380,7 @@ def run_layers(stacks: Stacks, x: Array, positions: Array, mask: Array | None, c
         x, cache = carry
         return (x, cache, layer_stats) if stats else (x, cache)
     x = carry
-    if tape is None:
-        return (x, layer_stats) if stats else x
-    return (x, collected, layer_stats) if stats else (x, collected)
+    return (x, layer_stats) if stats else x
 
 
 def write_rows(cache: Array, new: Array, start: Array, layer: Array | int) -> Array:

@@ -15,6 +15,8 @@ The model (jaxpar.model) speaks logical axes and calls these methods where a par
     route               an MoE layer's routing of its tokens (its row statistics summed over sequence shards)
     experts             an MoE layer's experts on its routed tokens: dispatch (an all-to-all over `expert` when
                         the experts are split), grouped matmuls, combine (jaxpar.parallel.expert)
+    scan_layers         one group of layers: a period of them per scan step, each layer checkpointed
+    one_group / derive  whether a run of layers must be one such scan; a layer's slice of a stacked parameter
 
 `Parallel()` — no strategy — is the plain single-device computation: each method below is the obvious math, so
 the model with the default context *is* the reference every parallel layout is tested against. A strategy is a
@@ -23,8 +25,9 @@ field: `tensor` (jaxpar.parallel.tensor.TensorParallel), `context` (jaxpar.paral
 widens neither the model nor another strategy.
 Every weight the methods receive is contracted through the matmul policy of its role (`matmul`, a
 jaxpar.matmul.Policies table the plan binds: the model names the role at each call), the seam weight formats replace.
-A `tape` (jaxpar.parallel.weightgrad) sees every matmul group the model runs: the zero-bubble pipeline schedules use
-it to split a chunk's backward into its input gradients (B) and its weight gradients (W).
+A `tape` (jaxpar.parallel.weightgrad) sees every matmul group the model runs and runs the layer scan its own way:
+the zero-bubble pipeline schedules use it to split a chunk's backward into its input gradients (B) and its weight
+gradients (W). The model knows no tape; it calls these methods whichever context it has.
 The plan (jaxpar.plan: `plan.parallel`) builds the context once per model and mesh.
 """
 
@@ -51,8 +54,8 @@ Array = jax.Array
 class Parallel:
     """The boundaries the model calls. tensor: Megatron TP/SP inside shard_map, or None (single device / GSPMD).
     context: the sequence split over `context`, or None. matmul: the policy of each matmul role (jaxpar.matmul;
-    every role plain by default). tape: set by the pipeline executor around one layer (`with_tape`); None
-    everywhere else."""
+    every role plain by default). tape: set by the pipeline's chunk around its layers (`with_tape`; the tape's layer
+    scan sets a tape of its own around each period); None everywhere else."""
 
     tensor: TensorParallel | None = None
     matmul: Policies = Policies()
@@ -104,8 +107,36 @@ class Parallel:
 
     def kv_weight(self, w: Array) -> Array:
         """The kv heads of w [..., K, E] this rank attends with."""
-        heads = w if self.tensor is None else self.tensor.kv_weight(w)
-        return heads if self.tape is None else self.tape.derive(heads, w)
+        return self.derive(w if self.tensor is None else self.tensor.kv_weight(w), w)
+
+    def derive(self, result, source):
+        """result, a function of `source` alone (a layer's slice of a stacked parameter, a rank's kv heads): a tape
+        traces the weights its groups see back through it to the arrays they came from (`Tape.derive`)."""
+        return result if self.tape is None else self.tape.derive(result, source)
+
+    @property
+    def one_group(self) -> bool:
+        """Whether a run of layers must be a single `scan_layers` (a tape feeds one scan's periods)."""
+        return self.tape is not None
+
+    def scan_layers(self, period: Callable, carry, xs, *, unroll: int = 1, remat: Callable | None = None):
+        """One group of layers: `period` once for each entry of xs' leading axis (its `count` periods), carry
+        threaded → (carry, its outputs stacked [count, …]).
+
+        period(carry, xs_i, par, layer_remat) → (carry, ys_i) runs one period's layers under `par` (the context they
+        call) and wraps each in layer_remat (fn → fn; None: no checkpoint). remat: jax.checkpoint with the run's
+        policy bound, or None; this method chooses where it applies and its prevent_cse. unroll: periods per loop
+        trip, as `jax.lax.scan` takes it.
+
+        Here a `jax.lax.scan` with each layer checkpointed; under a tape (the pipeline's chunk), the tape's scan
+        (`Tape.scan`: it runs the period under a tape of its own and may report no outputs: None)."""
+        if self.tape is not None:
+            return self.tape.scan(self, period, carry, xs, unroll=unroll, remat=remat)
+        count = jax.tree.leaves(xs)[0].shape[0]
+        # A scan of one trip is inlined by XLA: each layer's recomputation then sits beside the forward it repeats,
+        # and without CSE barriers XLA merges the two and keeps every activation alive (remat would do nothing).
+        layer_remat = None if remat is None else functools.partial(remat, prevent_cse=unroll == count)
+        return jax.lax.scan(lambda c, x: period(c, x, self, layer_remat), carry, xs, unroll=unroll)
 
     def embed(self, table: Array, tokens: Array, dtype) -> Array:
         """Token embedding: table [V, D] as stored, tokens [B, T] → float32 [B, T, D] (rows read in `dtype`)."""

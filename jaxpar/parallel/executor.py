@@ -114,7 +114,9 @@ class Chunk:
         weights = leaves[len(self.is_matmul):]  # closed over: B derives no weight gradient, F keeps no input for one
 
         def record(others, x, probes):
-            return self.chunk_fn(self.join(weights, others), x, Tape(RECORD, probes))
+            tape = Tape(RECORD, probes)
+            y, stats = self.chunk_fn(self.join(weights, others), x, tape)
+            return y, (tape.inputs, stats)
 
         probes = self.zeros(self.probe_ref)
         y, vjp_fn, (inputs, stats) = jax.vjp(record, self.part(params_r, False), x, probes, has_aux=True)
@@ -164,11 +166,12 @@ def execute(program: Program, chunk_fn: Callable, layers, rest, tokens: Array, t
             operand: Callable[[Array, str], Array] = lambda w, role: w):
     """Run a schedule's ticks on this stage. Call inside shard_map with `axis` bound.
 
-    chunk_fn(chunk_params, x [mb, …], tape=None) → [mb, …]: one chunk's k layers; with a tape
-    (jaxpar.parallel.weightgrad), as `jaxpar.model.run_layers` runs them with one — but in RECORD (F) it returns
-    (y, (what the tape collected, statistics)): a pytree of sums the chunk reports (the MoE layers' routing
-    statistics; {} for none). A chunk that adds a term of its own to the objective (the MoE layers' aux losses)
-    attaches it to y with `add_to_objective`.
+    chunk_fn(chunk_params, x [mb, …], tape) → (y [mb, …], statistics): one chunk's k layers under `tape`
+    (jaxpar.parallel.weightgrad), run as one scan by the tape on the model's context (`Parallel.with_tape`, which
+    `jaxpar.model.run_layers` scans through); statistics: a pytree of sums the chunk reports (the MoE layers'
+    routing statistics; {} for none), read from F (RECORD). What the tape collected is on it afterwards (`Tape.scan`:
+    RECORD's `inputs`, REPLAY's `outputs`, [k, …]). A chunk that adds a term of its own to the objective (the MoE
+    layers' aux losses) attaches it to y with `add_to_objective`.
     layers: pytree, leaves [v, …]: this stage's chunks in increasing chunk order (`Program.local`).
     rest: the parameters outside the chunks (embedding, final norm, head), held whole by every stage.
     tokens, targets: int [m, mb, T]: every microbatch's inputs and next-token targets.
@@ -267,8 +270,9 @@ def execute(program: Program, chunk_fn: Callable, layers, rest, tokens: Array, t
         others = chunk.part(params_r, False)
 
         def replay(weights):
-            feed = jax.tree.unflatten(chunk.tape_def, [b[g["tape"]] for b in tape_buf])
-            return chunk_fn(chunk.join(weights, others), zeros(msg_ref), Tape(REPLAY, feed))[1]
+            tape = Tape(REPLAY, jax.tree.unflatten(chunk.tape_def, [b[g["tape"]] for b in tape_buf]))
+            chunk_fn(chunk.join(weights, others), zeros(msg_ref), tape)
+            return tape.outputs
 
         _, vjp_w = jax.vjp(replay, chunk.part(params_r, True))
         (d_weights,) = vjp_w(jax.tree.unflatten(chunk.dys_def, [b[g["dys"]] for b in dys_buf]))

@@ -75,7 +75,8 @@ from jaxpar.model import (abstract_model, attention_mask, default_positions, lay
 from jaxpar.parallel import executor, pipeline
 from jaxpar.parallel.axes import AXES, BATCH_AXES, DATA, TENSOR
 from jaxpar.plan import padded_vocab, plan_rules
-from jaxpar.parallel.weightgrad import MEASURE, RECORD
+from jaxpar.parallel.context import SINGLE_DEVICE
+from jaxpar.parallel.weightgrad import MEASURE
 from jaxpar.planner import expected
 from jaxpar.sharding import logical_to_spec, zero_spec
 
@@ -520,13 +521,11 @@ def table_chunk(model: ModelConfig, seq: int, remat: str, k: int) -> TableChunk:
         stacks = nnx.merge(graphdef, jax.tree.unflatten(tree, leaves)).stacks()
         positions, mask = default_positions(*x.shape[:2]), attention_mask(seq, None)
 
-        def chunk_fn(chunk, x, tape=None):
-            if tape is not None and tape.mode == MEASURE:
+        def chunk_fn(chunk, x, tape):
+            if tape.mode == MEASURE:
                 measured.append(tape)
-            if tape is None or tape.mode != RECORD:
-                return run_layers(chunk, x, positions, mask, cfg, remat=remat, tape=tape)
-            y, collected, stats = run_layers(chunk, x, positions, mask, cfg, remat=remat, tape=tape, stats=True)
-            return y, (collected, stats)
+            return run_layers(chunk, x, positions, mask, cfg, remat=remat, par=SINGLE_DEVICE.with_tape(tape),
+                              stats=True)
 
         measured = []
         chunk = executor.Chunk(chunk_fn, stacks, jax.tree.map(lambda a: a * 1, stacks), x, lambda w, role: w)

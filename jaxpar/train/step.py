@@ -39,7 +39,6 @@ from jaxpar.parallel.pipeline import Pipeline
 from jaxpar.plan import Plan, batch_sharding
 from jaxpar.parallel.context import SINGLE_DEVICE, Parallel
 from jaxpar.parallel.vma import vary
-from jaxpar.parallel.weightgrad import RECORD
 from jaxpar.sharding import constrain
 from jaxpar.train.state import TrainState
 
@@ -143,16 +142,15 @@ def scheduled_loss_and_grads(graphdef: nnx.GraphDef, params: nnx.State, batch: j
     # [v·k, …] in storage order → [v, k, …]: chunk r of this stage is row r (pipeline_order), in every stack
     layers = jax.tree.map(lambda a: a.reshape(v, a.shape[0] // v, *a.shape[1:]), blocks)
 
-    def chunk_fn(chunk: nnx.State, x: jax.Array, tape=None):
+    def chunk_fn(chunk: nnx.State, x: jax.Array, tape):
         stacked = {stack: {name: var[...] for name, var in chunk[stack].items() if isinstance(var, nnx.Param)}
                    for stack in stack_names}  # the layers' weights (their buffers are not inputs of the forward)
-        if tape is None or tape.mode != RECORD:
-            return run_layers(stacked, x, positions, mask, cfg, remat=remat, par=par, tape=tape)
-        y, collected, stats = run_layers(stacked, x, positions, mask, cfg, remat=remat, par=par, tape=tape,
-                                         stats=True)
-        if stats:  # F of an MoE chunk: its layers' aux losses over this microbatch join the objective like its loss
+        y, stats = run_layers(stacked, x, positions, mask, cfg, remat=remat, par=par.with_tape(tape), stats=True)
+        # F of an MoE chunk (a tape's MEASURE and REPLAY report no statistics: `Tape.scan`): its layers' aux losses
+        # over this microbatch join the objective like its loss
+        if stats:
             y = executor.add_to_objective(y, moe_objective(stats, cfg, x.shape[0]), 1.0 / m)
-        return y, (collected, stats)  # the statistics are summed over the F ticks (logged, not differentiated)
+        return y, stats  # the statistics are summed over the F ticks (logged, not differentiated)
 
     def embed_fn(r: nnx.State, tokens: jax.Array) -> jax.Array:
         return nnx.merge(graphdef, r, blocks).embed_tokens(tokens, positions, par)
