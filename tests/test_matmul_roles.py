@@ -16,8 +16,7 @@ from jaxpar.families import family
 from jaxpar.matmul import ROLES, Einsum, Policies
 from jaxpar.model import Transformer, attention_mask, default_positions, run_layers
 from jaxpar.parallel import executor
-from jaxpar.parallel.context import Parallel
-from jaxpar.parallel.weightgrad import RECORD
+from jaxpar.parallel.context import SINGLE_DEVICE, Parallel
 from jaxpar.train.step import loss_and_grads
 
 from _parity import assert_grads_match, grad_errors, on_layout
@@ -161,11 +160,8 @@ def test_the_executor_prepares_each_weight_by_its_role():
     def trace(stacks, x):
         positions, mask = default_positions(*x.shape[:2]), attention_mask(x.shape[1], None)
 
-        def chunk_fn(chunk, x, tape=None):
-            if tape is None or tape.mode != RECORD:
-                return run_layers(chunk, x, positions, mask, cfg, tape=tape)
-            y, collected, stats = run_layers(chunk, x, positions, mask, cfg, tape=tape, stats=True)
-            return y, (collected, stats)
+        def chunk_fn(chunk, x, tape):  # as the train step's: the tape rides on the context (`Tape.scan`)
+            return run_layers(chunk, x, positions, mask, cfg, par=SINGLE_DEVICE.with_tape(tape), stats=True)
 
         def operand(w, role):
             prepared[id(w)] = role
