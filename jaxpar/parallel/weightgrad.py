@@ -113,8 +113,7 @@ class Tape:
         one period at a time. A group of matmuls alone needs nothing but its stashed input, but the MoE experts'
         group is a whole SwiGLU (gate and up, SiLU·mul, down), whose weight gradients need its hidden activations;
         without the checkpoint the vjp's forward scan stacks them for every layer of the chunk (mixtral_8x7b's
-        zb_h1 step on 128 simulated devices: five float32 and one bf16 [8 layers, 32768, 14336], 82.7 GB; the
-        step's peak went from 177 to 123 GB). The FLOPs are the same: that forward only ever fed the transpose."""
+        zb_h1 step: bench/RESULTS.md). The FLOPs are the same: that forward only ever fed the transpose."""
         count = jax.tree.leaves(xs)[0].shape[0]
         if self.mode == MEASURE:
             self.steps = count
