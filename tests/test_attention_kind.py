@@ -1,7 +1,8 @@
 """The attention kind is the one place a cache layout is declared (jaxpar.families.attention): a new kind — here a
-test-only one that keeps each slot's keys and values in one array [L, B, S, 2, K, E] — arrives as a table entry and
-its layer function, and decoding (single device, GSPMD and explicit tensor parallelism, with the kv heads split and
-replicated), the planner's cache bytes and the layout checks take it as they are."""
+test-only one that keeps each slot's keys and values in one array [L, B, S, 2, K, E + 1], one spare column a head
+(as an aligned layout pads), so its bytes are not GQA's — arrives as a table entry and its layer function, and
+decoding (single device, GSPMD and explicit tensor parallelism, with the kv heads split and replicated), the
+planner's cache bytes and the layout checks take it as they are."""
 
 import dataclasses
 
@@ -30,7 +31,8 @@ TRACED = []  # the arrays each trace of the fused store saw (the test's proof th
 
 def _fused_cache(cfg, tensor: int) -> dict[str, CacheArray]:
     (k,) = [a for name, a in GQA.cache(cfg, tensor).items() if name == "k"]
-    return {"kv": CacheArray((2, *k.shape), (None, *k.axes), split=1)}  # one slot: [2, K_local, E]
+    K, E = k.shape
+    return {"kv": CacheArray((2, K, E + 1), (None, *k.axes), split=1)}  # one slot: [2, K_local, E + 1]
 
 
 def fused_attention(p, h, positions, mask, cfg, par=model_lib.SINGLE_DEVICE, kv_cache=None):
@@ -41,8 +43,9 @@ def fused_attention(p, h, positions, mask, cfg, par=model_lib.SINGLE_DEVICE, kv_
 
     def store(new):
         TRACED.append(sorted(new))
-        cache, layer = kv_cache({"kv": jnp.stack([new["k"], new["v"]], axis=2)})  # [B, T, 2, K, E]
-        return cache, {"k": layer["kv"][:, :, 0], "v": layer["kv"][:, :, 1]}
+        kv = jnp.stack([new["k"], new["v"]], axis=2)  # [B, T, 2, K, E]
+        cache, layer = kv_cache({"kv": jnp.pad(kv, [(0, 0)] * 4 + [(0, 1)])})  # the spare column: zeros
+        return cache, {"k": layer["kv"][:, :, 0, :, :-1], "v": layer["kv"][:, :, 1, :, :-1]}
 
     return model_lib.gqa_attention(p, h, positions, mask, cfg, par, store)
 
@@ -74,7 +77,7 @@ def test_a_new_cache_layout_decodes_as_gqa_does(fused):
     np.testing.assert_array_equal(decode.generate(fused_model, PROMPTS, max_new_tokens=6), want)
     assert TRACED and all(names == ["k", "v"] for names in TRACED)
     cache = KVCache.empty(fused, 4, 16)
-    assert {k: v.shape for k, v in cache.arrays.items()} == {"kv": (3, 4, 16, 2, 2, 6)}
+    assert {k: v.shape for k, v in cache.arrays.items()} == {"kv": (3, 4, 16, 2, 2, 7)}
 
     for tensor in (2, 4):
         model, plan = _placed(fused, tensor, data=2)
@@ -83,16 +86,29 @@ def test_a_new_cache_layout_decodes_as_gqa_does(fused):
             np.testing.assert_array_equal(decode.generate(model, PROMPTS, max_new_tokens=6, mesh=plan.mesh), want)
 
 
-def test_the_planner_and_the_checks_read_the_kind(fused):
-    """The planner's cache bytes are the explicit decode step's cache arrays, byte for byte, at (data, tensor) =
-    (1, 1), (2, 2) and (2, 4) — equal to GQA's (the same numbers, one array); the layout check is the kind's."""
+def test_the_planner_and_the_checks_read_the_kind(fused, monkeypatch):
+    """The planner's cache bytes are the explicit decode step's cache array, byte for byte, at (data, tensor) =
+    (1, 1), (2, 2) and (2, 4) — (E + 1)/E of GQA's; the layout check is the kind's: a kind that refuses a tensor
+    degree is refused there, and GQA's rules still hold for it otherwise."""
     batch, slots = 6, 13
+    E = CFG.head_dim
     for data, tensor in ((1, 1), (2, 2), (2, 4)):
         model, plan = _placed(fused, tensor, data)
         _, args = decode.explicit_decode_step(model, plan, batch=batch, slots=slots, temperature=0.0, top_k=0,
                                               top_p=1.0)
         (array,) = args[2].values()
-        assert array.addressable_shards[0].data.nbytes == kv_cache_bytes(fused, batch, slots, data, tensor)
-        assert kv_cache_bytes(fused, batch, slots, data, tensor) == kv_cache_bytes(CFG, batch, slots, data, tensor)
+        want = kv_cache_bytes(fused, batch, slots, data, tensor)
+        assert array.addressable_shards[0].data.nbytes == want
+        assert want * E == kv_cache_bytes(CFG, batch, slots, data, tensor) * (E + 1)
     with pytest.raises(ConfigError, match="model.n_kv_heads"):
         check_layout(dataclasses.replace(fused, n_heads=6, n_kv_heads=3, head_dim=4), ParallelConfig(tensor=2))
+
+    def refuse(cfg, tensor):
+        if tensor > 2:
+            raise ConfigError("parallel.tensor", tensor, "the fused test layout splits over at most 2 ranks",
+                              "use parallel.tensor 1 or 2")
+
+    monkeypatch.setitem(ATTENTION_KINDS, "fused_kv", dataclasses.replace(ATTENTION_KINDS["fused_kv"], check=refuse))
+    check_layout(fused, ParallelConfig(tensor=2))
+    with pytest.raises(ConfigError, match="splits over at most 2 ranks"):
+        check_layout(fused, ParallelConfig(tensor=4))
