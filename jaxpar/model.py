@@ -292,9 +292,9 @@ def run_layers(stacks: Stacks, x: Array, positions: Array, mask: Array | None, c
     cache (decoding: every layer of the model): `KVCache.arrays`, {name: [L, B, S, *slot]}. Model layer l's attention
     writes what row b's T new tokens leave in its cache (GQA: their keys and values) into slots positions[b, 0] …
     positions[b, 0]+T-1 of each array's entry l and attends over all S slots under `mask`; the written arrays follow
-    x in the result. The cache rides in the scan's carry and each layer
-    writes only its new slots (`write_rows`, in place): scanning it as inputs/outputs instead would copy every
-    layer's whole cache out and back in on every decode step.
+    x in the result. The cache rides in the scan's carry and each layer writes only its new slots (`write_rows`, in
+    place): scanning it as inputs/outputs instead would copy every layer's whole cache out and back in on every
+    decode step.
 
     stacks: {stack name: {param: [n_s, …]}} — every layer of the model (`Transformer.stacks`), or a pipeline chunk's
     share, whose dense / MoE pattern is the model's first Σ n_s layers' (the config checks that every chunk has the
@@ -322,9 +322,8 @@ def run_layers(stacks: Stacks, x: Array, positions: Array, mask: Array | None, c
     groups = layer_groups(pattern, single=par.one_group)
 
     def layer_step(layer, carry, at, par):
-        """One layer on the carry: x, or (x, the cache's arrays) with the cache, of which it reads and writes model
-        layer `at`.
-        `par`: the period's context (the pipeline tape's, under a schedule table), not run_layers' own."""
+        """One layer on the carry under `par` (the period's, see `body`): x, or (x, the cache's arrays) with the
+        cache, of which it reads and writes model layer `at`."""
         if cache is None:
             x, _, layer_stats = block(layer, carry, positions, mask, cfg, par)
             return x, layer_stats

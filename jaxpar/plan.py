@@ -229,9 +229,8 @@ def plan_rules(model: ModelConfig, degrees: dict[str, int]) -> tuple[tuple[str, 
         rules = tuple((name, None if axis == EXPERT else axis) for name, axis in rules)
     if degrees[TENSOR] == 1:  # nothing is split over tensor
         rules = tuple((name, None if axis == TENSOR else axis) for name, axis in rules)
-    elif attention_kind(model).shared(model, degrees[TENSOR]) > 1:
-        shared = attention_kind(model).shared_axes
-        rules = tuple((name, None if name in shared else axis) for name, axis in rules)
+    elif (kind := attention_kind(model)).shared(model, degrees[TENSOR]) > 1:
+        rules = tuple((name, None if name in kind.shared_axes else axis) for name, axis in rules)
     return rules
 
 
