@@ -594,9 +594,123 @@ def gqa_attention(p: dict[str, Array], h: Array, positions: Array, mask: Array |
     return out, new_cache
 
 
+def mla_attention(p: dict[str, Array], h: Array, positions: Array, mask: Array | None, cfg: ModelConfig,
+                  par: Parallel = SINGLE_DEVICE, kv_cache: Callable | None = None) -> tuple[Array, object]:
+    """Multi-head latent attention (DeepSeek-V2 §2.1; the attention kind `mla`). h [B, T, D] (compute dtype) →
+    ([B, T, D] float32, the cache or None). Letters: r kv_lora_rank, R qk_rope_head_dim, N qk_nope_head_dim,
+    Eqk = N + R, Ev v_head_dim; H the local heads (wkv_b.shape[-2]).
+
+        q = h·wq, or RMSNorm(h·wq_a)·wq_b                       [B, T, H, Eqk] = [q_nope N | q_rope R]
+        [c | k_r] = h·wkv_a;  c ← RMSNorm(c)                    the latent [B, S, r], the shared rope key [B, S, R]
+        [k_nope | v] = c·wkv_b                                  [B, S, H, N], [B, S, H, Ev]
+        q_rope, k_r ← RoPE (pairs (2i, 2i+1) when rope_interleave; YaRN frequencies and cos/sin factor)
+        o = softmax(scale · (q_nope·k_nopeᵀ + q_rope·k_rᵀ) + mask) · v;  out = o·wo
+        scale = Eqk^-0.5 · mscale², mscale = 0.1·rope_mscale_all_dim·ln(rope_factor) + 1 under YaRN with
+        rope_mscale_all_dim ≠ 0, else 1 (`mla_softmax_scale`, as transformers' DeepSeek V2/V3)
+
+    Tensor parallelism splits the heads. The down-projections wq_a and wkv_a (and their norms) are replicated:
+    every rank computes them for its tokens outside any region, like the MoE router (`par.dot`), and only their
+    narrow outputs enter the head-split region — the query latent and the kv latent through `par.column` with
+    wq_b / wkv_b, the rope key through `par.enter` — so the region's entry moves r (+ rq, + R) values a token
+    instead of D: under sequence parallelism the all-gathers carry B·T·(rq + r + R) elements a layer (GQA's
+    B·T·D, with rq → D when queries are projected directly), and their backward reduce-scatters as many. (Pushing
+    a replicated weight's matmul through `column` instead would be wrong: f's backward would sum t identical
+    copies of its gradient.)
+
+    Training (no cache) runs the expanded form through `par.attention`, so context parallelism gathers or rings the
+    per-head keys and values like GQA's (K = H). The kernels take q, k, v of one width and scale by its -½
+    power: v is zero-padded to Eqk (or q, k to Ev when Ev > Eqk — zeros add nothing to a score) and the context
+    sliced back, and the softmax scale is folded into q (q · scale · √width), so every kernel's 1/√width gives
+    the DeepSeek scale.
+
+    Decoding (kv_cache: `run_layers`' store) caches per token the normalised latent c [r] and the rotated rope key
+    [R] — the same on every tensor rank — and attends in the absorbed form (§2.1.2): W_UK (wkv_b's key part) is
+    folded into the query, q_nope·W_UK → [B, T, H, r], scored against the cached latents beside q_rope·k_rᵀ; the
+    context stays in latent space (probs·c [B, T, H, r]) until W_UV (wkv_b's value part) lifts it to Ev, then wo.
+    The same numbers as the expanded form, without ever expanding the cache to per-head keys and values.
+    """
+    dt = cfg.dtype
+    r, R, N = cfg.kv_lora_rank, cfg.qk_rope_head_dim, cfg.qk_nope_head_dim
+    if "wq_a" in p:  # the low-rank query path (V2, V3): its latent is replicated, wq_b splits heads
+        cq = norm(par.dot("btd,dr->btr", h, p["wq_a"], "attention"), par.replicated(p["q_a_norm"]), None, cfg)
+        (q,) = par.column(cq, (p["wq_b"],), ("btr,rhe->bthe",), "attention")
+    else:  # V2-Lite: queries straight from the stream
+        (q,) = par.column(h, (p["wq"],), ("btd,dhe->bthe",), "attention")
+    q = q.astype(dt)  # [B, T, H, Eqk] (full sequence, local heads)
+    kv = par.dot("btd,dc->btc", h, p["wkv_a"], "attention")  # [B, T, r + R] float32 (T/t under SP), replicated
+    latent = norm(kv[..., :r], par.replicated(p["kv_a_norm"]), None, cfg)  # [B, T, r] compute dtype
+    k_rope = kv[..., r:].astype(dt)  # [B, T, R], before RoPE
+    inv_freq, factor = rope_frequencies(R, cfg), rope_attention_factor(cfg)
+    rotate = functools.partial(rope, positions=positions, inv_freq=inv_freq, interleave=cfg.rope_interleave,
+                               scale=factor)
+    q_nope, q_rope = q[..., :N], rotate(q[..., N:])
+    scale = mla_softmax_scale(cfg)
+
+    if kv_cache is not None:
+        # The new tokens' latents and rope keys, whole on every tensor rank (`par.whole`: under a sequence-parallel
+        # prefill the shards are summed into place, typed as the replicated cache they go to).
+        new_cache, layer = kv_cache({"latent": par.whole(latent),
+                                     "k_rope": rotate(par.whole(k_rope)[:, :, None, :])[:, :, 0]})
+        c, k_r = layer["latent"], layer["k_rope"]  # [B, S, r], [B, S, R]: the layer's cache, new slots written
+        w = par.policy("attention").operand(p["wkv_b"], dt)  # [r, H, N + Ev] (local heads)
+        q_lat = jnp.einsum("bthn,rhn->bthr", q_nope, w[..., :N], preferred_element_type=jnp.float32).astype(dt)
+        scores = (jnp.einsum("bthr,bsr->bhts", q_lat, c, preferred_element_type=jnp.float32)
+                  + jnp.einsum("bthe,bse->bhts", q_rope, k_r, preferred_element_type=jnp.float32)) * scale
+        if mask is None:  # causal over T == S
+            mask = (jnp.arange(scores.shape[-1])[None, :] <= jnp.arange(scores.shape[-2])[:, None])[None, None]
+        probs = jax.nn.softmax(jnp.where(mask, scores, NEG_INF), axis=-1)  # [B, H, T, S] float32
+        ctx = jnp.einsum("bhts,bsr->bthr", probs.astype(dt), c, preferred_element_type=jnp.float32).astype(dt)
+        o = jnp.einsum("bthr,rhv->bthv", ctx, w[..., N:], preferred_element_type=jnp.float32).astype(dt)
+        o = checkpoint_name(o, "context")  # [B, T, H, Ev]
+        return par.row(o, p["wo"], "bthe,hed->btd", "attention"), new_cache
+
+    (kvb,) = par.column(latent, (p["wkv_b"],), ("bsr,rhe->bshe",), "attention")  # [B, S, H, N + Ev] float32
+    k_nope, v = kvb[..., :N].astype(dt), kvb[..., N:].astype(dt)
+    k_r = rotate(par.enter(k_rope)[:, :, None, :])  # [B, S, 1, R]: the shared rope key, entering the region
+    H, Ev = q.shape[-2], v.shape[-1]
+    width = max(N + R, Ev)
+    q = jnp.concatenate([q_nope, q_rope], -1)
+    k = jnp.concatenate([k_nope, jnp.broadcast_to(k_r, (*k_r.shape[:2], H, R))], -1)
+    fold = scale * math.sqrt(width)  # the kernel divides by √width: q carries the rest of the DeepSeek scale
+    q = q if fold == 1.0 else (q.astype(jnp.float32) * fold).astype(dt)
+    pad = lambda x: jnp.pad(x, [(0, 0)] * 3 + [(0, width - x.shape[-1])])  # noqa: E731  zeros: no score, no output
+    q = checkpoint_name(constrain(pad(q), ("batch", "seq", "heads", "head_dim")), "q")
+    k = checkpoint_name(constrain(pad(k), ("batch", "seq", "heads", "head_dim")), "k")
+    v = checkpoint_name(pad(v), "v")
+    o = par.attention(functools.partial(attend, cfg=cfg), q, k, v, mask)[..., :Ev]  # [B, T, H, Ev]
+    o = checkpoint_name(o, "context")
+    return par.row(o, p["wo"], "bthe,hed->btd", "attention"), None
+
+
+def mla_softmax_scale(cfg: ModelConfig) -> float:
+    """MLA's softmax scale as transformers' DeepSeek V2/V3 compute it: Eqk^-0.5, times mscale² under YaRN with
+    rope_mscale_all_dim ≠ 0, mscale = 0.1·rope_mscale_all_dim·ln(rope_factor) + 1 (rope_factor > 1)."""
+    scale = cfg.head_dim ** -0.5
+    if cfg.rope_scaling == "yarn" and cfg.rope_mscale_all_dim:
+        m = _yarn_mscale(cfg.rope_factor, cfg.rope_mscale_all_dim)
+        scale = scale * m * m
+    return scale
+
+
+def _yarn_mscale(factor: float, coef: float = 1.0) -> float:
+    return 1.0 if factor <= 1 else 0.1 * coef * math.log(factor) + 1.0
+
+
+def rope_attention_factor(cfg: ModelConfig) -> float:
+    """The factor RoPE's cos and sin are multiplied by (transformers' `attention_factor`): 1, or under YaRN
+    mscale(factor, rope_mscale) / mscale(factor, rope_mscale_all_dim) when rope_mscale_all_dim ≠ 0, else
+    0.1·ln(factor) + 1 (DeepSeek sets both coefficients equal: 1)."""
+    if cfg.rope_scaling != "yarn":
+        return 1.0
+    f = cfg.rope_factor
+    if cfg.rope_mscale and cfg.rope_mscale_all_dim:
+        return float(_yarn_mscale(f, cfg.rope_mscale) / _yarn_mscale(f, cfg.rope_mscale_all_dim))
+    return _yarn_mscale(f)
+
+
 # Attention kind (`Family.attention`, jaxpar.families.attention.ATTENTION_KINDS) → its layer function, fn(p, h,
 # positions, mask, cfg, par, kv_cache) → ([B, T, D] float32, the cache or None); `block` calls it.
-ATTENTION = {"gqa": gqa_attention}
+ATTENTION = {"gqa": gqa_attention, "mla": mla_attention}
 
 
 def attend(q: Array, k: Array, v: Array, mask: Array | None, cfg: ModelConfig) -> Array:
@@ -709,17 +823,47 @@ def rope_frequencies(E: int, cfg: ModelConfig) -> np.ndarray:
         blended = (1 - a) * scaled / factor + a * scaled
         medium = (wavelen >= context / high) & (wavelen <= context / low)
         inv_freq = np.where(medium, blended, scaled).astype(np.float32)
+    elif cfg.rope_scaling == "yarn":
+        inv_freq = _yarn_frequencies(E, cfg)
     return inv_freq
 
 
-def rope(x: Array, positions: Array, inv_freq: np.ndarray | Array) -> Array:
-    """Rotary embedding, Hugging Face's rotate-half convention. x [B, T, N, E]; positions [B, T]; inv_freq [E/2].
+def _yarn_frequencies(E: int, cfg: ModelConfig) -> np.ndarray:
+    """YaRN (Peng et al. 2023) as transformers' `_compute_yarn_parameters` computes it: with C =
+    rope_original_max_len, the dim d where a frequency makes b rotations over C is d(b) = E·ln(C / (2πb)) / (2·ln θ);
+    low = ⌊d(beta_fast)⌋ ≥ 0, high = ⌈d(beta_slow)⌉ ≤ E − 1; pair i's ramp a_i = clip((i − low) / (high − low), 0, 1)
+    and ω_i = ω/factor · a_i + ω · (1 − a_i) — fast pairs kept, slow pairs interpolated, a blend between."""
+    theta, factor, context = cfg.rope_theta, cfg.rope_factor, cfg.rope_original_max_len
+    pos = theta ** (np.arange(0, E, 2, dtype=np.float32) / np.float32(E))
+    extrapolated, interpolated = (1.0 / pos).astype(np.float32), (1.0 / (np.float32(factor) * pos)).astype(np.float32)
 
-    Pairs (i, i + E/2) rotate by angle pos · ω_i:  [x1, x2] → [x1·cos − x2·sin, x2·cos + x1·sin].
+    def dim(rotations):
+        return E * math.log(context / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = max(math.floor(dim(cfg.rope_beta_fast)), 0), min(math.ceil(dim(cfg.rope_beta_slow)), E - 1)
+    if low == high:
+        high += 0.001  # transformers' guard against a zero-width ramp
+    ramp = np.clip((np.arange(E // 2, dtype=np.float32) - low) / (high - low), 0, 1).astype(np.float32)
+    keep = (1 - ramp).astype(np.float32)
+    return (interpolated * (1 - keep) + extrapolated * keep).astype(np.float32)
+
+
+def rope(x: Array, positions: Array, inv_freq: np.ndarray | Array, interleave: bool = False,
+         scale: float = 1.0) -> Array:
+    """Rotary embedding. x [B, T, N, E]; positions [B, T]; inv_freq [E/2]; cos and sin multiplied by `scale`
+    (YaRN's attention factor, `rope_attention_factor`).
+
+    Pair i rotates by angle pos · ω_i:  [x1, x2] → [x1·cos − x2·sin, x2·cos + x1·sin], with the pairs
+    (i, i + E/2) (Hugging Face's rotate-half convention), or (2i, 2i + 1) with `interleave` (DeepSeek's
+    complex-pair order) — whose result comes out as transformers' does, the rotated even dims then the odd ones:
+    q and k are permuted alike, so their dot products are the interleaved rotation's.
     """
     angles = positions.astype(jnp.float32)[..., None] * inv_freq  # [B, T, E/2]
     cos, sin = jnp.cos(angles)[:, :, None, :], jnp.sin(angles)[:, :, None, :]  # [B, T, 1, E/2]
-    x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
+    if scale != 1.0:
+        cos, sin = cos * scale, sin * scale
+    x32 = x.astype(jnp.float32)
+    x1, x2 = (x32[..., 0::2], x32[..., 1::2]) if interleave else jnp.split(x32, 2, axis=-1)
     return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
 
 

@@ -35,7 +35,8 @@ PLANNED = ("data", "pipe", "expert", "context", "tensor", "schedule", "repeats",
            "overlap", "context_impl", "zero", "remat")
 AUTO_KEEPS = PLANNED + ("grad_accum",)
 ATTENTION_IMPLS = ("auto", "xla", "cudnn")
-ROPE_SCALINGS = ("none", "linear", "llama3")
+ROPE_SCALINGS = ("none", "linear", "llama3", "yarn")
+MLA_FIELDS = ("q_lora_rank", "kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim")
 SOURCES = ("default", "synthetic", "text", "tokens")
 
 
@@ -114,11 +115,31 @@ class ModelConfig:
     max_seq_len: int = _f(256, "longest sequence the model accepts (size of the gpt2 position table)")
     rope_theta: float = _f(10000.0, "RoPE base frequency (llama family)")
     rope_scaling: str = _f("none", "RoPE frequency scaling for long context: 'none', 'linear' (positions / "
-                           "rope_factor) or 'llama3' (Llama 3.1's per-frequency interpolation)")
-    rope_factor: float = _f(1.0, "RoPE scaling factor (rope_scaling 'linear' or 'llama3')")
+                           "rope_factor), 'llama3' (Llama 3.1's per-frequency interpolation) or 'yarn' (YaRN: "
+                           "per-frequency ramp between beta_fast and beta_slow rotations, and its attention "
+                           "factor; deepseek family)")
+    rope_factor: float = _f(1.0, "RoPE scaling factor (rope_scaling 'linear', 'llama3' or 'yarn')")
     rope_low_freq_factor: float = _f(1.0, "llama3 scaling: wavelengths above original_max_len/this are scaled fully")
     rope_high_freq_factor: float = _f(4.0, "llama3 scaling: wavelengths below original_max_len/this are kept")
-    rope_original_max_len: int = _f(8192, "llama3 scaling: the context length the model was pretrained at")
+    rope_original_max_len: int = _f(8192, "llama3 / yarn scaling: the context length the model was pretrained at")
+    rope_beta_fast: float = _f(32.0, "yarn scaling: dims rotating more than this often over original_max_len are "
+                               "kept (extrapolated)")
+    rope_beta_slow: float = _f(1.0, "yarn scaling: dims rotating less than this often are interpolated fully")
+    rope_mscale: float = _f(1.0, "yarn scaling: the cos/sin attention factor's numerator coefficient "
+                            "(0.1*mscale*ln(factor) + 1)")
+    rope_mscale_all_dim: float = _f(0.0, "yarn scaling: the factor's denominator coefficient; when non-zero the "
+                                    "softmax scale is also multiplied by (0.1*mscale_all_dim*ln(factor) + 1)^2 "
+                                    "(DeepSeek)")
+    rope_interleave: bool = _f(False, "RoPE rotates dim pairs (2i, 2i+1) (Hugging Face DeepSeek's complex-pair "
+                               "order) instead of (i, i+E/2); deepseek family")
+    q_lora_rank: int = _f(0, "MLA (deepseek family): rank of the low-rank query projection; 0: queries projected "
+                          "directly from d_model")
+    kv_lora_rank: int = _f(0, "MLA (deepseek family): width r of the compressed key/value latent the cache holds")
+    qk_rope_head_dim: int = _f(0, "MLA (deepseek family): width R of each head's rotary query part and of the "
+                               "rotary key all heads share")
+    qk_nope_head_dim: int = _f(0, "MLA (deepseek family): width of each head's query/key part without RoPE; "
+                               "head_dim = qk_nope_head_dim + qk_rope_head_dim")
+    v_head_dim: int = _f(0, "MLA (deepseek family): width of each head's value")
     qkv_bias: bool = _f(False, "biases on the q, k, v projections in the llama family (Qwen2); gpt2 always has them")
     sliding_window: int = _f(0, "attend only to the last this-many positions, the query's own included (Mistral); "
                              "0: full causal attention")
@@ -173,9 +194,12 @@ class ModelConfig:
             check_positive(f"model.{name}", getattr(self, name), allow_zero="derived")
         for name in ("rope_theta", "norm_eps", "init_std"):
             check_positive(f"model.{name}", getattr(self, name))
+        self._check_mla_and_yarn()
         # Resolve the derived sizes so the frozen config (and config.json) holds concrete numbers.
         if self.n_kv_heads == 0:
             object.__setattr__(self, "n_kv_heads", self.n_heads)
+        if self.head_dim == 0 and self.qk_nope_head_dim + self.qk_rope_head_dim:  # MLA: the query/key head width
+            object.__setattr__(self, "head_dim", self.qk_nope_head_dim + self.qk_rope_head_dim)
         if self.head_dim == 0:
             if self.d_model % self.n_heads:
                 raise ConfigError("model.n_heads", self.n_heads, f"must divide model.d_model = {self.d_model} "
@@ -210,6 +234,43 @@ class ModelConfig:
         check_positive("model.weight_group", self.weight_group)
         if self.weights == "int4":
             self._check_groups()
+
+    def _check_mla_and_yarn(self):
+        """Multi-head latent attention's sizes belong to a family whose attention kind is 'mla' (deepseek), and its
+        RoPE part rotates in pairs; YaRN needs a real extension (factor > 1) and ordered ramp bounds, and only the
+        mla kind applies its attention factor."""
+        for name in MLA_FIELDS:
+            check_positive(f"model.{name}", getattr(self, name), allow_zero="unused")
+        mla = FAMILIES[self.family].attention == "mla"
+        if not mla:
+            for name in MLA_FIELDS + ("rope_interleave",):
+                if getattr(self, name):
+                    raise ConfigError(f"model.{name}", getattr(self, name), f"is a multi-head latent attention "
+                                      f"setting, and the {self.family} family's attention is "
+                                      f"{FAMILIES[self.family].attention}",
+                                      f"use model.family=deepseek, or leave model.{name} at its default")
+        if self.qk_rope_head_dim % 2:
+            raise ConfigError("model.qk_rope_head_dim", self.qk_rope_head_dim, "must be even: RoPE rotates dims in "
+                              "pairs", f"use qk_rope_head_dim {self.qk_rope_head_dim + 1}")
+        for name in ("rope_beta_fast", "rope_beta_slow", "rope_mscale"):
+            check_positive(f"model.{name}", getattr(self, name))
+        check_positive("model.rope_mscale_all_dim", self.rope_mscale_all_dim, allow_zero="no softmax-scale "
+                       "correction")
+        if self.rope_scaling != "yarn":
+            return
+        if not mla:
+            raise ConfigError("model.rope_scaling", self.rope_scaling, f"YaRN's attention factor is applied by the "
+                              f"mla attention kind only; the {self.family} family's is "
+                              f"{FAMILIES[self.family].attention}",
+                              "use model.family=deepseek, or rope_scaling 'linear' / 'llama3'")
+        if not self.rope_factor > 1:
+            raise ConfigError("model.rope_factor", self.rope_factor, "must exceed 1 for yarn scaling (the context "
+                              "extension factor; 1 or less leaves the frequencies unscaled)",
+                              "set model.rope_factor > 1 (DeepSeek-V2 uses 40), or rope_scaling 'none'")
+        if not self.rope_beta_fast > self.rope_beta_slow:
+            raise ConfigError("model.rope_beta_fast", self.rope_beta_fast, f"must exceed model.rope_beta_slow = "
+                              f"{self.rope_beta_slow} (yarn ramps between those rotation counts)",
+                              "DeepSeek uses beta_fast 32 and beta_slow 1")
 
     def quantized_params(self, moe: bool) -> dict:
         """The matrices of one layer (of kind `moe`) that `weights` stores quantized: {name: family Param}."""

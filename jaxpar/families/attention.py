@@ -68,7 +68,80 @@ def _gqa_local(cfg, tensor: int) -> dict[str, int]:
 GQA = AttentionKind("gqa", params=_gqa_params, cache=_gqa_cache, check=_gqa_check, shared=_gqa_shared,
                     flops=_gqa_flops, local=_gqa_local, shared_axes=("kv_heads",))
 
-ATTENTION_KINDS: dict[str, AttentionKind] = {GQA.name: GQA}
+
+
+# -----------------------------------------------------------------------------------------------------------------
+# Multi-head latent attention (DeepSeek-V2 §2.1). Letters: r kv_lora_rank, rq q_lora_rank, R qk_rope_head_dim,
+# N qk_nope_head_dim, Eqk = N + R (= head_dim), Ev v_head_dim.
+
+
+def _mla_params(cfg) -> dict[str, Param]:
+    """The projections in Hugging Face's order (and so a seed's draw order):
+
+        wq [D, H, Eqk]                 queries straight from the stream (q_lora_rank 0), or
+        wq_a [D, rq]; q_a_norm [rq]; wq_b [rq, H, Eqk]     the low-rank query path with its RMSNorm
+        wkv_a [D, r + R]               the compressed latent (first r) and the rope key every head shares (last R)
+        kv_a_norm [r]                  the latent's RMSNorm
+        wkv_b [r, H, N + Ev]           the latent's up-projection: per head its key part without RoPE, then its value
+        wo [H, Ev, D]
+
+    Within each head's Eqk the last R dims are the rope part. The down-projections (wq_a, wkv_a) and their norms are
+    held whole by every tensor rank (logical axes q_lora / kv_lora are replicated): their outputs are narrow, and
+    the heads split only after them (jaxpar.model.mla_attention)."""
+    D, H = cfg.d_model, cfg.n_heads
+    r, rq, R, N, Ev = cfg.kv_lora_rank, cfg.q_lora_rank, cfg.qk_rope_head_dim, cfg.qk_nope_head_dim, cfg.v_head_dim
+    Eqk = N + R
+    if rq:
+        params = {"wq_a": Param((D, rq), ("embed", "q_lora"), "normal", contract=(0,), role="attention"),
+                  "q_a_norm": Param((rq,), ("q_lora",), "ones", decay=False),
+                  "wq_b": Param((rq, H, Eqk), ("q_lora", "heads", "head_dim"), "normal", contract=(0,),
+                                role="attention")}
+    else:
+        params = {"wq": Param((D, H, Eqk), ("embed", "heads", "head_dim"), "normal", contract=(0,), role="attention")}
+    params.update(
+        wkv_a=Param((D, r + R), ("embed", "kv_lora"), "normal", contract=(0,), role="attention"),
+        kv_a_norm=Param((r,), ("kv_lora",), "ones", decay=False),
+        wkv_b=Param((r, H, N + Ev), ("kv_lora", "heads", "head_dim"), "normal", contract=(0,), role="attention"),
+        wo=Param((H, Ev, D), ("heads", "head_dim", "embed"), "out", contract=(0, 1), role="attention"))
+    return params
+
+
+def _mla_cache(cfg, tensor: int) -> dict[str, CacheArray]:
+    """Per slot the normalised latent [r] and the rotated rope key [R] — the same on every tensor rank (split None):
+    r + R values a token a layer whatever the head count, against GQA's 2·K·E (K/t per rank)."""
+    return {"latent": CacheArray((cfg.kv_lora_rank,), ("kv_lora",)),
+            "k_rope": CacheArray((cfg.qk_rope_head_dim,), ("head_dim",))}
+
+
+def _mla_check(cfg, tensor: int) -> None:
+    check_divides("model.n_heads", cfg.n_heads, "parallel.tensor", tensor, "each tensor shard holds whole heads")
+
+
+def _mla_flops(cfg, keys: float, tensor: int) -> tuple[float, float]:
+    """Training's expanded form, per token on one of t ranks: projections 2·D·H·Eqk/t (or 2·D·rq + 2·rq·H·Eqk/t)
+    + 2·D·(r + R) (the latent, replicated: every rank computes it for its tokens) + 2·r·H·(N + Ev)/t + 2·H·Ev·D/t;
+    core 2·H·(Eqk + Ev)·keys/t.
+
+    Decoding runs the absorbed form instead (jaxpar.model.mla_attention): per new token and local head 2·N·r (q
+    into latent space) + 2·(r + R)·keys (scores) + 2·r·keys (context in latent space) + 2·r·Ev (the value
+    up-projection), and no per-key up-projection — the latent cache is read once per head, never expanded."""
+    D, H = cfg.d_model, cfg.n_heads / tensor
+    r, rq, R, N, Ev = cfg.kv_lora_rank, cfg.q_lora_rank, cfg.qk_rope_head_dim, cfg.qk_nope_head_dim, cfg.v_head_dim
+    q = 2 * D * H * (N + R) if not rq else 2 * D * rq + 2 * rq * H * (N + R)
+    projections = q + 2 * D * (r + R) + 2 * r * H * (N + Ev) + 2 * H * Ev * D
+    return projections, 2 * H * (N + R + Ev) * keys
+
+
+def _mla_local(cfg, tensor: int) -> dict[str, int]:
+    return {"n_heads": cfg.n_heads // tensor, "n_kv_heads": cfg.n_heads // tensor}
+
+
+# Multi-head latent attention: the latent projections replicated, heads split over tensor; the cache holds each
+# token's normalised latent and rotated rope key, whole on every tensor rank.
+MLA = AttentionKind("mla", params=_mla_params, cache=_mla_cache, check=_mla_check, shared=lambda cfg, tensor: 1,
+                    flops=_mla_flops, local=_mla_local)
+
+ATTENTION_KINDS: dict[str, AttentionKind] = {GQA.name: GQA, MLA.name: MLA}
 
 
 def attention_params(cfg, kind: AttentionKind, *, norm_bias: bool) -> dict[str, Param]:

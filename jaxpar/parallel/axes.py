@@ -12,7 +12,7 @@ TPU slice); `data` goes outermost because it communicates once per step (the gra
 | expert    | parallel.expert   | batch, experts          | expert parallelism: MoE experts split over ranks that are data-parallel outside the MoE layers (MaxText, Megatron-Core) |
 | context   | parallel.context  | seq                     | context parallelism: activations split on the sequence dim |
 | tensor    | parallel.tensor   | heads, kv_heads, mlp, vocab | Megatron TP: heads and MLP columns split, vocab-parallel embedding and head |
-| —         |                   | embed, head_dim, norm   | replicated                                                 |
+| —         |                   | embed, head_dim, norm, q_lora, kv_lora | replicated (q_lora, kv_lora: MLA's latent widths) |
 
 Derived here, so adding an axis is one `MeshAxis` row plus its logical names:
 - `RULES`: logical → mesh axes (jaxpar.sharding applies it). A logical name that several axes split maps to the
@@ -60,7 +60,9 @@ MESH_AXES: tuple[MeshAxis, ...] = (
              "embedding and head (innermost: the fastest links)"),
 )
 
-REPLICATED: tuple[str, ...] = ("embed", "head_dim", "norm")  # logical axes no mesh axis splits
+# Logical axes no mesh axis splits. q_lora / kv_lora: multi-head latent attention's latent widths (its down-projections
+# and their norms are held whole by every tensor rank: jaxpar.model.mla_attention).
+REPLICATED: tuple[str, ...] = ("embed", "head_dim", "norm", "q_lora", "kv_lora")
 
 AXES: tuple[str, ...] = tuple(a.name for a in MESH_AXES)  # mesh axis names, outermost first
 DATA, PIPE, EXPERT, CONTEXT, TENSOR = AXES

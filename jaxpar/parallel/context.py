@@ -3,6 +3,8 @@
 The model (jaxpar.model) speaks logical axes and calls these methods where a parallel strategy may need to act:
 
     column / row        enter and leave a tensor-parallel region around the matmuls of one group
+    enter / whole       a replicated activation entering a region without a matmul; a sequence-sharded one made
+                        whole on every rank (a replicated cache's new tokens)
     dot                 a matmul outside any region (the router: a weight every rank holds whole)
     replicated          a parameter every tensor rank holds whole, applied to (possibly sequence-sharded) tokens
     kv_weight           the kv heads this rank attends with (GQA with fewer kv heads than tensor ranks)
@@ -100,6 +102,18 @@ class Parallel:
         """A matmul of this rank's tokens x (compute dtype) with a weight every tensor rank holds whole (the MoE
         router, a shared expert's score), by the policy of `role` → float32. No region, no collective."""
         return self.policy(role)(equation, x, w)
+
+    def enter(self, x: Array) -> Array:
+        """A replicated activation (compute dtype) entering a tensor-parallel region without a matmul here (MLA's
+        rope key, which every rank's heads read): f, or under SP the all-gather of the sequence shards
+        [B, T/t, …] → [B, T, …]; x itself without tensor parallelism."""
+        return x if self.tensor is None else self.tensor.enter(x)
+
+    def whole(self, x: Array) -> Array:
+        """This rank's tokens of a replicated activation [B, T(/t), …] → every token's [B, T, …], the same on every
+        tensor rank and typed so — what a cache every rank holds whole stores (MLA's latent). Decoding only (no
+        gradient rule): under SP the shards are summed into place (`TensorParallel.whole`)."""
+        return x if self.tensor is None or not self.tensor.sequence else self.tensor.whole(x)
 
     def replicated(self, p: Array) -> Array:
         """A parameter held whole by every tensor rank (norm scales, output biases, positions)."""

@@ -171,6 +171,15 @@ class TensorParallel:
         backward reduce-scatters). Unlike `column`, the gathered input is kept for the backward, not re-gathered."""
         return seq.local_gather(h, self.axis) if self.sequence else copy_to_tensor(h, self.axis)
 
+    def whole(self, x: Array) -> Array:
+        """Sequence shards [B, T/t, …] → the whole sequence [B, T, …], typed invariant over the tensor group (an
+        all-gather's result is typed varying): each rank's shard placed in zeros and summed (a psum of the T-long
+        array: t/(t−1) × an all-gather's bytes). For values every rank then holds whole, forward only."""
+        n, t = x.shape[1], jax.lax.axis_size(self.axis)
+        full = jnp.zeros((x.shape[0], n * t, *x.shape[2:]), x.dtype)
+        return jax.lax.psum(jax.lax.dynamic_update_slice_in_dim(full, x, jax.lax.axis_index(self.axis) * n, 1),
+                            self.axis)
+
     def exit(self, partial: Array) -> Array:
         """Sum partial results over the tensor group: g, or a reduce-scatter onto sequence shards under SP."""
         if self.sequence:
