@@ -222,6 +222,8 @@ def _hf_import(kind):
 TRAIN = "train --no-progress --config configs/tiny.py --workdir {tmp}/w "
 MOE = "train --no-progress --config configs/moe_tiny.py --workdir {tmp}/w "
 SMALL = " ".join(f"--config.{o}" for o in ONE + ["parallel.data=-1"])  # the same run on all 8 devices
+DEEPSEEK = ["family=deepseek", "n_kv_heads=0", "kv_lora_rank=16", "qk_rope_head_dim=8", "qk_nope_head_dim=24",
+            "v_head_dim=16"]  # tiny.py as a deepseek model (model.* overrides)
 CASES = [
     # train: the config
     Case("train-unknown-key", TRAIN + "--config.model.d_modle=64", "model.d_modle",
@@ -293,6 +295,25 @@ CASES = [
          "--config.parallel.schedule=1f1b --config.parallel.repeats=1", "parallel.context_impl",
          lambda c, t: load_config("configs/tiny.py", ["parallel.context=2", "parallel.context_impl=ring",
                                                       "parallel.schedule=1f1b", "parallel.repeats=1"])),
+    # multi-head latent attention and YaRN (model.* MLA fields belong to the deepseek family)
+    *[Case(f"train-{name}", TRAIN + f"--config.model.{o}", f"model.{o.split('=')[0]}",
+           lambda c, t, o=o: load_config("configs/tiny.py", [f"model.{o}"]))
+      for name, o in [("mla-field-outside-deepseek", "kv_lora_rank=8"), ("q-lora-rank-negative", "q_lora_rank=-1"),
+                      ("qk-nope-head-dim-text", "qk_nope_head_dim=wide"), ("v-head-dim-float", "v_head_dim=2.5"),
+                      ("qk-rope-head-dim-llama", "qk_rope_head_dim=4"),
+                      ("rope-interleave-llama", "rope_interleave=true"), ("rope-beta-slow-zero", "rope_beta_slow=0"),
+                      ("rope-beta-fast-text", "rope_beta_fast=fast"), ("rope-mscale-negative", "rope_mscale=-1"),
+                      ("rope-mscale-all-dim-nan", "rope_mscale_all_dim=nan"),
+                      ("rope-yarn-llama", "rope_scaling=yarn")]],
+    *[Case(f"train-deepseek-{name}", TRAIN + " ".join(f"--config.model.{o}" for o in DEEPSEEK + extra), needle,
+           lambda c, t, extra=extra: load_config("configs/tiny.py", [f"model.{o}" for o in DEEPSEEK + extra]))
+      for name, extra, needle in [
+          ("no-latent", ["kv_lora_rank=0"], "model.kv_lora_rank"),
+          ("odd-rope", ["qk_rope_head_dim=5"], "model.qk_rope_head_dim"),
+          ("kv-heads", ["n_kv_heads=2"], "model.n_kv_heads"),
+          ("head-dim", ["head_dim=36"], "model.head_dim"),
+          ("yarn-factor-one", ["rope_scaling=yarn"], "model.rope_factor"),
+          ("yarn-betas", ["rope_scaling=yarn", "rope_factor=4", "rope_beta_fast=0.5"], "model.rope_beta_fast")]],
     Case("train-scan-unroll-zero", TRAIN + "--config.model.scan_unroll=0", "model.scan_unroll",
          lambda c, t: load_config("configs/tiny.py", ["model.scan_unroll=0"])),
     Case("train-unknown-schedule", TRAIN + "--config.parallel.schedule=pipedream", "parallel.schedule",
