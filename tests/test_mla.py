@@ -4,8 +4,8 @@
     interleaved-pair RoPE), value and gradients, fp32, at positions well past the first few;
 (b) decoding with the latent cache in the absorbed form equals the cache-free forward, logit for logit and token for
     token, rows of different lengths — on one device and on explicit tensor-parallel plans (with SP's prefill);
-(c) a tiny deepseek model at tensor 2, tensor 2 + SP (MoE with a dense first layer) and context 2 (both impls)
-    equals the single-device model, loss and gradients;
+(c) a tiny deepseek model at tensor 2, tensor 2 + SP (MoE with a dense first layer), context 2 (both impls) and a
+    1F1B pipeline with tensor 2 + SP equals the single-device model, loss and gradients;
 (d) the cache holds L·B·S·(r + R) values — the planner's count, and the compiled decode program's cache argument —
     against the equivalent GQA model's 2·K·E a slot.
 """
@@ -225,6 +225,9 @@ def test_explicit_tensor_parallel_decode(decoder, sequence):
     plan = make_plan(cfg, ParallelConfig(data=2, tensor=2, sequence_parallel=sequence), jax.devices()[:4])
     placed = nnx.merge(*lay_out(cfg, nnx.state(model, nnx.Param), plan))
     np.testing.assert_array_equal(decode.generate(placed, PROMPTS, max_new_tokens=6, plan=plan)[:, -6:], want)
+    if not sequence:  # the same placed weights, partitioned by GSPMD (the cache laid out by its logical axes)
+        np.testing.assert_array_equal(decode.generate(placed, PROMPTS, max_new_tokens=6, mesh=plan.mesh)[:, -6:],
+                                      want)
 
 
 # -----------------------------------------------------------------------------------------------------------------
@@ -238,14 +241,16 @@ MOE = dict(CASES["qlora-yarn-interleave"], n_layers=3,
 @pytest.mark.parametrize("name,fields,layouts", [
     ("moe", MOE, [dict(tensor=2), dict(tensor=2, sequence_parallel=True)]),
     ("dense", dict(CASES["direct-q-wide-v"], n_layers=2),
-     [dict(context=2, context_impl="all_gather"), dict(context=2, tensor=2, context_impl="ring")]),
+     [dict(context=2, context_impl="all_gather"), dict(context=2, tensor=2, context_impl="ring"),
+      dict(pipe=2, tensor=2, sequence_parallel=True, microbatches=2, schedule="1f1b")]),  # the tape's B/W split
 ])
 def test_layouts_equal_one_device(name, fields, layouts):
     cfg = ModelConfig(**fields)
     batch = jnp.asarray(np.random.default_rng(5).integers(0, cfg.vocab_size, (B, T + 1)), jnp.int32)
     params, want_loss, want_grads = single_device(cfg, batch)
     for layout in layouts:
-        parallel = ParallelConfig(data=8 // (layout.get("tensor", 1) * layout.get("context", 1)), **layout)
+        parallel = ParallelConfig(data=8 // math.prod(layout.get(a, 1) for a in ("pipe", "context", "tensor")),
+                                  **layout)
         loss, grads = on_layout(cfg, params, batch, parallel)[:2]
         np.testing.assert_allclose(loss, want_loss, rtol=1e-5)
         assert_grads_match(grads, want_grads)
