@@ -63,10 +63,16 @@ def _gqa_local(cfg, tensor: int) -> dict[str, int]:
     return {"n_heads": cfg.n_heads // tensor, "n_kv_heads": _gqa_heads(cfg, tensor)}
 
 
+def _gqa_traffic(cfg, tensor: int, sequence: bool) -> tuple[float, float]:
+    """Tensor: f in (its all-reduce backward) and g out (forward) on D values, 4 halves; under SP the all-gather in,
+    its backward re-gather, the reduce-scatter out and both backward: 5. Context: K_local keys and values of E."""
+    return (5 if sequence else 4) * cfg.d_model, 2 * _gqa_heads(cfg, tensor) * cfg.head_dim
+
+
 # Grouped-query attention (multi-head when K = H): query head n reads kv head n // (H/K); the cache holds every
 # layer's keys and values per slot, kv heads split over tensor.
 GQA = AttentionKind("gqa", params=_gqa_params, cache=_gqa_cache, check=_gqa_check, shared=_gqa_shared,
-                    flops=_gqa_flops, local=_gqa_local, shared_axes=("kv_heads",))
+                    flops=_gqa_flops, local=_gqa_local, traffic=_gqa_traffic, shared_axes=("kv_heads",))
 
 
 
@@ -136,10 +142,22 @@ def _mla_local(cfg, tensor: int) -> dict[str, int]:
     return {"n_heads": cfg.n_heads // tensor, "n_kv_heads": cfg.n_heads // tensor}
 
 
+def _mla_traffic(cfg, tensor: int, sequence: bool) -> tuple[float, float]:
+    """Tensor, with Q = q_lora_rank (or D when queries are projected directly): the region is entered by the query
+    latent (Q), the kv latent (r) and the rope key (R), and left by D. Without SP: f's all-reduces backward and g's
+    forward, 2·(Q + r + R + D) halves. Under SP: Q, r, R gathered forward, Q and r re-gathered backward (the
+    column groups'), their three gradients reduce-scattered; D reduce-scattered forward, gathered backward:
+    3·Q + 3·r + 2·R + 2·D (the replicated down-projections' gradients are the planner's replicated parameters).
+    Context: the expanded per-head keys and values, each padded to max(Eqk, Ev) (`mla_attention`)."""
+    Q, r, R, D = cfg.q_lora_rank or cfg.d_model, cfg.kv_lora_rank, cfg.qk_rope_head_dim, cfg.d_model
+    halves = 3 * Q + 3 * r + 2 * R + 2 * D if sequence else 2 * (Q + r + R + D)
+    return halves, 2 * cfg.n_heads // tensor * max(cfg.head_dim, cfg.v_head_dim)
+
+
 # Multi-head latent attention: the latent projections replicated, heads split over tensor; the cache holds each
 # token's normalised latent and rotated rope key, whole on every tensor rank.
 MLA = AttentionKind("mla", params=_mla_params, cache=_mla_cache, check=_mla_check, shared=lambda cfg, tensor: 1,
-                    flops=_mla_flops, local=_mla_local)
+                    flops=_mla_flops, local=_mla_local, traffic=_mla_traffic)
 
 ATTENTION_KINDS: dict[str, AttentionKind] = {GQA.name: GQA, MLA.name: MLA}
 

@@ -103,6 +103,11 @@ class AttentionKind:
         keys per query).
     local(cfg, tensor) → the ModelConfig fields of one tensor rank's share, as a plain model (the memory planner
         traces it: `jaxpar.planner.memory.local_model`).
+    traffic(cfg, tensor, sequence) → (tensor halves, context elements) per token of one layer application in
+        training: the values its tensor-parallel boundaries move forward and backward, counted in halves (an
+        all-gather or reduce-scatter of one value a token is one, an all-reduce two; `sequence`: under SP), and
+        the key + value elements a rank's attention gathers over `context` per token — what
+        `jaxpar.planner.expected` predicts the compiled program's bytes from.
     """
 
     name: str
@@ -112,6 +117,7 @@ class AttentionKind:
     shared: Callable[[object, int], int]
     flops: Callable[[object, float, int], tuple[float, float]]
     local: Callable[[object, int], dict[str, int]]
+    traffic: Callable[[object, int, bool], tuple[float, float]]
     shared_axes: tuple[str, ...] = ()
 
 

@@ -4,7 +4,8 @@ Notation: b rows per data shard (per device), s seq_len, h d_model, a query head
 V padded vocab, L layers, t tensor degree, β bytes per activation element (the compute dtype), A grad_accum chunks.
 Ring algorithms: an all-reduce of N bytes sends 2(t−1)/t·N per device; an all-gather or reduce-scatter (t−1)/t·N.
 
-Tensor-axis traffic (Megatron; Korthikanti et al. 2022 for SP), N = b·s·h·β:
+Tensor-axis traffic (Megatron; Korthikanti et al. 2022 for SP), N = b·s·h·β — for GQA; another attention kind's
+region moves what its `AttentionKind.traffic` says (MLA: its latents enter, 2·(q_lora + r + R + h) halves):
     per layer, TP:     fwd g(attn out) + g(mlp out), bwd f(attn in) + f(mlp in)        = 4 all-reduces  = 8(t−1)/t·N
     per layer, TP+SP:  fwd 2 AG + 2 RS, bwd 2 RS + 2 AG, + 2 re-gathers of the column-parallel inputs (§4.2.2)
                                                                                        = 10 halves      = 10(t−1)/t·N
@@ -42,6 +43,7 @@ from flax import nnx
 
 from jaxpar import flops
 from jaxpar.config import Config
+from jaxpar.families import attention_kind
 from jaxpar.model import abstract_model
 from jaxpar.parallel import expert, pipeline
 from jaxpar.parallel.axes import GRAD_AXES, MESH_AXES, TENSOR
@@ -83,8 +85,11 @@ def tensor_bytes(config: Config, padded_vocab: int) -> dict[str, float]:
     if t == 1:
         return {"layers": 0.0, "embedding": 0.0, "head": 0.0, "loss": 0.0, "param_grads": 0.0, "total": 0.0}
     half_per_token = (t - 1) / t * d["h"] * d["beta"]  # an all-gather or reduce-scatter of one token's h values
+    # the MLP region's 4 (SP: 5) halves of h, and the attention kind's (GQA: as many; `AttentionKind.traffic`)
+    attention, _ = attention_kind(config.model).traffic(config.model, t, d["sp"])
+    per_token = (5 if d["sp"] else 4) * half_per_token + (t - 1) / t * attention * d["beta"]
     out = {
-        "layers": d["layer_execs"] * d["tokens_per_exec"] * (10 if d["sp"] else 8) * half_per_token,
+        "layers": d["layer_execs"] * d["tokens_per_exec"] * per_token,
         "embedding": 2 * d["rows"] * d["s"] * half_per_token,
         "head": 2 * d["rows"] * d["s"] * half_per_token,
         "loss": 3 * 2 * (t - 1) / t * d["rows"] * d["s"] * 4,
@@ -208,7 +213,7 @@ def context_bytes(config: Config) -> float:
     c = d["c"]
     if c == 1:
         return 0.0
-    block = d["tokens_per_exec"] * max(d["K"] // d["t"], 1) * d["E"]
+    block = d["tokens_per_exec"] * attention_kind(config.model).traffic(config.model, d["t"], d["sp"])[1] / 2
     if config.parallel.context_impl == "ring":
         per_exec = 4 * (c - 1) * block * d["beta"] + 2 * c * block * 4
     else:
