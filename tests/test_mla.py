@@ -320,3 +320,21 @@ def test_planner_flops_and_checks_take_the_kind():
 def test_config_refusals(fields, needle):
     with pytest.raises(ConfigError, match=needle):
         ModelConfig(**fields)
+
+
+@pytest.mark.parametrize("sequence", [False, True], ids=["tp", "tp+sp"])
+def test_compiled_tensor_bytes_are_the_planners(sequence):
+    """The compiled step's tensor-axis bytes at tensor 2 (with and without SP) equal `planner.expected`'s, which
+    reads the kind's `traffic`: the latents (q_lora, r, R) enter the head-split region, not the D-wide stream."""
+    from jaxpar.analysis.report import analyze
+    from jaxpar.config import load_config
+
+    fields = {k: v for k, v in CASES["qlora-yarn-interleave"].items()}
+    overrides = [f"model.{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in fields.items()]
+    config = load_config(None, overrides + ["model.n_kv_heads=0", "train.seq_len=16", "train.batch_size=8",
+                                            "model.max_seq_len=16", "parallel.tensor=2", "parallel.pipe=1",
+                                            "parallel.repeats=1", "parallel.microbatches=1",
+                                            f"parallel.sequence_parallel={sequence}"])
+    report = analyze(config, activations=False)
+    assert report["collectives"]["exact"]
+    assert report["ratio"]["tensor_sent_bytes"] == pytest.approx(1.0, abs=1e-6), report["expected"]
