@@ -673,7 +673,10 @@ def mla_attention(p: dict[str, Array], h: Array, positions: Array, mask: Array |
     k = jnp.concatenate([k_nope, jnp.broadcast_to(k_r, (*k_r.shape[:2], H, R))], -1)
     fold = scale * math.sqrt(width)  # the kernel divides by √width: q carries the rest of the DeepSeek scale
     q = q if fold == 1.0 else (q.astype(jnp.float32) * fold).astype(dt)
-    pad = lambda x: jnp.pad(x, [(0, 0)] * 3 + [(0, width - x.shape[-1])])  # noqa: E731  zeros: no score, no output
+    def pad(x):  # zeros to `width`: no score, no output (concatenated: jnp.pad would keep its scalar for the backward)
+        extra = width - x.shape[-1]
+        return x if not extra else jnp.concatenate([x, jnp.zeros((*x.shape[:-1], extra), x.dtype)], -1)
+
     q = checkpoint_name(constrain(pad(q), ("batch", "seq", "heads", "head_dim")), "q")
     k = checkpoint_name(constrain(pad(k), ("batch", "seq", "heads", "head_dim")), "k")
     v = checkpoint_name(pad(v), "v")

@@ -303,7 +303,8 @@ def _forward_tags(jaxpr, tag: dict) -> dict:
             tag[e.outvars[0]] = e.params["name"]
         elif _calls(e):
             inner = _forward_tags(_body(e), _inner_seeds(e, tag)[0])
-            tag.update({y: inner[b] for b, y in zip(_body(e).outvars, e.outvars) if b in inner})
+            tag.update({y: inner[b] for b, y in zip(_body(e).outvars, e.outvars)
+                        if isinstance(b, jax_core.Var) and b in inner})  # a body may return a constant (Literal)
         else:
             for y in e.outvars:
                 x = next((x for x in e.invars if isinstance(x, jax_core.Var) and x in tag and _passes(e, x, y)), None)
@@ -430,7 +431,7 @@ class Entry(NamedTuple):
 
 def _entry(aval, dot: bool, tag: str | None, stacked: bool = False) -> Entry:
     shape = tuple(aval.shape)[1 if stacked else 0:]
-    return Entry(shape, aval.size * aval.dtype.itemsize // (aval.shape[0] if stacked else 1), dot, tag)
+    return Entry(shape, aval.size * aval.dtype.itemsize // (aval.shape[0] if stacked and aval.shape else 1), dot, tag)
 
 
 def _tag(v, scope: _Scope, held) -> str | None:
