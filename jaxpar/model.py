@@ -701,8 +701,8 @@ def _yarn_mscale(factor: float, coef: float = 1.0) -> float:
 
 def rope_attention_factor(cfg: ModelConfig) -> float:
     """The factor RoPE's cos and sin are multiplied by (transformers' `attention_factor`): 1, or under YaRN
-    mscale(factor, rope_mscale) / mscale(factor, rope_mscale_all_dim) when rope_mscale_all_dim ≠ 0, else
-    0.1·ln(factor) + 1 (DeepSeek sets both coefficients equal: 1)."""
+    mscale(factor, rope_mscale) / mscale(factor, rope_mscale_all_dim) when both coefficients are non-zero, else
+    0.1·ln(factor) + 1 (DeepSeek sets both coefficients equal: 1; rope_mscale 0 is transformers' absent key)."""
     if cfg.rope_scaling != "yarn":
         return 1.0
     f = cfg.rope_factor

@@ -164,6 +164,8 @@ def test_yarn_softmax_scale_and_factor():
     assert model_lib.mla_softmax_scale(other) == model_lib.mla_softmax_scale(cfg)
     assert model_lib.rope_attention_factor(other) == pytest.approx(
         (0.1 * math.log(40) + 1) / (0.0707 * math.log(40) + 1))
+    unset = dataclasses.replace(cfg, rope_mscale=0.0)  # transformers without the mscale key: 0.1·ln f + 1
+    assert model_lib.rope_attention_factor(unset) == pytest.approx(0.1 * math.log(40) + 1)
 
 
 # -----------------------------------------------------------------------------------------------------------------

@@ -126,7 +126,7 @@ class ModelConfig:
                                "kept (extrapolated)")
     rope_beta_slow: float = _f(1.0, "yarn scaling: dims rotating less than this often are interpolated fully")
     rope_mscale: float = _f(1.0, "yarn scaling: the cos/sin attention factor's numerator coefficient "
-                            "(0.1*mscale*ln(factor) + 1)")
+                            "(0.1*mscale*ln(factor) + 1); 0: unset (HF config.json without the key)")
     rope_mscale_all_dim: float = _f(0.0, "yarn scaling: the factor's denominator coefficient; when non-zero the "
                                     "softmax scale is also multiplied by (0.1*mscale_all_dim*ln(factor) + 1)^2 "
                                     "(DeepSeek)")
@@ -252,8 +252,10 @@ class ModelConfig:
         if self.qk_rope_head_dim % 2:
             raise ConfigError("model.qk_rope_head_dim", self.qk_rope_head_dim, "must be even: RoPE rotates dims in "
                               "pairs", f"use qk_rope_head_dim {self.qk_rope_head_dim + 1}")
-        for name in ("rope_beta_fast", "rope_beta_slow", "rope_mscale"):
+        for name in ("rope_beta_fast", "rope_beta_slow"):
             check_positive(f"model.{name}", getattr(self, name))
+        check_positive("model.rope_mscale", self.rope_mscale, allow_zero="unset, as transformers reads an absent "
+                       "mscale key: the attention factor is then 0.1*ln(factor) + 1")
         check_positive("model.rope_mscale_all_dim", self.rope_mscale_all_dim, allow_zero="no softmax-scale "
                        "correction")
         if self.rope_scaling != "yarn":
