@@ -1,5 +1,5 @@
-"""Hugging Face checkpoints ⇄ jaxpar: Llama, Mistral, Qwen2, GPT-2, Mixtral and Qwen2-MoE directories in, the same
-format out.
+"""Hugging Face checkpoints ⇄ jaxpar: Llama, Mistral, Qwen2, GPT-2, Mixtral, Qwen2-MoE and DeepSeek-V2 / V3
+directories in, the same format out.
 
 A Hugging Face model directory holds `config.json`, the weights as `model.safetensors` or as shards listed by
 `model.safetensors.index.json`, and usually `tokenizer.json`. Only those JSON and safetensors files are read —
@@ -34,6 +34,11 @@ Mixed dense / MoE stacks (Qwen2-MoE's decoder_sparse_step, mlp_only_layers) keep
 MoE layers) and `dense_blocks`; each stacked rule names the model layer of every entry of its stack (`Rule.layers`),
 so entry i of `dense_blocks.wq` is `model.layers.{layers[i]}.self_attn.q_proj.weight`. Under a pipeline each stack
 is stored in its own order (`Plan.stack_order(n)`, n the stack's length).
+
+Model state that is not a parameter (a `jaxpar.model.Buffer`) travels where the format has a tensor for it: a rule
+naming the buffer's path (DeepSeek-V3's `blocks.e_score_correction_bias` ⇄ `mlp.gate.e_score_correction_bias`) reads
+and writes it like a parameter (kept float32 on export); a buffer no rule names (expert_load) starts at its initial
+value on import and is not exported.
 
 Reading and writing the safetensors files themselves — which files of a directory may be read (every one
 must resolve inside it), which weight dtypes are accepted, the index and the shards — is
@@ -278,16 +283,14 @@ def load_params(path: str | pathlib.Path, cfg: ModelConfig, abstract: nnx.State,
     """
     path = pathlib.Path(path)
     files = SafetensorsDir(path)
-    # Hugging Face formats hold weights; the model's buffers (none of which a format jaxpar imports names) start at
-    # their initial values, placed like the weights.
+    table = _rules(cfg, files.names())
+    rules = {r.param: r for r in table if not isinstance(r, ZeroRule)}
+    # The weights, and the buffers the format holds (DeepSeek-V3's e_score_correction_bias: the table names them),
+    # are read from the files; the other buffers (expert_load) start at their initial values, placed like the weights.
     buffers = initial_buffers(abstract, cfg)
     if shardings is not None:
         buffers = jax.device_put(buffers, buffers_of(shardings))
-    abstract = trainable(abstract)
-    shardings = trainable(shardings) if shardings is not None else None
-    table = _rules(cfg, files.names())
-    rules = {r.param: r for r in table if not isinstance(r, ZeroRule)}
-    like = nnx.to_pure_dict(abstract)
+    like = _carried(abstract, rules)
     vocab_axes = vocab_dims(abstract)  # which dim of which parameter runs over the vocab (its logical axes)
     placed = nnx.to_pure_dict(shardings) if shardings is not None else None
     used: set[str] = set()
@@ -359,11 +362,32 @@ def load_params(path: str | pathlib.Path, cfg: ModelConfig, abstract: nnx.State,
     if unused:
         raise HFError(f"{path}: tensors {sorted(unused)[:5]} are not used by the jaxpar {cfg.family} model — the "
                       "config.json does not describe these weights (an unsupported variant?)")
-    params = jax.tree.map(lambda x: x, abstract)
-    nnx.replace_by_pure_dict(params, arrays)
-    if not jax.tree.leaves(buffers):
-        return params
-    return merge_state(params, buffers)
+    params = jax.tree.map(lambda x: x, trainable(abstract))
+    state = merge_state(params, buffers) if jax.tree.leaves(buffers) else params
+    nnx.replace_by_pure_dict(state, arrays)  # the weights and the buffers read; the others keep their start values
+    return state
+
+
+def _carried(state: nnx.State, rules: dict[str, Rule]) -> dict:
+    """The pure dict of what a Hugging Face checkpoint holds of model state `state`: every parameter, and each
+    buffer a rule names (a buffer without a tensor, like expert_load, is left out: it starts at its initial value
+    on import and is not exported)."""
+    buffers: set[str] = set()
+    jax.tree_util.tree_map_with_path(lambda kp, _: buffers.add(".".join(str(k.key) for k in kp)),
+                                     nnx.to_pure_dict(buffers_of(state)))
+
+    def keep(d: dict, prefix: str) -> dict:
+        out = {}
+        for k, v in d.items():
+            name = f"{prefix}{k}"
+            if isinstance(v, dict):
+                if sub := keep(v, name + "."):
+                    out[k] = sub
+            elif name not in buffers or name in rules:
+                out[k] = v
+        return out
+
+    return keep(nnx.to_pure_dict(state), "")
 
 
 def _rule_of(rules: dict[str, Rule], param: str, cfg: ModelConfig, path: pathlib.Path) -> Rule:
@@ -515,15 +539,20 @@ def save_params(params: nnx.State, cfg: ModelConfig, path: str | pathlib.Path, *
 def _write_files(params: nnx.State, cfg: ModelConfig, path: pathlib.Path, *, base_config, dtype, tokenizer,
                  max_shard_bytes: int, names) -> None:
     flat: dict[str, Any] = {}
-    params = trainable(params)  # the weights: no format jaxpar exports holds the model's buffers (expert_load)
-    jax.tree_util.tree_map_with_path(lambda kp, x: flat.__setitem__(".".join(str(k.key) for k in kp), x),
-                                     nnx.to_pure_dict(params))
-    vocab_axes = vocab_dims(params)
     rules = _rules(cfg, names)
     if any(isinstance(r, ExpertRule) and not r.per_expert for r in rules):
         # an import of the fused expert layout exports the hub's per-expert one
         rules = _rules(cfg, {n for n in names if not n.endswith(FUSED)})
-    first = next(iter(flat.values()))
+    # the weights and the buffers the format holds (a rule names them); not expert_load, which no format has
+    jax.tree_util.tree_map_with_path(lambda kp, x: flat.__setitem__(".".join(str(k.key) for k in kp), x),
+                                     _carried(params, {r.param: r for r in rules}))
+    kept = set()  # the buffers: float32 state, written as float32 whatever `dtype` (transformers keeps them so)
+    jax.tree_util.tree_map_with_path(lambda kp, _: kept.add(".".join(str(k.key) for k in kp)),
+                                     nnx.to_pure_dict(buffers_of(params)))
+    vocab_axes = vocab_dims(params)
+    first = next(iter(nnx.to_pure_dict(trainable(params)).values()))
+    while isinstance(first, dict):
+        first = next(iter(first.values()))
     # HF tensor → the (rule, stack entry, expert) pieces that make it; a stack's entry i is model layer layers[i]
     by_name: dict[str, list[tuple[Rule, int | None, int | None]]] = {}
     for rule in rules:
@@ -545,7 +574,8 @@ def _write_files(params: nnx.State, cfg: ModelConfig, path: pathlib.Path, *, bas
                 x = x[(slice(None),) * vocab_axes[rule.param] + (slice(0, cfg.vocab_size),)]
             parts.append(rule.to_hf(x))
         x = parts[0] if len(parts) == 1 else np.concatenate(parts, axis=-1)
-        return np.ascontiguousarray(x.astype(dtype) if dtype else x)
+        cast = dtype and not any(rule.param in kept for rule, _, _ in by_name[name])
+        return np.ascontiguousarray(x.astype(dtype) if cast else x)
 
     # in the table's order: one parameter after another, each layer by layer
     write_shards(((name, tensor(name)) for name in by_name), path, max_shard_bytes)
@@ -604,7 +634,7 @@ def check_sizes(path: str | pathlib.Path, cfg: ModelConfig) -> None:
     files = SafetensorsDir(path)
     _, abstract = abstract_model(cfg)
     rules = {r.param: r for r in _rules(cfg, files.names()) if not isinstance(r, ZeroRule)}
-    _check_shapes(files, cfg, nnx.to_pure_dict(abstract), rules, vocab_dims(abstract), path)
+    _check_shapes(files, cfg, _carried(abstract, rules), rules, vocab_dims(abstract), path)
 
 
 def import_to_workdir(src: str | pathlib.Path, dst: str | pathlib.Path, *, dtype: str | None = None,
