@@ -519,7 +519,7 @@ def test_a_bfloat16_export_keeps_the_correction_bias_float32(tmp_path):
 
 
 @NEEDS_MODEL
-def test_mtp_weights_are_refused_on_import_naming_mtp(tmp_path):
+def test_mtp_weights_are_refused_on_import_naming_mtp(tmp_path, capsys):
     """A V3 checkpoint with an MTP module (layer num_hidden_layers = 3): refused, not imported without it."""
     src = tmp_path / "mtp"
     shutil.copytree(FIXTURES / "deepseek_v3", src)
@@ -532,6 +532,11 @@ def test_mtp_weights_are_refused_on_import_naming_mtp(tmp_path):
     with pytest.raises(ConfigError, match=r"multi-token-prediction \(MTP\)"):
         hf.import_to_workdir(src, tmp_path / "w")
     assert not (tmp_path / "w").exists()
+    from jaxpar.cli import main
+
+    assert main(["convert", "--from-hf", str(src), "--to", str(tmp_path / "w")]) == 2  # one line, exit 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and "model.layers.3.enorm.weight" in lines[0] and "(MTP)" in lines[0], lines
 
 
 @NEEDS_MODEL
