@@ -536,7 +536,7 @@ def test_mtp_weights_are_refused_on_import_naming_mtp(tmp_path, capsys):
 
     assert main(["convert", "--from-hf", str(src), "--to", str(tmp_path / "w")]) == 2  # one line, exit 2
     lines = capsys.readouterr().err.strip().splitlines()
-    assert len(lines) == 1 and "model.layers.3.enorm.weight" in lines[0] and "(MTP)" in lines[0], lines
+    assert len(lines) == 1 and "tensor model.layers.3.eh_proj.weight" in lines[0] and "(MTP)" in lines[0], lines
 
 
 @NEEDS_MODEL
