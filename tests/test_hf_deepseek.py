@@ -355,6 +355,125 @@ def test_zero_width_shared_experts_and_a_missing_bias_are_zero_rules():
 
 
 # -----------------------------------------------------------------------------------------------------------------
+# The mapping's meaning: a numpy DeepSeek forward over the mapped arrays and fields equals transformers' logits
+
+
+def _mscale(scale: float, m: float) -> float:
+    return 0.1 * m * np.log(scale) + 1.0 if scale > 1 else 1.0
+
+
+def _yarn_inv_freq(cfg) -> np.ndarray:
+    """YaRN's frequencies over the R = qk_rope_head_dim rope dims (the YaRN paper's ramp between extrapolated and
+    interpolated frequencies; correction range rounded outward)."""
+    R, base, f = cfg.qk_rope_head_dim, cfg.rope_theta, cfg.rope_factor
+    pos = base ** (np.arange(0, R, 2) / R)
+    dim_of = lambda rot: R * np.log(cfg.rope_original_max_len / (rot * 2 * np.pi)) / (2 * np.log(base))  # noqa: E731
+    low, high = max(np.floor(dim_of(cfg.rope_beta_fast)), 0), min(np.ceil(dim_of(cfg.rope_beta_slow)), R - 1)
+    ramp = np.clip((np.arange(R // 2) - low) / ((high + 0.001 if low == high else high) - low), 0, 1)
+    return (1 / (f * pos)) * ramp + (1 / pos) * (1 - ramp)
+
+
+def numpy_forward(cfg, p: dict, ids: np.ndarray) -> np.ndarray:
+    """Logits [T, V] of one row, float64, from the DeepSeek-V2 paper's equations over jaxpar-layout arrays `p`
+    (param → [L or per-layer list, …]; experts [X, …]) and the jaxpar fields of `cfg` — written from the papers
+    and the agreed field meanings, not from transformers' code."""
+    rms = lambda x, w: x / np.sqrt((x * x).mean(-1, keepdims=True) + cfg.norm_eps) * w  # noqa: E731
+    silu = lambda x: x / (1 + np.exp(-x))  # noqa: E731
+    T, H, nope, R = len(ids), cfg.n_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim
+    f, moe = cfg.rope_factor, cfg.moe
+    # cos/sin scale get_mscale(f, mscale) / get_mscale(f, mscale_all_dim); softmax scale × get_mscale(f, all_dim)²
+    amp = _mscale(f, cfg.rope_mscale) / _mscale(f, cfg.rope_mscale_all_dim)
+    scale = (nope + R) ** -0.5 * _mscale(f, cfg.rope_mscale_all_dim) ** 2
+    angle = np.arange(T)[:, None] * _yarn_inv_freq(cfg)[None]  # [T, R/2]
+    cos, sin = np.cos(angle) * amp, np.sin(angle) * amp
+
+    def rope(x):  # [T, ..., R]: pairs (2i, 2i+1) when interleaved, else (i, i + R/2)
+        a, b = (x[..., 0::2], x[..., 1::2]) if cfg.rope_interleave else (x[..., :R // 2], x[..., R // 2:])
+        c, s_ = (cos[:, None], sin[:, None]) if x.ndim == 3 else (cos, sin)
+        return np.concatenate([a * c - b * s_, b * c + a * s_], -1)  # a permutation of the pairs: dots unchanged
+
+    x = p["embed"][ids].astype(np.float64)
+    for layer in range(cfg.n_layers):
+        w = {k.split(".", 1)[1]: v[layer] for k, v in p.items() if "." in k and layer in v}
+        h = rms(x, w["attn_norm"])
+        if cfg.q_lora_rank:
+            q = np.einsum("tr,rhe->the", rms(h @ w["wq_a"], w["q_a_norm"]), w["wq_b"])
+        else:
+            q = np.einsum("td,dhe->the", h, w["wq"])
+        kv = h @ w["wkv_a"]
+        latent, k_rope = rms(kv[:, :cfg.kv_lora_rank], w["kv_a_norm"]), rope(kv[:, cfg.kv_lora_rank:])
+        kvb = np.einsum("tr,rhe->the", latent, w["wkv_b"])
+        k = np.concatenate([kvb[..., :nope], np.broadcast_to(k_rope[:, None], (T, H, R))], -1)
+        q = np.concatenate([q[..., :nope], rope(q[..., nope:])], -1)
+        z = np.einsum("she,the->hst", q, k) * scale + np.triu(np.full((T, T), -np.inf), 1)
+        a = np.exp(z - z.max(-1, keepdims=True))
+        a /= a.sum(-1, keepdims=True)
+        x = x + np.einsum("hst,the,hed->sd", a, kvb[..., nope:], w["wo"])
+        h = rms(x, w["mlp_norm"])
+        if "w_gate" in w:
+            x = x + (silu(h @ w["w_gate"]) * (h @ w["w_up"])) @ w["w_down"]
+            continue
+        logits = h @ w["router"]
+        if moe.scoring == "softmax":
+            score = np.exp(logits - logits.max(-1, keepdims=True))
+            score /= score.sum(-1, keepdims=True)
+        else:
+            score = 1 / (1 + np.exp(-logits))
+        choice = score + (w["e_score_correction_bias"] if moe.correction_bias else 0)
+        grouped = choice.reshape(T, moe.n_group, -1)
+        group = grouped.max(-1) if moe.scoring == "softmax" else np.sort(grouped, -1)[..., -2:].sum(-1)
+        kept = np.argsort(-group, -1)[:, :moe.topk_group]
+        mask = np.full((T, moe.n_group), -np.inf)
+        np.put_along_axis(mask, kept, 0.0, -1)
+        top = np.argsort(-(choice + np.repeat(mask, moe.n_experts // moe.n_group, -1)), -1)[:, :moe.top_k]
+        gate = np.take_along_axis(score, top, -1)
+        if moe.norm_topk_prob:
+            gate = gate / (gate.sum(-1, keepdims=True) + 1e-20)
+        gate = gate * moe.routed_scale
+        out = (silu(h @ w["ws_gate"]) * (h @ w["ws_up"])) @ w["ws_down"] if moe.shared_d_ff else 0
+        for t in range(T):
+            for e, g in zip(top[t], gate[t]):
+                out_t = (silu(h[t] @ w["we_gate"][e]) * (h[t] @ w["we_up"][e])) @ w["we_down"][e]
+                out = out + np.eye(T)[t][:, None] * g * out_t
+        x = x + out
+    return rms(x, p["final_norm"]) @ (p["embed"].T if cfg.tie_embeddings else p["lm_head"])
+
+
+def mapped(name: str):
+    """(stand-in cfg, the fixture's tensors mapped to jaxpar's layout: unstacked params as arrays, stacked ones as
+    {model layer: array}, experts stacked [X, …])."""
+    files, cfg = tensors(FIXTURES / name), stand_in(read(config_json(name)))
+    p: dict = {}
+    for rule in deepseek_hf.tensors(cfg, set(files)):
+        for hf_name, layer, e in each_tensor(rule, cfg):
+            y = rule.to_jax(files[hf_name]).astype(np.float64)
+            if layer is None:
+                p[rule.param] = y
+            elif e is None:
+                p.setdefault(rule.param, {})[layer] = y
+            else:
+                p.setdefault(rule.param, {}).setdefault(layer, []).append(y)
+    for rule in p.values():
+        if isinstance(rule, dict):
+            for layer, y in rule.items():
+                rule[layer] = np.stack(y) if isinstance(y, list) else y
+    return cfg, p
+
+
+@pytest.mark.parametrize("name", DEEPSEEK)
+def test_a_numpy_forward_over_the_mapping_matches_transformers(name):
+    """Every mapped tensor and field in use: transformers' logits of the reference batch (fp32, max-abs 1e-4) from a
+    plain numpy DeepSeek over the mapped arrays. So the head splits, the latent's k_nope / v order, the rope part's
+    position and pair order, YaRN's fields (mscale vs mscale_all_dim), the routing fields (groups, bias for selection
+    only, renormalisation, scale) and the shared expert mean what the model side is told they mean."""
+    cfg, p = mapped(name)
+    want = load_file(str(FIXTURES / name / "reference_logits.safetensors"))["logits"]
+    ids = np.asarray(json.loads((FIXTURES / name / "reference.json").read_text())["input_ids"])
+    for row in range(len(ids)):
+        assert np.abs(numpy_forward(cfg, p, ids[row]) - want[row]).max() < 1e-4, row
+
+
+# -----------------------------------------------------------------------------------------------------------------
 # Export: config.json and refusals
 
 
