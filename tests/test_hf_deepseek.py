@@ -580,6 +580,35 @@ def test_a_buffer_a_rule_names_is_imported_and_exported_as_float32(tmp_path, mon
     assert not any("expert_load" in k for k in tensors(tmp_path / "out2"))
 
 
+def test_drop_mtp_leaves_out_only_the_layers_beyond_the_model(tmp_path, capsys):
+    """The explicit skip, on a model this branch can build: a Llama checkpoint with tensors of a layer past
+    num_hidden_layers is refused (they are not the model's), imported with drop_mtp, and exported without them;
+    --drop-mtp anywhere but an import is a usage error."""
+    from jaxpar.cli import main
+
+    src = tmp_path / "llama"
+    shutil.copytree(FIXTURES / "llama", src)
+    extra = {"model.layers.2.eh_proj.weight": np.ones((64, 128), np.float32),
+             "model.layers.2.enorm.weight": np.ones(64, np.float32)}
+    index = json.loads((src / hf.INDEX).read_text())
+    shard = src / index["weight_map"]["lm_head.weight"]
+    files = load_file(str(shard))
+    files.update(extra)
+    save_file(files, str(shard), metadata={"format": "pt"})
+    index["weight_map"].update({k: shard.name for k in extra})
+    (src / hf.INDEX).write_text(json.dumps(index))
+    assert hf.beyond_layers(set(index["weight_map"]), 2) == set(extra)
+    with pytest.raises(hf.HFError, match="model.layers.2.eh_proj.weight"):
+        hf.import_to_workdir(src, tmp_path / "refused")
+    assert main(["convert", "--from-hf", str(src), "--to", str(tmp_path / "w"), "--drop-mtp"]) == 0
+    assert main(["convert", "--from", str(tmp_path / "w"), "--to-hf", str(tmp_path / "out")]) == 0
+    out, want = tensors(tmp_path / "out"), tensors(FIXTURES / "llama")
+    assert sorted(out) == sorted(want) and all(out[k].tobytes() == want[k].tobytes() for k in want)
+    capsys.readouterr()
+    assert main(["convert", "--from", str(tmp_path / "w"), "--to", str(tmp_path / "w2"), "--drop-mtp"]) == 2
+    assert "--drop-mtp" in capsys.readouterr().err
+
+
 # -----------------------------------------------------------------------------------------------------------------
 # With the model side merged (MLA family, DeepSeek routing): real ModelConfigs, import and export
 
@@ -639,7 +668,8 @@ def test_a_bfloat16_export_keeps_the_correction_bias_float32(tmp_path):
 
 @NEEDS_MODEL
 def test_mtp_weights_are_refused_on_import_naming_mtp(tmp_path, capsys):
-    """A V3 checkpoint with an MTP module (layer num_hidden_layers = 3): refused, not imported without it."""
+    """A V3 checkpoint with an MTP module (layer num_hidden_layers = 3): refused, not imported without it — unless
+    the import is told to leave it out (--drop-mtp)."""
     src = tmp_path / "mtp"
     shutil.copytree(FIXTURES / "deepseek_v3", src)
     files = load_file(str(src / hf.SINGLE))
@@ -656,6 +686,13 @@ def test_mtp_weights_are_refused_on_import_naming_mtp(tmp_path, capsys):
     assert main(["convert", "--from-hf", str(src), "--to", str(tmp_path / "w")]) == 2  # one line, exit 2
     lines = capsys.readouterr().err.strip().splitlines()
     assert len(lines) == 1 and "tensor model.layers.3.eh_proj.weight" in lines[0] and "(MTP)" in lines[0], lines
+    assert "--drop-mtp" in lines[0]
+    # said explicitly: imported without them, and the export (num_nextn_predict_layers 0) holds the base model's only
+    assert main(["convert", "--from-hf", str(src), "--to", str(tmp_path / "w"), "--drop-mtp"]) == 0
+    assert main(["convert", "--from", str(tmp_path / "w"), "--to-hf", str(tmp_path / "out")]) == 0
+    out = tensors(tmp_path / "out")
+    assert sorted(out) == sorted(tensors(FIXTURES / "deepseek_v3"))
+    assert hf.read_config(tmp_path / "out")["num_nextn_predict_layers"] == 0
 
 
 @NEEDS_MODEL

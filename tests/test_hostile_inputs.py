@@ -501,6 +501,7 @@ CASES = [
          "lightning indexer", _hf_import("deepseek_indexer")),
     Case("generate-hf-deepseek-fp8", "generate --model {hf_deepseek_fp8} --max-new-tokens 2", "quantization_config"),
     Case("train-init-from-hf-deepseek-fp8", TRAIN + "--init-from-hf {hf_deepseek_fp8}", "quantization_config"),
+    Case("convert-drop-mtp-not-an-import", "convert --from {workdir} --to {tmp}/out --drop-mtp", "--drop-mtp"),
     Case("convert-hf-huge-vocab", "convert --from-hf {hf_vocab_huge} --to {tmp}/out", "vocab_size",
          _hf_import("vocab_huge")),
     Case("convert-hf-huge-hidden", "convert --from-hf {hf_hidden_huge} --to {tmp}/out", "hidden_size",

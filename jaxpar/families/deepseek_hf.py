@@ -74,9 +74,9 @@ Refused on import, each with an error naming it: attention_bias / mlp_bias true,
 blocks) or `*.weight_scale_inv` tensor, DeepSeek-V3.2's lightning indexer (`index_*` keys, `*.indexer.*` tensors),
 and multi-token-prediction weights: V3 checkpoints store `num_nextn_predict_layers` MTP modules as layers
 num_hidden_layers, num_hidden_layers + 1, … (enorm, hnorm, eh_proj, a decoder layer, shared_head). jaxpar's model has
-no MTP module yet, so a checkpoint holding those tensors is refused rather than imported without them; the error
-says how to import the base model alone (a transformers round trip drops them, as transformers itself ignores
-them). The key alone is accepted — transformers 5 writes num_nextn_predict_layers 1 for every V3 model, MTP weights
+no MTP module yet, so a checkpoint holding those tensors is refused rather than imported without them, unless the
+import is told to leave them out (`jaxpar convert --from-hf DIR --to WORKDIR --drop-mtp`; `drop_mtp=True` of
+jaxpar.interop.hf's import_to_workdir / load_params) — what transformers itself does, silently. The key alone is accepted — transformers 5 writes num_nextn_predict_layers 1 for every V3 model, MTP weights
 or not — and export writes 0, as it writes no MTP tensors.
 
 Export picks V3 for sigmoid scoring, V2 for softmax, and refuses what neither holds (a ConfigError naming the field):
@@ -380,8 +380,8 @@ def check_names(cfg, names: set[str] | None) -> None:
                 f"tensor {name}", "present", f"belongs to layer {layer.group(1)} >= num_hidden_layers = "
                 f"{cfg.n_layers}: a multi-token-prediction (MTP) module (num_nextn_predict_layers), which jaxpar's "
                 "deepseek model does not implement yet and would drop",
-                "to import the base model alone, re-save it with transformers (DeepseekV3ForCausalLM.from_pretrained("
-                "dir).save_pretrained(new_dir) ignores the MTP layers) and import that")
+                "to import the base model without them, say so: `jaxpar convert --from-hf DIR --to WORKDIR "
+                "--drop-mtp` (hf.import_to_workdir(..., drop_mtp=True))")
 
 
 def tensors(cfg, names: set[str] | None = None) -> list[Rule]:

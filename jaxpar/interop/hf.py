@@ -272,18 +272,28 @@ def _hf_shape(rule: Rule, abstract_layer_shape: tuple[int, ...]) -> tuple[int, .
     return tuple(jax.eval_shape(rule.to_hf, jax.ShapeDtypeStruct(tuple(abstract_layer_shape), np.int8)).shape)
 
 
+def beyond_layers(names: set[str], n_layers: int) -> set[str]:
+    """The tensors of `names` under `model.layers.{i}.` with i >= n_layers: what DeepSeek-V3 stores its
+    multi-token-prediction (MTP) modules as (layer num_hidden_layers, …), which no jaxpar model holds yet."""
+    return {n for n in names if (m := re.match(r"model\.layers\.(\d+)\.", n)) and int(m.group(1)) >= n_layers}
+
+
 def load_params(path: str | pathlib.Path, cfg: ModelConfig, abstract: nnx.State, layout: Plan = Plan(),
-                shardings: nnx.State | None = None) -> nnx.State:
+                shardings: nnx.State | None = None, *, drop_mtp: bool = False) -> nnx.State:
     """The Hugging Face weights of directory `path` as the runtime params of `abstract` (shapes, dtypes), placed
     with `shardings` (None: the default device) in `layout`'s layer order and vocab padding.
 
     Each device's shard is assembled from the HF tensors it covers, read one layer at a time (mmap), so host memory
     stays near one parameter's local shard. Stored entry i of a stack of n layers holds the stack's entry
     j = `layout.stack_order(n)[i]` (i without a pipeline), which is model layer `rule.model_layers(n_layers)[j]`.
+
+    drop_mtp: leave out the tensors of layers from cfg.n_layers on (`beyond_layers`: DeepSeek-V3's MTP modules),
+    which a family's table otherwise refuses by name — an explicit choice, never a default.
     """
     path = pathlib.Path(path)
     files = SafetensorsDir(path)
-    table = _rules(cfg, files.names())
+    dropped = beyond_layers(files.names(), cfg.n_layers) if drop_mtp else set()
+    table = _rules(cfg, files.names() - dropped)
     rules = {r.param: r for r in table if not isinstance(r, ZeroRule)}
     # The weights, and the buffers the format holds (DeepSeek-V3's e_score_correction_bias: the table names them),
     # are read from the files; the other buffers (expert_load) start at their initial values, placed like the weights.
@@ -358,7 +368,7 @@ def load_params(path: str | pathlib.Path, cfg: ModelConfig, abstract: nnx.State,
     ignored = {n for n in files.names() - used if n.endswith((".attn.bias", ".attn.masked_bias", "rotary_emb.inv_freq"))}
     if cfg.tie_embeddings:
         ignored.add("lm_head.weight")
-    unused = files.names() - used - ignored
+    unused = files.names() - used - ignored - dropped
     if unused:
         raise HFError(f"{path}: tensors {sorted(unused)[:5]} are not used by the jaxpar {cfg.family} model — the "
                       "config.json does not describe these weights (an unsupported variant?)")
@@ -638,12 +648,14 @@ def check_sizes(path: str | pathlib.Path, cfg: ModelConfig) -> None:
 
 
 def import_to_workdir(src: str | pathlib.Path, dst: str | pathlib.Path, *, dtype: str | None = None,
-                      quantize: str | None = None, group_size: int | None = None) -> pathlib.Path:
+                      quantize: str | None = None, group_size: int | None = None,
+                      drop_mtp: bool = False) -> pathlib.Path:
     """Write the Hugging Face model `src` as a params-only jaxpar workdir `dst` (step 0): config.json, the
     checkpoint, its tokenizer.json, and hf_source.json (so that export reproduces the original names and config).
     `dst` must be new — absent or an empty directory, outside `src` — and is published whole or not at all
     (`checkpoint.write_params_only`). quantize: store the layers' matrices as 'int8' / 'int4'
-    (`checkpoint.cast_and_quantize`)."""
+    (`checkpoint.cast_and_quantize`). drop_mtp: import without the tensors of layers from num_hidden_layers on
+    (DeepSeek-V3's multi-token-prediction modules, which jaxpar's model does not hold; `load_params`)."""
     src, dst = pathlib.Path(src), pathlib.Path(dst)
     hf_cfg = read_config(src)
     checkpoint.check_params_only_target(dst, src)  # a new directory outside src, before anything is read
@@ -651,8 +663,10 @@ def import_to_workdir(src: str | pathlib.Path, dst: str | pathlib.Path, *, dtype
     if quantize is not None:
         checkpoint.quantize_config(cfg, quantize, group_size)  # a bad group size fails before anything is read
     _, abstract = abstract_model(cfg)
-    params = load_params(src, cfg, abstract)
-    files = {SOURCE: json.dumps({"config": hf_cfg, "tensor_names": sorted(checkpoint_names(src))}, indent=1).encode()}
+    params = load_params(src, cfg, abstract, drop_mtp=drop_mtp)
+    names = checkpoint_names(src)
+    names -= beyond_layers(names, cfg.n_layers) if drop_mtp else set()
+    files = {SOURCE: json.dumps({"config": hf_cfg, "tensor_names": sorted(names)}, indent=1).encode()}
     tokenizer = "bytes"
     if (tokenizer_file := member(src, "tokenizer.json")) is not None:
         files["tokenizer.json"] = tokenizer_file.read_bytes()
