@@ -10,6 +10,7 @@
     jaxpar probe    [--out FILE]
     jaxpar schedule [--schedule NAME] --pipe P --microbatches M [--chunks V] [--png FILE]
     jaxpar convert  --from DIR | --from-hf HF_DIR   --to DIR2 | --to-hf HF_DIR2   [--step N] [--dtype bfloat16]
+                    [--drop-mtp]
     jaxpar launch   --processes N [--devices-per-process K] -- jaxpar train ...
 
 `train` also takes the multi-process flags `--coordinator HOST:PORT --num-processes N --process-id K
@@ -227,9 +228,12 @@ def _convert(args, overrides: list[str]) -> int:
                          "quantize into a workdir (--to DIR)")
     if args.group_size is not None and args.quantize != "int4":
         raise UsageError(f"--group-size {args.group_size}: groups are int4's; add --quantize int4")
+    if args.drop_mtp and (args.src_hf is None or args.dst is None):
+        raise UsageError("--drop-mtp: it leaves a Hugging Face checkpoint's multi-token-prediction layers out of an "
+                         "import; use it with --from-hf DIR --to WORKDIR")
     quant = dict(quantize=args.quantize, group_size=args.group_size)
     if args.src_hf is not None and args.dst is not None:
-        hf.import_to_workdir(args.src_hf, args.dst, dtype=args.dtype, **quant)
+        hf.import_to_workdir(args.src_hf, args.dst, dtype=args.dtype, drop_mtp=args.drop_mtp, **quant)
         print(f"imported {args.src_hf} into {args.dst} (params-only workdir, step 0: `jaxpar generate --model {args.dst}`)")
     elif args.src is not None and args.dst_hf is not None:
         step = hf.export_workdir(args.src, args.dst_hf, step=args.step, dtype=args.dtype)
@@ -355,6 +359,9 @@ def build_parser() -> argparse.ArgumentParser:
                       help="store the layers' weight matrices quantized (--to only): int8 per output channel, int4 "
                            "per --group-size inputs")
     conv.add_argument("--group-size", type=int, default=None, help="int4: inputs per scale (default 128)")
+    conv.add_argument("--drop-mtp", action="store_true",
+                      help="--from-hf: import without the tensors of layers from num_hidden_layers on (DeepSeek-V3's "
+                           "multi-token-prediction modules, which jaxpar does not implement yet; refused otherwise)")
     conv.set_defaults(run=_convert)
     lau = sub.add_parser("launch", help="run a command as N local JAX processes (CPU devices, gloo collectives)")
     lau.add_argument("--processes", type=int, required=True, help="number of local processes")

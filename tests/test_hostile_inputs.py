@@ -101,7 +101,8 @@ class Paths:
 
     def _bad_hf(self, kind: str) -> pathlib.Path:
         dst = self.root / f"hf_{kind}"
-        shutil.copytree(FIXTURES / ("qwen2" if kind == "i32_tensor" else "llama"), dst)
+        source = "qwen2" if kind == "i32_tensor" else ("deepseek_v3" if kind.startswith("deepseek") else "llama")
+        shutil.copytree(FIXTURES / source, dst)
         HF_DAMAGE[kind](dst)
         return dst
 
@@ -171,6 +172,9 @@ HF_DAMAGE: dict[str, Callable[[pathlib.Path], None]] = {
                                      (d / "generation_config.json").symlink_to(d.parent / "generation.json")],
     "vocab_huge": _edit_config(lambda cfg: cfg.update(vocab_size=10**12)),
     "hidden_huge": _edit_config(lambda cfg: cfg.update(hidden_size=2**40)),
+    # issue 38: DeepSeek-V3 checkpoints with what jaxpar does not implement (fp8 blocks, V3.2's indexer)
+    "deepseek_fp8": _edit_config(lambda cfg: cfg.update(quantization_config={"quant_method": "fp8"})),
+    "deepseek_indexer": _edit_config(lambda cfg: cfg.update(index_topk=2048, index_n_heads=64, index_head_dim=128)),
     "mismatched": lambda d: [shutil.rmtree(d), shutil.copytree(d.parent / "trained", d), (d / "config.json").write_text(
         (d / "config.json").read_text().replace('"d_model": 40', '"d_model": 32'))],
 }
@@ -512,6 +516,13 @@ CASES = [
     Case("generate-hf-tokenizer-links-out", "generate --model {hf_tokenizer_outside} --max-new-tokens 2", "outside",
          _gen_api(lambda c: c.hf["tokenizer_outside"])),
     Case("train-init-from-hf-config-links-out", TRAIN + "--init-from-hf {hf_config_outside}", "outside"),
+    Case("convert-hf-deepseek-fp8", "convert --from-hf {hf_deepseek_fp8} --to {tmp}/out", "quantization_config",
+         _hf_import("deepseek_fp8")),
+    Case("convert-hf-deepseek-v32-indexer", "convert --from-hf {hf_deepseek_indexer} --to {tmp}/out",
+         "lightning indexer", _hf_import("deepseek_indexer")),
+    Case("generate-hf-deepseek-fp8", "generate --model {hf_deepseek_fp8} --max-new-tokens 2", "quantization_config"),
+    Case("train-init-from-hf-deepseek-fp8", TRAIN + "--init-from-hf {hf_deepseek_fp8}", "quantization_config"),
+    Case("convert-drop-mtp-not-an-import", "convert --from {workdir} --to {tmp}/out --drop-mtp", "--drop-mtp"),
     Case("convert-hf-huge-vocab", "convert --from-hf {hf_vocab_huge} --to {tmp}/out", "vocab_size",
          _hf_import("vocab_huge")),
     Case("convert-hf-huge-hidden", "convert --from-hf {hf_hidden_huge} --to {tmp}/out", "hidden_size",

@@ -20,7 +20,8 @@ import math
 
 from jaxpar.errors import ConfigError
 from jaxpar.families.attention import MLA, attention_params
-from jaxpar.families.base import Family, HuggingFace, Param, moe_params
+from jaxpar.families import deepseek_hf
+from jaxpar.families.base import Family, Param, moe_params
 
 
 def layer_params(cfg, moe: bool) -> dict[str, Param]:
@@ -59,17 +60,7 @@ def check(cfg) -> None:
 
 
 # -----------------------------------------------------------------------------------------------------------------
-# Hugging Face — PLACEHOLDER, replaced at merge by jaxpar/families/deepseek_hf.py's `HF` (another engineer's part).
-# >>> deepseek_hf placeholder begin
-
-
-def _not_yet(*_args, **_kwargs):
-    raise NotImplementedError("deepseek_hf")
-
-
-_HF_PLACEHOLDER = HuggingFace({}, _not_yet, _not_yet, _not_yet, _not_yet)
-# <<< deepseek_hf placeholder end
 
 FAMILY = Family(name="deepseek", summary="RMSNorm, RoPE, SwiGLU / DeepSeekMoE, multi-head latent attention "
                 "(DeepSeek-V2, V3)", norm="rms", positions="rope", mlp="swiglu", layer_params=layer_params,
-                default_d_ff=default_d_ff, check=check, hf=_HF_PLACEHOLDER, attention=MLA.name)
+                default_d_ff=default_d_ff, check=check, hf=deepseek_hf.HF, attention=MLA.name)

@@ -1,5 +1,5 @@
-"""Hugging Face checkpoints ⇄ jaxpar: Llama, Mistral, Qwen2, GPT-2, Mixtral and Qwen2-MoE directories in, the same
-format out.
+"""Hugging Face checkpoints ⇄ jaxpar: Llama, Mistral, Qwen2, GPT-2, Mixtral, Qwen2-MoE and DeepSeek-V2 / V3
+directories in, the same format out.
 
 A Hugging Face model directory holds `config.json`, the weights as `model.safetensors` or as shards listed by
 `model.safetensors.index.json`, and usually `tokenizer.json`. Only those JSON and safetensors files are read —
@@ -34,6 +34,11 @@ Mixed dense / MoE stacks (Qwen2-MoE's decoder_sparse_step, mlp_only_layers) keep
 MoE layers) and `dense_blocks`; each stacked rule names the model layer of every entry of its stack (`Rule.layers`),
 so entry i of `dense_blocks.wq` is `model.layers.{layers[i]}.self_attn.q_proj.weight`. Under a pipeline each stack
 is stored in its own order (`Plan.stack_order(n)`, n the stack's length).
+
+Model state that is not a parameter (a `jaxpar.model.Buffer`) travels where the format has a tensor for it: a rule
+naming the buffer's path (DeepSeek-V3's `blocks.e_score_correction_bias` ⇄ `mlp.gate.e_score_correction_bias`) reads
+and writes it like a parameter (kept float32 on export); a buffer no rule names (expert_load) starts at its initial
+value on import and is not exported.
 
 Reading and writing the safetensors files themselves — which files of a directory may be read (every one
 must resolve inside it), which weight dtypes are accepted, the index and the shards — is
@@ -267,27 +272,35 @@ def _hf_shape(rule: Rule, abstract_layer_shape: tuple[int, ...]) -> tuple[int, .
     return tuple(jax.eval_shape(rule.to_hf, jax.ShapeDtypeStruct(tuple(abstract_layer_shape), np.int8)).shape)
 
 
+def beyond_layers(names: set[str], n_layers: int) -> set[str]:
+    """The tensors of `names` under `model.layers.{i}.` with i >= n_layers: what DeepSeek-V3 stores its
+    multi-token-prediction (MTP) modules as (layer num_hidden_layers, …), which no jaxpar model holds yet."""
+    return {n for n in names if (m := re.match(r"model\.layers\.(\d+)\.", n)) and int(m.group(1)) >= n_layers}
+
+
 def load_params(path: str | pathlib.Path, cfg: ModelConfig, abstract: nnx.State, layout: Plan = Plan(),
-                shardings: nnx.State | None = None) -> nnx.State:
+                shardings: nnx.State | None = None, *, drop_mtp: bool = False) -> nnx.State:
     """The Hugging Face weights of directory `path` as the runtime params of `abstract` (shapes, dtypes), placed
     with `shardings` (None: the default device) in `layout`'s layer order and vocab padding.
 
     Each device's shard is assembled from the HF tensors it covers, read one layer at a time (mmap), so host memory
     stays near one parameter's local shard. Stored entry i of a stack of n layers holds the stack's entry
     j = `layout.stack_order(n)[i]` (i without a pipeline), which is model layer `rule.model_layers(n_layers)[j]`.
+
+    drop_mtp: leave out the tensors of layers from cfg.n_layers on (`beyond_layers`: DeepSeek-V3's MTP modules),
+    which a family's table otherwise refuses by name — an explicit choice, never a default.
     """
     path = pathlib.Path(path)
     files = SafetensorsDir(path)
-    # Hugging Face formats hold weights; the model's buffers (none of which a format jaxpar imports names) start at
-    # their initial values, placed like the weights.
+    dropped = beyond_layers(files.names(), cfg.n_layers) if drop_mtp else set()
+    table = _rules(cfg, files.names() - dropped)
+    rules = {r.param: r for r in table if not isinstance(r, ZeroRule)}
+    # The weights, and the buffers the format holds (DeepSeek-V3's e_score_correction_bias: the table names them),
+    # are read from the files; the other buffers (expert_load) start at their initial values, placed like the weights.
     buffers = initial_buffers(abstract, cfg)
     if shardings is not None:
         buffers = jax.device_put(buffers, buffers_of(shardings))
-    abstract = trainable(abstract)
-    shardings = trainable(shardings) if shardings is not None else None
-    table = _rules(cfg, files.names())
-    rules = {r.param: r for r in table if not isinstance(r, ZeroRule)}
-    like = nnx.to_pure_dict(abstract)
+    like = _carried(abstract, rules)
     vocab_axes = vocab_dims(abstract)  # which dim of which parameter runs over the vocab (its logical axes)
     placed = nnx.to_pure_dict(shardings) if shardings is not None else None
     used: set[str] = set()
@@ -355,15 +368,36 @@ def load_params(path: str | pathlib.Path, cfg: ModelConfig, abstract: nnx.State,
     ignored = {n for n in files.names() - used if n.endswith((".attn.bias", ".attn.masked_bias", "rotary_emb.inv_freq"))}
     if cfg.tie_embeddings:
         ignored.add("lm_head.weight")
-    unused = files.names() - used - ignored
+    unused = files.names() - used - ignored - dropped
     if unused:
         raise HFError(f"{path}: tensors {sorted(unused)[:5]} are not used by the jaxpar {cfg.family} model — the "
                       "config.json does not describe these weights (an unsupported variant?)")
-    params = jax.tree.map(lambda x: x, abstract)
-    nnx.replace_by_pure_dict(params, arrays)
-    if not jax.tree.leaves(buffers):
-        return params
-    return merge_state(params, buffers)
+    params = jax.tree.map(lambda x: x, trainable(abstract))
+    state = merge_state(params, buffers) if jax.tree.leaves(buffers) else params
+    nnx.replace_by_pure_dict(state, arrays)  # the weights and the buffers read; the others keep their start values
+    return state
+
+
+def _carried(state: nnx.State, rules: dict[str, Rule]) -> dict:
+    """The pure dict of what a Hugging Face checkpoint holds of model state `state`: every parameter, and each
+    buffer a rule names (a buffer without a tensor, like expert_load, is left out: it starts at its initial value
+    on import and is not exported)."""
+    buffers: set[str] = set()
+    jax.tree_util.tree_map_with_path(lambda kp, _: buffers.add(".".join(str(k.key) for k in kp)),
+                                     nnx.to_pure_dict(buffers_of(state)))
+
+    def keep(d: dict, prefix: str) -> dict:
+        out = {}
+        for k, v in d.items():
+            name = f"{prefix}{k}"
+            if isinstance(v, dict):
+                if sub := keep(v, name + "."):
+                    out[k] = sub
+            elif name not in buffers or name in rules:
+                out[k] = v
+        return out
+
+    return keep(nnx.to_pure_dict(state), "")
 
 
 def _rule_of(rules: dict[str, Rule], param: str, cfg: ModelConfig, path: pathlib.Path) -> Rule:
@@ -515,15 +549,20 @@ def save_params(params: nnx.State, cfg: ModelConfig, path: str | pathlib.Path, *
 def _write_files(params: nnx.State, cfg: ModelConfig, path: pathlib.Path, *, base_config, dtype, tokenizer,
                  max_shard_bytes: int, names) -> None:
     flat: dict[str, Any] = {}
-    params = trainable(params)  # the weights: no format jaxpar exports holds the model's buffers (expert_load)
-    jax.tree_util.tree_map_with_path(lambda kp, x: flat.__setitem__(".".join(str(k.key) for k in kp), x),
-                                     nnx.to_pure_dict(params))
-    vocab_axes = vocab_dims(params)
     rules = _rules(cfg, names)
     if any(isinstance(r, ExpertRule) and not r.per_expert for r in rules):
         # an import of the fused expert layout exports the hub's per-expert one
         rules = _rules(cfg, {n for n in names if not n.endswith(FUSED)})
-    first = next(iter(flat.values()))
+    # the weights and the buffers the format holds (a rule names them); not expert_load, which no format has
+    jax.tree_util.tree_map_with_path(lambda kp, x: flat.__setitem__(".".join(str(k.key) for k in kp), x),
+                                     _carried(params, {r.param: r for r in rules}))
+    kept = set()  # the buffers: float32 state, written as float32 whatever `dtype` (transformers keeps them so)
+    jax.tree_util.tree_map_with_path(lambda kp, _: kept.add(".".join(str(k.key) for k in kp)),
+                                     nnx.to_pure_dict(buffers_of(params)))
+    vocab_axes = vocab_dims(params)
+    first = next(iter(nnx.to_pure_dict(trainable(params)).values()))
+    while isinstance(first, dict):
+        first = next(iter(first.values()))
     # HF tensor → the (rule, stack entry, expert) pieces that make it; a stack's entry i is model layer layers[i]
     by_name: dict[str, list[tuple[Rule, int | None, int | None]]] = {}
     for rule in rules:
@@ -545,7 +584,8 @@ def _write_files(params: nnx.State, cfg: ModelConfig, path: pathlib.Path, *, bas
                 x = x[(slice(None),) * vocab_axes[rule.param] + (slice(0, cfg.vocab_size),)]
             parts.append(rule.to_hf(x))
         x = parts[0] if len(parts) == 1 else np.concatenate(parts, axis=-1)
-        return np.ascontiguousarray(x.astype(dtype) if dtype else x)
+        cast = dtype and not any(rule.param in kept for rule, _, _ in by_name[name])
+        return np.ascontiguousarray(x.astype(dtype) if cast else x)
 
     # in the table's order: one parameter after another, each layer by layer
     write_shards(((name, tensor(name)) for name in by_name), path, max_shard_bytes)
@@ -604,16 +644,18 @@ def check_sizes(path: str | pathlib.Path, cfg: ModelConfig) -> None:
     files = SafetensorsDir(path)
     _, abstract = abstract_model(cfg)
     rules = {r.param: r for r in _rules(cfg, files.names()) if not isinstance(r, ZeroRule)}
-    _check_shapes(files, cfg, nnx.to_pure_dict(abstract), rules, vocab_dims(abstract), path)
+    _check_shapes(files, cfg, _carried(abstract, rules), rules, vocab_dims(abstract), path)
 
 
 def import_to_workdir(src: str | pathlib.Path, dst: str | pathlib.Path, *, dtype: str | None = None,
-                      quantize: str | None = None, group_size: int | None = None) -> pathlib.Path:
+                      quantize: str | None = None, group_size: int | None = None,
+                      drop_mtp: bool = False) -> pathlib.Path:
     """Write the Hugging Face model `src` as a params-only jaxpar workdir `dst` (step 0): config.json, the
     checkpoint, its tokenizer.json, and hf_source.json (so that export reproduces the original names and config).
     `dst` must be new — absent or an empty directory, outside `src` — and is published whole or not at all
     (`checkpoint.write_params_only`). quantize: store the layers' matrices as 'int8' / 'int4'
-    (`checkpoint.cast_and_quantize`)."""
+    (`checkpoint.cast_and_quantize`). drop_mtp: import without the tensors of layers from num_hidden_layers on
+    (DeepSeek-V3's multi-token-prediction modules, which jaxpar's model does not hold; `load_params`)."""
     src, dst = pathlib.Path(src), pathlib.Path(dst)
     hf_cfg = read_config(src)
     checkpoint.check_params_only_target(dst, src)  # a new directory outside src, before anything is read
@@ -621,8 +663,10 @@ def import_to_workdir(src: str | pathlib.Path, dst: str | pathlib.Path, *, dtype
     if quantize is not None:
         checkpoint.quantize_config(cfg, quantize, group_size)  # a bad group size fails before anything is read
     _, abstract = abstract_model(cfg)
-    params = load_params(src, cfg, abstract)
-    files = {SOURCE: json.dumps({"config": hf_cfg, "tensor_names": sorted(checkpoint_names(src))}, indent=1).encode()}
+    params = load_params(src, cfg, abstract, drop_mtp=drop_mtp)
+    names = checkpoint_names(src)
+    names -= beyond_layers(names, cfg.n_layers) if drop_mtp else set()
+    files = {SOURCE: json.dumps({"config": hf_cfg, "tensor_names": sorted(names)}, indent=1).encode()}
     tokenizer = "bytes"
     if (tokenizer_file := member(src, "tokenizer.json")) is not None:
         files["tokenizer.json"] = tokenizer_file.read_bytes()
