@@ -31,8 +31,8 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh, PartitionSpec as P
 
-from jaxpar.model import (attention_mask, buffers_of, default_positions, merge_state, moe_objective, run_layers,
-                          stats_total, trainable)
+from jaxpar.model import (attention_mask, buffers_of, default_positions, forward_buffers, merge_state, moe_objective,
+                          run_layers, stats_total, trainable)
 from jaxpar.parallel import circular, executor, schedule as tables
 from jaxpar.parallel.axes import DATA, EXPERT, PIPE
 from jaxpar.parallel.pipeline import Pipeline
@@ -139,12 +139,18 @@ def scheduled_loss_and_grads(graphdef: nnx.GraphDef, params: nnx.State, batch: j
     cfg = nnx.merge(graphdef, params).cfg
     stack_names = tuple(cfg.layer_stacks)
     blocks, rest = nnx.split_state(params, nnx.Any(*map(nnx.PathContains, stack_names)), ...)  # the layers | rest
+    # The layers' weights (differentiated) | their buffers: constants of the executor, which computes no gradient
+    # for them (zeros stand in for theirs below, where the state's tree wants one)
+    weights, buffers = trainable(blocks), buffers_of(blocks)
     # [v·k, …] in storage order → [v, k, …]: chunk r of this stage is row r (pipeline_order), in every stack
-    layers = jax.tree.map(lambda a: a.reshape(v, a.shape[0] // v, *a.shape[1:]), blocks)
+    per_chunk = lambda tree: jax.tree.map(lambda a: a.reshape(v, a.shape[0] // v, *a.shape[1:]), tree)  # noqa: E731
+    layers, constants = per_chunk(weights), per_chunk(buffers)
 
-    def chunk_fn(chunk: nnx.State, x: jax.Array, tape):
-        stacked = {stack: {name: var[...] for name, var in chunk[stack].items() if isinstance(var, nnx.Param)}
-                   for stack in stack_names}  # the layers' weights (their buffers are not inputs of the forward)
+    def chunk_fn(chunk: nnx.State, x: jax.Array, tape, consts: nnx.State):
+        # the layers' weights, and the buffers their forward reads (the routing's correction bias) as constants
+        stacked = {stack: {**{name: var[...] for name, var in chunk[stack].items() if isinstance(var, nnx.Param)},
+                           **forward_buffers(dict(consts[stack].items()) if stack in consts else {}, cfg)}
+                   for stack in stack_names}
         y, stats = run_layers(stacked, x, positions, mask, cfg, remat=remat, par=par.with_tape(tape), stats=True)
         # F of an MoE chunk (a tape's MEASURE and REPLAY report no statistics: `Tape.scan`): its layers' aux losses
         # over this microbatch join the objective like its loss
@@ -160,9 +166,10 @@ def scheduled_loss_and_grads(graphdef: nnx.GraphDef, params: nnx.State, batch: j
 
     loss, layer_grads, rest_grads, stats = executor.execute(
         pipe.program, chunk_fn, layers, rest, tokens.reshape(m, mb, T), targets.reshape(m, mb, T), embed_fn,
-        head_loss_fn, axis=PIPE, operand=lambda w, role: par.policy(role).operand(w, cfg.dtype))
+        head_loss_fn, axis=PIPE, operand=lambda w, role: par.policy(role).operand(w, cfg.dtype), constants=constants)
     block_grads = jax.tree.map(lambda a: a.reshape(a.shape[0] * a.shape[1], *a.shape[2:]), layer_grads)
-    return loss, merge_state(rest_grads, block_grads), in_model_order(stats, pipe)
+    no_grads = jax.tree.map(jnp.zeros_like, buffers)  # the buffers' places in the gradients' tree (dropped: trainable)
+    return loss, merge_state(rest_grads, block_grads, no_grads), in_model_order(stats, pipe)
 
 
 def loss_and_grads(graphdef: nnx.GraphDef, *, grad_accum: int = 1, remat: str = "none",
