@@ -286,6 +286,7 @@ def test_the_bias_trains_alike_everywhere_and_restores_bit_for_bit(runs):
         np.testing.assert_array_equal(tree["blocks"]["e_score_correction_bias"], want, err_msg=name)
         np.testing.assert_allclose([r["loss"] for r in runs[name][1].history if "loss" in r],
                                    [r["loss"] for r in runs["single device"][1].history if "loss" in r], rtol=1e-4)
+        assert all(r["moe_max_over_mean_load"] >= 1 for r in runs[name][1].history if "loss" in r)
         assert "e_score_correction_bias" not in str(jax.tree_util.tree_flatten_with_path(
             runs[name][1].state.opt_state)[0])
 
@@ -300,3 +301,29 @@ def test_the_bias_trains_alike_everywhere_and_restores_bit_for_bit(runs):
             mngr.close()
         got = canonical_host(state.params, config, like.mesh)
         jax.tree.map(np.testing.assert_array_equal, got, host[source])
+
+
+def test_decode_and_the_planner_read_the_bias(reference):
+    """Prefill + a KV-cache decode step with the bias equal the full forward with it (which differs from the
+    forward without it: the bias reaches the layers); the planner's traces of the layers (autodiff's residuals, a
+    table chunk) build them with the buffer too."""
+    from jaxpar.model import KVCache
+    from jaxpar.planner import memory
+
+    cfg, state, batch, *_ = reference
+    graphdef = nnx.graphdef(Transformer(cfg, rngs=nnx.Rngs(0)))
+    tokens = batch[:2, :9]
+    zero = jax.tree.map(lambda v: v, state)
+    zero["blocks"]["e_score_correction_bias"] = zero["blocks"]["e_score_correction_bias"].replace(jnp.zeros((4, 8)))
+
+    def decode(state, tokens):
+        m = nnx.merge(graphdef, state)
+        prefill, cache = m.decode(tokens[:, :-1], KVCache.empty(cfg, 2, 12))
+        return m(tokens), prefill, m.decode(tokens[:, -1:], cache)[0]
+
+    logits, prefill, step = jax.jit(decode)(state, tokens)
+    np.testing.assert_allclose(prefill, logits[:, :-1], rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(step[:, 0], logits[:, -1], rtol=1e-5, atol=1e-5)
+    assert not np.allclose(jax.jit(decode)(zero, tokens)[0], logits, atol=1e-4)
+    assert memory.residuals(cfg, 12, "none", True).layer
+    assert memory.table_chunk(cfg, 12, "none", 2).stash

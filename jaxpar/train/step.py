@@ -354,7 +354,7 @@ def make_train_step(grads_of: Callable[[nnx.State, jax.Array], tuple[jax.Array, 
                                          (state.params, state.opt_state))
         metrics = {"loss": loss, "grad_norm": grad_norm, "skipped": 1 - ok.astype(jnp.int32)}
         if sums and sums[0]:
-            metrics.update(moe_metrics(stats_total(sums[0]), batch.shape[0], moe_layers))
+            metrics.update(moe_metrics(stats_total(sums[0]), batch.shape[0], moe_layers, sums[0]["load"]))
         if schedule is not None:
             metrics["lr"] = schedule(state.step)
         return TrainState(step=state.step + 1, params=params, opt_state=opt_state), metrics
@@ -362,13 +362,19 @@ def make_train_step(grads_of: Callable[[nnx.State, jax.Array], tuple[jax.Array, 
     return step
 
 
-def moe_metrics(sums: dict[str, jax.Array], rows: int, layers: int) -> Metrics:
+def moe_metrics(sums: dict[str, jax.Array], rows: int, layers: int, layer_load: jax.Array | None = None) -> Metrics:
     """The step's MoE statistics (summed over its `rows` rows and its `layers` MoE layers) as metrics: per-expert
     load (assignments, all layers), its imbalance max/mean (1 is balanced), the share of assignments dropped, and the
-    load-balancing and z-losses as means over rows and layers (the aux loss is 1 when balanced)."""
+    load-balancing and z-losses as means over rows and layers (the aux loss is 1 when balanced). With the loads per
+    layer (`layer_load` [L_moe, X]), `moe_max_over_mean_load`: the worst layer's max/mean expert load (the layers'
+    imbalances do not cancel in it, as they can in the sum over layers)."""
     load = sums["load"].astype(jnp.float32)
-    return {"moe_load": load, "moe_imbalance": load.max() / load.mean(), "moe_dropped": sums["dropped"] / load.sum(),
-            "moe_aux_loss": sums["aux"] / (rows * layers), "moe_z_loss": sums["z"] / (rows * layers)}
+    out = {"moe_load": load, "moe_imbalance": load.max() / load.mean(), "moe_dropped": sums["dropped"] / load.sum(),
+           "moe_aux_loss": sums["aux"] / (rows * layers), "moe_z_loss": sums["z"] / (rows * layers)}
+    if layer_load is not None:
+        per_layer = layer_load.astype(jnp.float32)
+        out["moe_max_over_mean_load"] = (per_layer.max(-1) / per_layer.mean(-1)).max()
+    return out
 
 
 def make_eval_step(graphdef: nnx.GraphDef, plan: Plan, *, param_specs: nnx.State | None = None
