@@ -9,6 +9,11 @@ Routing (`route`, GShard/Switch with Mixtral's and Qwen2-MoE's top-k):
     gates g_j = p_j / Σ_j p_j  (norm_topk_prob)   or  p_j
     out(t) = Σ_j g_j · FFN_{e_j}(h_t)             (a dropped assignment contributes nothing)
 
+and DeepSeek's (`select`): scores s = softmax (V2) or σ(h·W_r) (V3, each expert on its own); the experts are chosen
+by s + b, b the layer's correction bias (model state, moved by the step: jaxpar.model.bias_update), among the
+topk_group best of n_group expert groups; the gates are the chosen experts' *unbiased* s (renormalised, + 1e-20 for
+sigmoid as V3 does), × routed_scale. The bias decides which experts, never how much of each.
+
 A *row* is the routing group. Capacity, the load-balancing loss and the z-loss are per sequence, so they do not
 depend on how rows are split over data, pipe, expert, microbatches or gradient accumulation — every layout computes
 the same numbers as one device. (GShard's groups, with one sequence per group.) Under sequence parallelism a rank
@@ -19,7 +24,8 @@ assignments after those of the shards before it, so the routing is still the who
   choices before second ones and, within a choice, earlier tokens first (GShard's priority). Dropped assignments
   per row = Σ_e max(0, load_e − C). cf = 0 is dropless: every assignment is computed.
 - Load balancing (Switch): L_aux = X · Σ_e f_e · P_e per row, f_e = load_e / (T·k) the share of the row's
-  assignments expert e receives, P_e the mean router probability of e. Balanced routing gives 1 (Hugging Face's
+  assignments expert e receives, P_e the mean router probability of e (sigmoid scores: the mean of σ_e / Σ_x σ_x,
+  DeepSeek-V3's sequence-wise balance loss, which is this one up to its coefficient). Balanced routing gives 1 (Hugging Face's
   `load_balancing_loss_func` reports k times this: its f counts tokens, not assignments).
 - z-loss (ST-MoE): mean over the row's tokens of logsumexp(router logits)².
 Both enter the objective as coef × their mean over rows and MoE layers (jaxpar.model.moe_objective): each layer
