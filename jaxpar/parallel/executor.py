@@ -62,8 +62,7 @@ class Chunk:
 
     def __init__(self, chunk_fn: Callable, chunk_a, chunk_b, x0: Array, operand: Callable[[Array, str], Array],
                  like: Callable = lambda x, ref: x, consts=None):
-        self.chunk_fn = chunk_fn if consts is None else lambda p, x, tape, c: chunk_fn(p, x, tape, c)
-        self.operand, self.like, self.has_consts = operand, like, consts is not None
+        self.chunk_fn, self.operand, self.like, self.has_consts = chunk_fn, operand, like, consts is not None
         self.params_ref = chunk_a
         param_leaves, self.param_def = jax.tree.flatten(chunk_a)
         measured = Tape(MEASURE)
