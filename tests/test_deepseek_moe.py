@@ -43,7 +43,8 @@ def _group_mask(group_scores, topk_group, per_group):
 
 def hf_v2(logits, top_k, method, n_group, topk_group, scale):
     """DeepSeek-V2: softmax scores; 'greedy' top-k, or 'group_limited_greedy' (group score its max, others filled
-    with 0.0); weights the chosen scores × routed_scaling_factor (V2 does not renormalise). → (idx, weights) [N, k]."""
+    with 0.0); weights the chosen scores × routed_scaling_factor (transformers' V2 does not renormalise).
+    → (idx, weights) [N, k]."""
     z = logits - logits.max(-1, keepdims=True)
     scores = np.exp(z) / np.exp(z).sum(-1, keepdims=True)
     if method == "group_limited_greedy":
@@ -198,7 +199,7 @@ ROUTING = dict(n_experts=8, top_k=2, d_ff=10, scoring="sigmoid", n_group=4, topk
                correction_bias=True, aux_loss_coef=0.1)
 MODEL = dict(d_model=24, n_heads=4, n_kv_heads=2, n_layers=4, vocab_size=64)
 PARITY_LAYOUTS = {  # name: ParallelConfig fields (data fills the 8 devices)
-    "(data, expert, tensor) = (2, 2, 2) SP": dict(expert=2, tensor=2, sequence_parallel=True),
+    "(data, expert, tensor) = (2, 2, 2) SP, 2 micro-steps": dict(expert=2, tensor=2, sequence_parallel=True),
     "(data, pipe, expert, tensor) = (1, 2, 2, 2) circular": dict(pipe=2, expert=2, tensor=2, microbatches=4,
                                                                  repeats=2),
     "(data, pipe, tensor) = (2, 2, 2) ZB-V SP": dict(pipe=2, tensor=2, microbatches=4, repeats=2, schedule="zbv",
@@ -227,9 +228,12 @@ def reference():
 def test_model_with_a_bias_matches_one_device(reference, layout):
     """With a non-zero bias (it changes which experts): the loss and every weight's gradient equal one device's
     (fp32 rtol 1e-5), the step's per-layer loads — what the bias update reads — equal exactly (summed over data,
-    expert, the pipeline's microbatches and SP's tensor shards), and no gradient reaches the bias."""
+    expert, the pipeline's microbatches, gradient accumulation's micro-steps and SP's tensor shards), and no gradient
+    reaches the bias. (Context parallelism is refused for MoE models by the config.)"""
     cfg, state, batch, want_loss, want_grads, want_sums = reference
-    loss, grads, sums = on_layout(cfg, state, batch, ParallelConfig(**PARITY_LAYOUTS[layout]), stats=True)
+    accum = 2 if "micro-steps" in layout else 1  # gradient accumulation sums the micro-steps' loads
+    loss, grads, sums = on_layout(cfg, state, batch, ParallelConfig(**PARITY_LAYOUTS[layout]), stats=True,
+                                  grad_accum=accum)
     np.testing.assert_allclose(loss, want_loss, rtol=1e-5)
     assert_grads_match(trainable(grads), trainable(want_grads))
     np.testing.assert_array_equal(buffers_of(grads)["blocks"]["e_score_correction_bias"][...], 0.0)

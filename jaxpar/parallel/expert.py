@@ -25,8 +25,8 @@ assignments after those of the shards before it, so the routing is still the who
   per row = Σ_e max(0, load_e − C). cf = 0 is dropless: every assignment is computed.
 - Load balancing (Switch): L_aux = X · Σ_e f_e · P_e per row, f_e = load_e / (T·k) the share of the row's
   assignments expert e receives, P_e the mean router probability of e (sigmoid scores: the mean of σ_e / Σ_x σ_x,
-  DeepSeek-V3's sequence-wise balance loss, which is this one up to its coefficient). Balanced routing gives 1 (Hugging Face's
-  `load_balancing_loss_func` reports k times this: its f counts tokens, not assignments).
+  DeepSeek-V3's sequence-wise balance loss, which is this one up to its coefficient). Balanced routing gives 1
+  (Hugging Face's `load_balancing_loss_func` reports k times this: its f counts tokens, not assignments).
 - z-loss (ST-MoE): mean over the row's tokens of logsumexp(router logits)².
 Both enter the objective as coef × their mean over rows and MoE layers (jaxpar.model.moe_objective): each layer
 returns its sums beside the activations, the layer scan and the circular pipeline (bubble ticks masked out) add
