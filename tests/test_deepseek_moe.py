@@ -89,7 +89,7 @@ N_TOK, X = 37, 12  # tokens, experts (4 groups of 3)
 def test_route_matches_hugging_face_routers(case):
     """The experts (as a set) and their gates equal the reference's for every token, at fp32; V3 with a bias
     that changes the choice; with all biases negative, the experts of dropped groups stay out (−inf), where a 0
-    fill — what V2 uses, and what the V3 code in transformers once did — would choose them."""
+    fill (what transformers' V2 router uses; its V3 router masks with −inf) would choose them."""
     rng = np.random.default_rng(11)
     logits = rng.normal(0, 1.5, (N_TOK, X)).astype(np.float32)
     if case.startswith("v2"):
