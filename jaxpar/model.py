@@ -111,10 +111,13 @@ class Blocks(nnx.Module):
 
     def stacked(self) -> dict[str, Array]:
         """The stacked parameters by name, each [n, …] (the local share of the stack inside shard_map); a quantized
-        matrix as one `Quantized(name, name_scale)`."""
+        matrix as one `Quantized(name, name_scale)`; and the buffers the layer's forward reads (`BufferSpec.forward`),
+        as constants (no gradient reaches them through the layer)."""
         values = {name: v[...] for name, v in vars(self).items() if isinstance(v, nnx.Param)}
-        return {name: Quantized(a, values[name + "_scale"]) if name + "_scale" in values else a
-                for name, a in values.items() if not name.endswith("_scale")}
+        out = {name: Quantized(a, values[name + "_scale"]) if name + "_scale" in values else a
+               for name, a in values.items() if not name.endswith("_scale")}
+        out.update(forward_buffers({name: v for name, v in vars(self).items() if isinstance(v, Buffer)}, self.cfg))
+        return out
 
 
 class Buffer(nnx.Variable):
@@ -128,26 +131,40 @@ class Buffer(nnx.Variable):
     an import starts it at its initial value.
 
     Kinds (`layer_buffers`): `expert_load` [L_moe, X] float32 (`moe.load_ema` > 0), the exponential moving average
-    of each expert's share of its layer's routed assignments (1/X each when balanced)."""
+    of each expert's share of its layer's routed assignments (1/X each when balanced); `e_score_correction_bias`
+    [L_moe, X] float32 (`moe.correction_bias`), DeepSeek-V3's routing bias, which the forward reads (as a constant:
+    `Blocks.stacked`) and `bias_update` moves (Hugging Face's mlp.gate.e_score_correction_bias)."""
 
 
 MODEL_STATE = (nnx.Param, Buffer)  # what a checkpoint, a layout change and an export carry: `abstract_model`'s state
 
 
 class BufferSpec(NamedTuple):
-    """One layer's buffer: its shape and logical axes (without the stacked layer dim), and the value it starts at."""
+    """One layer's buffer: its shape and logical axes (without the stacked layer dim), the value it starts at, and
+    whether the layer's forward reads it (as a constant: `Blocks.stacked` hands it to the layer beside the weights)."""
 
     shape: tuple[int, ...]
     axes: tuple[str | None, ...]
     init: float
+    forward: bool = False
 
 
 def layer_buffers(cfg: ModelConfig, moe: bool) -> dict[str, BufferSpec]:
     """The buffers one layer holds (an MoE layer when `moe`), by name."""
+    out, X = {}, cfg.moe.n_experts
     if moe and cfg.moe.load_ema:
-        X = cfg.moe.n_experts
-        return {"expert_load": BufferSpec((X,), ("experts",), 1.0 / X)}
-    return {}
+        out["expert_load"] = BufferSpec((X,), ("experts",), 1.0 / X)
+    if moe and cfg.moe.correction_bias:
+        # Replicated: every rank routes its tokens over all X experts (the router is replicated too), whatever
+        # `expert` splits.
+        out["e_score_correction_bias"] = BufferSpec((X,), (None,), 0.0, forward=True)
+    return out
+
+
+def forward_buffers(stack: dict, cfg: ModelConfig) -> dict[str, Array]:
+    """Of one stack's buffers {name: Buffer or array [n, …]}, those its layers' forward reads, as constant arrays."""
+    reads = {name for moe in (False, True) for name, spec in layer_buffers(cfg, moe).items() if spec.forward}
+    return {name: jax.lax.stop_gradient(v[...]) for name, v in stack.items() if name in reads}
 
 
 def update_buffers(buffers: nnx.State, stats: dict[str, Array], cfg: ModelConfig) -> nnx.State:
@@ -155,7 +172,7 @@ def update_buffers(buffers: nnx.State, stats: dict[str, Array], cfg: ModelConfig
     statistics summed over the step's rows, one row per MoE layer (each leaf [L_moe, …], model order).
 
     expert_load [L_moe, X] ← d·expert_load + (1 − d)·load / Σ_x load, d = moe.load_ema (a layer that routed
-    nothing keeps its value)."""
+    nothing keeps its value); e_score_correction_bias [L_moe, X] by `bias_update` (moe.bias_update_rate > 0)."""
     buffers = jax.tree.map(lambda v: v, buffers)  # a new State; the caller's is left alone
     if "blocks" in buffers and "expert_load" in buffers["blocks"]:
         d = cfg.moe.load_ema
@@ -164,7 +181,24 @@ def update_buffers(buffers: nnx.State, stats: dict[str, Array], cfg: ModelConfig
         old = buffers["blocks"]["expert_load"][...]
         share = jnp.where(total > 0, load / jnp.maximum(total, 1.0), old)
         buffers["blocks"]["expert_load"] = buffers["blocks"]["expert_load"].replace(d * old + (1 - d) * share)
+    if "blocks" in buffers and "e_score_correction_bias" in buffers["blocks"] and cfg.moe.bias_update_rate:
+        new = bias_update(buffers["blocks"]["e_score_correction_bias"][...], stats["load"], cfg.moe.bias_update_rate,
+                          cfg.moe.bias_recenter)
+        buffers["blocks"]["e_score_correction_bias"] = buffers["blocks"]["e_score_correction_bias"].replace(new)
     return buffers
+
+
+def bias_update(bias: Array, load: Array, rate: float, recenter: bool) -> Array:
+    """DeepSeek-V3's auxiliary-loss-free balancing (§2.1.2), one step: bias [L_moe, X] float32, load [L_moe, X] the
+    step's assignments per expert (every row of the step, every microbatch and shard: global) →
+
+        b_e ← b_e + γ·sign(mean_x load_x − load_e)     (then b ← b − mean_x b_x with `recenter`)
+
+    an overloaded expert's bias falls and an underloaded one's rises, by γ whatever the size of the imbalance (an
+    expert at exactly the mean keeps its bias). Float32 and elementwise per layer: the same bits at every layout."""
+    load = load.astype(jnp.float32)
+    bias = bias + jnp.float32(rate) * jnp.sign(load.mean(-1, keepdims=True) - load)
+    return bias - bias.mean(-1, keepdims=True) if recenter else bias
 
 
 def initial_buffers(abstract: nnx.State, cfg: ModelConfig) -> nnx.State:
@@ -750,11 +784,16 @@ def moe(p: dict[str, Array], h: Array, cfg: ModelConfig, par: Parallel = SINGLE_
         Σ_j g_j · SwiGLU_{e_j}(h)  [+ sigmoid(h·ws_score) ·] SharedSwiGLU(h)
 
     router [D, X]; we_gate, we_up [X, D, F_e]; we_down [X, F_e, D] (X/ep local experts, F_e/t local columns);
-    ws_* the shared expert. Statistics, summed over the B rows: `aux` (load-balancing loss) and `z` (z-loss),
-    which the step adds to the objective (`moe_objective`), `load` [X] (assignments per expert) and `dropped`."""
+    ws_* the shared expert; e_score_correction_bias [X] float32 (a buffer, moe.correction_bias) the bias the
+    experts are chosen by (DeepSeek-V3). Statistics, summed over the B rows: `aux` (load-balancing loss) and `z`
+    (z-loss), which the step adds to the objective (`moe_objective`), `load` [X] (assignments per expert) and
+    `dropped`."""
     m = cfg.moe
     logits = par.dot("btd,dx->btx", h, p["router"], "router")  # [B, T, X] float32 (T/t under SP)
-    routing = par.route(logits, m.top_k, m.norm_topk_prob, m.capacity_factor)
+    bias = p.get("e_score_correction_bias")  # [X] float32 model state (moe.correction_bias): a constant here
+    routing = par.route(logits, m.top_k, m.norm_topk_prob, m.capacity_factor, scoring=m.scoring, n_group=m.n_group,
+                        topk_group=m.topk_group, routed_scale=m.routed_scale,
+                        bias=None if bias is None else jax.lax.stop_gradient(bias))
     ffn = functools.partial(grouped_swiglu, dot=par.policy("experts"), dtype=cfg.dtype)
     out = par.experts(h, routing, (p["we_gate"], p["we_up"], p["we_down"]), ffn, m.capacity_factor)
     if "ws_gate" in p:  # the shared expert: a dense SwiGLU every token passes

@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import json
+import math
 from typing import Any
 
 from jaxpar.config.checks import check_fields, check_positive, check_choice, same_chunks, nearest_multiples
@@ -38,6 +39,7 @@ ATTENTION_IMPLS = ("auto", "xla", "cudnn")
 ROPE_SCALINGS = ("none", "linear", "llama3", "yarn")
 MLA_FIELDS = ("q_lora_rank", "kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim")
 SOURCES = ("default", "synthetic", "text", "tokens")
+SCORINGS = ("softmax", "sigmoid")  # MoEConfig.scoring (jaxpar.parallel.expert.route)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,6 +66,18 @@ class MoEConfig:
     load_ema: float = _f(0.0, "0: off; in (0, 1): keep expert_load, each MoE layer's exponential moving average "
                          "(this decay per step) of its experts' shares of the routed assignments — model state "
                          "outside the gradient, checkpointed with the parameters")
+    scoring: str = _f("softmax", "router scores: 'softmax' over the experts (Mixtral, Qwen2-MoE, DeepSeek-V2) or "
+                      "'sigmoid' of each logit (DeepSeek-V3)")
+    n_group: int = _f(1, "group-limited routing (DeepSeek): the experts form this many equal groups and a token "
+                      "picks its top_k among the topk_group best groups only; 1: no groups")
+    topk_group: int = _f(1, "groups a token may route to when n_group > 1; a group's score is its best expert's "
+                         "(softmax) or the sum of its two best biased scores (sigmoid)")
+    routed_scale: float = _f(1.0, "multiplies the routed experts' gates (Hugging Face's routed_scaling_factor)")
+    correction_bias: bool = _f(False, "each MoE layer keeps e_score_correction_bias [n_experts] (float32 model "
+                               "state), added to the scores to choose the experts, never to the gates (DeepSeek-V3)")
+    bias_update_rate: float = _f(0.0, "auxiliary-loss-free balancing (DeepSeek-V3): after each step bias += rate * "
+                                 "sign(mean load - load) per MoE layer, from the step's global loads; 0: frozen")
+    bias_recenter: bool = _f(False, "re-centre each layer's correction bias to mean 0 after every update")
 
     def __post_init__(self):
         check_fields(self, "moe")
@@ -90,9 +104,47 @@ class MoEConfig:
         if self.n_experts and self.top_k > self.n_experts:
             raise ConfigError("moe.top_k", self.top_k, f"must be <= moe.n_experts = {self.n_experts} (a token "
                               "picks distinct experts)", f"use top_k among 1..{self.n_experts}")
+        self._check_routing()
         if self.shared_gate and not self.shared_d_ff:
             raise ConfigError("moe.shared_gate", True, "gates the shared expert, and moe.shared_d_ff = 0 (none)",
                               "set moe.shared_d_ff > 0, or moe.shared_gate=false")
+
+    def _check_routing(self):
+        """The DeepSeek routing fields: scoring, the expert groups, the gate scale and the correction bias."""
+        check_choice("moe.scoring", self.scoring, SCORINGS)
+        check_positive("moe.n_group", self.n_group)
+        check_positive("moe.topk_group", self.topk_group)
+        check_positive("moe.routed_scale", self.routed_scale)
+        check_positive("moe.bias_update_rate", self.bias_update_rate, allow_zero="off")
+        for name, off in (("n_group", 1), ("scoring", "softmax"), ("correction_bias", False),
+                          ("bias_recenter", False), ("routed_scale", 1.0)):
+            if getattr(self, name) != off and not self.enabled:
+                raise ConfigError(f"moe.{name}", getattr(self, name), "configures the routing, and moe.n_experts = 0 "
+                                  "(a dense model)", f"set moe.n_experts > 0, or drop moe.{name}")
+        if self.topk_group > self.n_group:
+            raise ConfigError("moe.topk_group", self.topk_group, f"must be <= moe.n_group = {self.n_group} (the "
+                              "groups a token may pick among)", f"use topk_group among 1..{self.n_group}")
+        if self.bias_update_rate and not self.correction_bias:
+            raise ConfigError("moe.bias_update_rate", self.bias_update_rate, "updates the correction bias, and "
+                              "moe.correction_bias is false (no bias)", "set moe.correction_bias=true, or drop "
+                              "moe.bias_update_rate")
+        if self.bias_recenter and not self.correction_bias:
+            raise ConfigError("moe.bias_recenter", True, "re-centres the correction bias, and moe.correction_bias "
+                              "is false (no bias)", "set moe.correction_bias=true, or moe.bias_recenter=false")
+        if self.n_group == 1 or not self.enabled:
+            return
+        if self.n_experts % self.n_group:
+            raise ConfigError("moe.n_group", self.n_group, f"must divide moe.n_experts = {self.n_experts} (equal "
+                              "groups of experts)", f"use one of {divisors(self.n_experts)}")
+        per_group = self.n_experts // self.n_group
+        if self.scoring == "sigmoid" and per_group < 2:
+            raise ConfigError("moe.n_group", self.n_group, f"leaves {per_group} expert a group, and sigmoid scoring "
+                              "ranks groups by the sum of their two best experts' scores", "use at most "
+                              f"{self.n_experts // 2} groups")
+        if self.top_k > self.topk_group * per_group:
+            raise ConfigError("moe.top_k", self.top_k, f"exceeds the {self.topk_group * per_group} experts of the "
+                              f"topk_group = {self.topk_group} groups a token may use ({per_group} each)",
+                              f"raise moe.topk_group to {math.ceil(self.top_k / per_group)} or lower moe.top_k")
 
     @property
     def enabled(self) -> bool:

@@ -182,12 +182,12 @@ class Parallel:
             return self.context.attention(kernel, q, k, v, mask)
         return kernel(q, k, v, mask)
 
-    def route(self, logits: Array, top_k: int, norm_topk_prob: bool, capacity_factor: float) -> Routing:
-        """An MoE layer's routing of its tokens from router logits [B, T, X] (float32; jaxpar.parallel.expert.route).
-        Under sequence parallelism the tokens are this rank's shard of each row and the row's statistics are summed
-        over the tensor group."""
+    def route(self, logits: Array, top_k: int, norm_topk_prob: bool, capacity_factor: float, **options) -> Routing:
+        """An MoE layer's routing of its tokens from router logits [B, T, X] (float32; jaxpar.parallel.expert.route,
+        which takes `options`: scoring, groups, the gate scale, the correction bias). Under sequence parallelism the
+        tokens are this rank's shard of each row and the row's statistics are summed over the tensor group."""
         sp = self.tensor is not None and self.tensor.sequence
-        return route(logits, top_k, norm_topk_prob, capacity_factor, self.tensor.axis if sp else None)
+        return route(logits, top_k, norm_topk_prob, capacity_factor, self.tensor.axis if sp else None, **options)
 
     def experts(self, h: Array, routing: Routing, weights: Sequence[Array], ffn: GroupedFFN,
                 capacity_factor: float) -> Array:

@@ -57,15 +57,16 @@ class Chunk:
     executor's buffers hold a slot, and what the planner's memory model counts (`jaxpar.planner.memory`).
 
     chunk_fn, operand: as `execute` takes them; chunk_a, chunk_b: the chunk's parameters, twice (two traces); x0: a
-    microbatch's input [mb, …]; like(x, ref): x typed as ref is (inside shard_map, as varying over the pipe axis)."""
+    microbatch's input [mb, …]; like(x, ref): x typed as ref is (inside shard_map, as varying over the pipe axis);
+    consts: the chunk's constants (`execute`'s), or None — chunk_fn then takes three arguments."""
 
     def __init__(self, chunk_fn: Callable, chunk_a, chunk_b, x0: Array, operand: Callable[[Array, str], Array],
-                 like: Callable = lambda x, ref: x):
-        self.chunk_fn, self.operand, self.like = chunk_fn, operand, like
+                 like: Callable = lambda x, ref: x, consts=None):
+        self.chunk_fn, self.operand, self.like, self.has_consts = chunk_fn, operand, like, consts is not None
         self.params_ref = chunk_a
         param_leaves, self.param_def = jax.tree.flatten(chunk_a)
         measured = Tape(MEASURE)
-        chunk_fn(chunk_a, x0, measured)
+        self.call(chunk_a, x0, measured, consts)
         role_of = {}  # id(weight) → its matmul role, as the model contracted it
         for w, role in zip(measured.weights, measured.roles):
             if role_of.setdefault(id(w), role) != role:
@@ -82,10 +83,14 @@ class Chunk:
         tape_leaves, self.tape_def = jax.tree.flatten(measured.inputs)
         self.tape_ref = [like(jnp.zeros((k, *x.shape), x.dtype), x) for x in tape_leaves]
         self.dys_ref, self.dys_def = jax.tree.flatten(self.probe_ref)
-        self.y0, vjp_a, _, self.stats_ref, known_a, probes_a = self.vjp(chunk_a, x0)
-        _, vjp_b, _, _, _, _ = self.vjp(chunk_b, x0 + 0)
+        self.y0, vjp_a, _, self.stats_ref, known_a, probes_a = self.vjp(chunk_a, x0, consts)
+        _, vjp_b, _, _, _, _ = self.vjp(chunk_b, x0 + 0, consts)
         self.treedef, self.kinds, self.leaves_a = _split_residuals(vjp_a, known_a, jax.tree.leaves(vjp_b), probes_a)
         self.stash_ref = [leaf for leaf, kind in zip(self.leaves_a, self.kinds) if kind[0] == "stash"]
+
+    def call(self, params, x, tape, consts):
+        """chunk_fn on one chunk's parameters (and its constants, where the executor has any)."""
+        return self.chunk_fn(params, x, tape, consts) if self.has_consts else self.chunk_fn(params, x, tape)
 
     def zeros(self, ref):
         """Zeros shaped and typed as the pytree `ref` (through `like`)."""
@@ -100,31 +105,33 @@ class Chunk:
         weights, others = iter(weights), iter(others)
         return jax.tree.unflatten(self.param_def, [next(weights) if w else next(others) for w in self.is_matmul])
 
-    def known(self, params_r) -> list:
-        """What B takes from the live parameters rather than the stash: the chunk's parameters, and its weights as
+    def known(self, params_r, consts_r=None) -> list:
+        """What B takes from the live parameters rather than the stash: the chunk's parameters, its weights as
         the matmuls read them (`operand`, by each weight's role: cast once here, or every in-flight microbatch's
-        residuals would hold a compute-dtype copy of the chunk's weights)."""
+        residuals would hold a compute-dtype copy of the chunk's weights), and its constants."""
         weights = self.part(params_r, True)
-        return jax.tree.leaves(params_r) + [self.operand(w, role) for w, role in zip(weights, self.roles)]
+        return (jax.tree.leaves(params_r) + [self.operand(w, role) for w, role in zip(weights, self.roles)]
+                + jax.tree.leaves(consts_r))
 
-    def vjp(self, params_r, x):
-        """(y, vjp of (non-matmul params, x, probes), the groups' inputs, the chunk's statistics, known(params_r),
-        the probes' leaves)."""
-        leaves = self.known(params_r)
-        weights = leaves[len(self.is_matmul):]  # closed over: B derives no weight gradient, F keeps no input for one
+    def vjp(self, params_r, x, consts_r=None):
+        """(y, vjp of (non-matmul params, x, probes), the groups' inputs, the chunk's statistics,
+        known(params_r, consts_r), the probes' leaves). The constants are closed over: no gradient is derived."""
+        leaves = self.known(params_r, consts_r)
+        n = len(self.is_matmul)
+        weights = leaves[n:n + sum(self.is_matmul)]  # closed over: B derives no weight gradient, F keeps no input
 
         def record(others, x, probes):
             tape = Tape(RECORD, probes)
-            y, stats = self.chunk_fn(self.join(weights, others), x, tape)
+            y, stats = self.call(self.join(weights, others), x, tape, consts_r)
             return y, (tape.inputs, stats)
 
         probes = self.zeros(self.probe_ref)
         y, vjp_fn, (inputs, stats) = jax.vjp(record, self.part(params_r, False), x, probes, has_aux=True)
         return y, vjp_fn, inputs, stats, leaves, jax.tree.leaves(probes)
 
-    def forward(self, params_r, x):
+    def forward(self, params_r, x, consts_r=None):
         """F: (y, vjp, the groups' inputs, statistics, the stash: the closure's activations, typed as the refs)."""
-        y, vjp_fn, inputs, stats, known_f, probes_f = self.vjp(params_r, x)
+        y, vjp_fn, inputs, stats, known_f, probes_f = self.vjp(params_r, x, consts_r)
         _, kinds_f, leaves = _split_residuals(vjp_fn, known_f, self.leaves_a, probes_f)
         if [k[0] for k in kinds_f] != [k[0] for k in self.kinds]:
             raise AssertionError("the chunk's vjp closure changed shape between traces")
@@ -132,9 +139,9 @@ class Chunk:
                  if kind[0] == "stash"]
         return y, vjp_fn, inputs, stats, stash
 
-    def rebuild(self, params_r, stash):
-        """B: the vjp closure again, from the live parameters, fresh zero probes and a stash slot."""
-        plist = self.known(params_r)
+    def rebuild(self, params_r, stash, consts_r=None):
+        """B: the vjp closure again, from the live parameters (and constants), fresh zero probes and a stash slot."""
+        plist = self.known(params_r, consts_r)
         leaves = [plist[k[1]] if k[0] == "param" else k[1] if k[0] == "const" else
                   self.zeros(k[1]) if k[0] == "zero" else stash[k[1]] for k in self.kinds]
         return jax.tree.unflatten(self.treedef, leaves)
@@ -163,7 +170,7 @@ add_to_objective.defvjp(_add_fwd, _add_bwd)
 
 def execute(program: Program, chunk_fn: Callable, layers, rest, tokens: Array, targets: Array, embed_fn: Callable,
             head_loss_fn: Callable, *, axis: str = "pipe",
-            operand: Callable[[Array, str], Array] = lambda w, role: w):
+            operand: Callable[[Array, str], Array] = lambda w, role: w, constants=None):
     """Run a schedule's ticks on this stage. Call inside shard_map with `axis` bound.
 
     chunk_fn(chunk_params, x [mb, …], tape) → (y [mb, …], statistics): one chunk's k layers under `tape`
@@ -178,6 +185,9 @@ def execute(program: Program, chunk_fn: Callable, layers, rest, tokens: Array, t
     embed_fn(rest, tokens [mb, T]) → x [mb, …];  head_loss_fn(rest, y [mb, …], targets [mb, T]) → mean loss.
     operand(w, role): a matmul weight as the contraction of its role reads it (jaxpar.matmul: the role's policy's
     `Einsum.operand`; the role is the one the model named for the weight, which the tape records).
+    constants: None, or a pytree with leaves [v, …] like `layers` that the chunks read but are not differentiated
+    for (the layers' buffers: jaxpar.model.Buffer); chunk_fn then takes the chunk's as a fourth argument,
+    chunk_fn(chunk_params, x, tape, chunk_constants), and no gradient is computed or returned for them.
 
     Returns (loss, layer_grads, rest_grads, stats), this stage's share: loss = Σ_j loss_j / m over the microbatches
     whose last chunk it holds; the complete gradients of its chunks; the gradients of `rest` from the microbatches it
@@ -214,8 +224,9 @@ def execute(program: Program, chunk_fn: Callable, layers, rest, tokens: Array, t
         return vary(x, tuple(varying_axes(ref) | {axis}))
 
     x0 = embed_fn(rest, tokens[0])
+    consts_of = (lambda r: None) if constants is None else (lambda r: jax.tree.map(lambda a: a[r], constants))
     chunk = Chunk(chunk_fn, jax.tree.map(lambda a: a[0], layers), jax.tree.map(lambda a: a[0], layers), x0,
-                  operand, like)
+                  operand, like, consts_of(0))
     zeros = chunk.zeros
     chunk_a, stash_ref, tape_ref, dys_ref = chunk.params_ref, chunk.stash_ref, chunk.tape_ref, chunk.dys_ref
     stats_ref, y0 = chunk.stats_ref, chunk.y0
@@ -230,11 +241,11 @@ def execute(program: Program, chunk_fn: Callable, layers, rest, tokens: Array, t
         return (zeros(stash_ref), zeros(tape_ref), zeros(dys_ref), zeros(msg_ref), zeros(chunk_a), zeros(rest),
                 zeros(loss_ref), zeros(stats_ref))
 
-    def forward(g, params_r, inbox):
+    def forward(g, params_r, consts_r, inbox):
         j = g["micro"]
         x = jax.lax.cond(g["first"] == 1, lambda: like(embed_fn(rest, tokens[j]), msg_ref),
                          lambda: like(inbox[g["x_slot"]], msg_ref))
-        y, vjp_fn, inputs, stats, stash = chunk.forward(params_r, x)
+        y, vjp_fn, inputs, stats, stash = chunk.forward(params_r, x, consts_r)
 
         def head(y):
             loss, (d_rest, dy) = jax.value_and_grad(
@@ -249,10 +260,11 @@ def execute(program: Program, chunk_fn: Callable, layers, rest, tokens: Array, t
         return (stash, [like(a, r) for a, r in zip(jax.tree.leaves(inputs), tape_ref)], dys, msg, d_chunk, d_rest,
                 loss, jax.tree.map(like, stats, stats_ref))
 
-    def input_grads(g, params_r, inbox, stash_buf):
+    def input_grads(g, params_r, consts_r, inbox, stash_buf):
         """B: from the stash and the output gradient in the inbox."""
         stash, tape, _, _, d_chunk, _, loss, stats = nothing()
-        d_others, dx, d_probes = chunk.rebuild(params_r, [b[g["stash"]] for b in stash_buf])(inbox[g["x_slot"]])
+        d_others, dx, d_probes = chunk.rebuild(params_r, [b[g["stash"]] for b in stash_buf],
+                                               consts_r)(inbox[g["x_slot"]])
         dys = [like(d, r) for d, r in zip(jax.tree.leaves(d_probes), dys_ref)]
         d_chunk = jax.tree.map(like, chunk.join(chunk.part(d_chunk, True), d_others), chunk_a)
         j = g["micro"]
@@ -264,14 +276,14 @@ def execute(program: Program, chunk_fn: Callable, layers, rest, tokens: Array, t
         d_rest = jax.lax.cond(g["first"] == 1, embed_grad, lambda dx: zeros(rest), dx)
         return stash, tape, dys, like(dx, msg_ref), d_chunk, d_rest, loss, stats
 
-    def weight_grads(g, params_r, tape_buf, dys_buf):
+    def weight_grads(g, params_r, consts_r, tape_buf, dys_buf):
         """W: Σ xᵀ·dy over the chunk's matmuls, each group replayed on its stashed input."""
         stash, tape, dys, msg, d_chunk, d_rest, loss, stats = nothing()
         others = chunk.part(params_r, False)
 
         def replay(weights):
             tape = Tape(REPLAY, jax.tree.unflatten(chunk.tape_def, [b[g["tape"]] for b in tape_buf]))
-            chunk_fn(chunk.join(weights, others), zeros(msg_ref), tape)
+            chunk.call(chunk.join(weights, others), zeros(msg_ref), tape, consts_r)
             return tape.outputs
 
         _, vjp_w = jax.vjp(replay, chunk.part(params_r, True))
@@ -293,12 +305,12 @@ def execute(program: Program, chunk_fn: Callable, layers, rest, tokens: Array, t
             inbox = inbox.at[g["recv_down"]].set(down)
         if sends["up"]:
             inbox = inbox.at[g["recv_up"]].set(up)
-        params_r = jax.tree.map(lambda a: a[g["local"]], layers)
+        params_r, consts_r = jax.tree.map(lambda a: a[g["local"]], layers), consts_of(g["local"])
         branches = [  # in the order of the kinds: IDLE, DO_F, DO_B, DO_W (jaxpar.parallel.schedule)
             nothing,
-            lambda: forward(g, params_r, inbox),
-            lambda: input_grads(g, params_r, inbox, stash_buf),
-            lambda: weight_grads(g, params_r, tape_buf, dys_buf),
+            lambda: forward(g, params_r, consts_r, inbox),
+            lambda: input_grads(g, params_r, consts_r, inbox, stash_buf),
+            lambda: weight_grads(g, params_r, consts_r, tape_buf, dys_buf),
         ]
         stash, tape, dys, msg, d_chunk, d_rest, loss, stats = jax.lax.switch(
             g["kind"], [lambda _, b=b: b() for b in branches], None)

@@ -9,6 +9,11 @@ Routing (`route`, GShard/Switch with Mixtral's and Qwen2-MoE's top-k):
     gates g_j = p_j / Σ_j p_j  (norm_topk_prob)   or  p_j
     out(t) = Σ_j g_j · FFN_{e_j}(h_t)             (a dropped assignment contributes nothing)
 
+and DeepSeek's (`select`): scores s = softmax (V2) or σ(h·W_r) (V3, each expert on its own); the experts are chosen
+by s + b, b the layer's correction bias (model state, moved by the step: jaxpar.model.bias_update), among the
+topk_group best of n_group expert groups; the gates are the chosen experts' *unbiased* s (renormalised, + 1e-20 for
+sigmoid as V3 does), × routed_scale. The bias decides which experts, never how much of each.
+
 A *row* is the routing group. Capacity, the load-balancing loss and the z-loss are per sequence, so they do not
 depend on how rows are split over data, pipe, expert, microbatches or gradient accumulation — every layout computes
 the same numbers as one device. (GShard's groups, with one sequence per group.) Under sequence parallelism a rank
@@ -19,8 +24,9 @@ assignments after those of the shards before it, so the routing is still the who
   choices before second ones and, within a choice, earlier tokens first (GShard's priority). Dropped assignments
   per row = Σ_e max(0, load_e − C). cf = 0 is dropless: every assignment is computed.
 - Load balancing (Switch): L_aux = X · Σ_e f_e · P_e per row, f_e = load_e / (T·k) the share of the row's
-  assignments expert e receives, P_e the mean router probability of e. Balanced routing gives 1 (Hugging Face's
-  `load_balancing_loss_func` reports k times this: its f counts tokens, not assignments).
+  assignments expert e receives, P_e the mean router probability of e (sigmoid scores: the mean of σ_e / Σ_x σ_x,
+  DeepSeek-V3's sequence-wise balance loss, which is this one up to its coefficient). Balanced routing gives 1
+  (Hugging Face's `load_balancing_loss_func` reports k times this: its f counts tokens, not assignments).
 - z-loss (ST-MoE): mean over the row's tokens of logsumexp(router logits)².
 Both enter the objective as coef × their mean over rows and MoE layers (jaxpar.model.moe_objective): each layer
 returns its sums beside the activations, the layer scan and the circular pipeline (bubble ticks masked out) add
@@ -103,20 +109,42 @@ def capacity(seq_len: int, top_k: int, n_experts: int, capacity_factor: float) -
     return math.ceil(capacity_factor * seq_len * top_k / n_experts) if capacity_factor > 0 else 0
 
 
-def route(logits: Array, top_k: int, norm_topk_prob: bool, capacity_factor: float, seq_axis: str | None = None
-          ) -> Routing:
-    """Routing from router logits [B, T, X] (float32): softmax over all experts, top-k, capacity, loss terms.
+def route(logits: Array, top_k: int, norm_topk_prob: bool, capacity_factor: float, seq_axis: str | None = None,
+          *, scoring: str = "softmax", n_group: int = 1, topk_group: int = 1, routed_scale: float = 1.0,
+          bias: Array | None = None) -> Routing:
+    """Routing from router logits [B, T, X] (float32): scores, top-k (group-limited, biased), capacity, loss terms.
 
     seq_axis: under sequence parallelism each rank holds T = S/t tokens of every row, shard r the r-th; the row's
     statistics (load, P, the z-loss, the queue places of capacity) are then sums over the ranks of `seq_axis`, and
-    come out the same on all of them."""
+    come out the same on all of them.
+
+    DeepSeek's routing (moe.scoring, n_group, topk_group, routed_scale, correction_bias; see `select`): scoring
+    'sigmoid' scores each expert σ(logit) on its own (V3); bias [X] float32 (the layer's e_score_correction_bias, a
+    constant) shifts the scores the experts are *chosen* by, never the gates; n_group > 1 limits a token to its
+    topk_group best groups of X/n_group experts. The gates are the chosen experts' unbiased scores (renormalised with
+    norm_topk_prob), × routed_scale."""
     B, T, X = logits.shape
     ranks = jax.lax.axis_size(seq_axis) if seq_axis else 1
     S = T * ranks  # the row's tokens
     total = (lambda x: jax.lax.psum(x, seq_axis)) if seq_axis else (lambda x: x)
-    probs = jax.nn.softmax(logits, axis=-1)  # [B, T, X]
-    top_p, experts = jax.lax.top_k(probs, top_k)  # [B, T, k]
-    gates = top_p / top_p.sum(-1, keepdims=True) if norm_topk_prob else top_p
+    if scoring == "softmax":
+        probs = jax.nn.softmax(logits, axis=-1)  # [B, T, X]
+    elif scoring == "sigmoid":
+        probs = jax.nn.sigmoid(logits)
+    else:
+        raise ValueError(f"unknown router scoring {scoring!r}")
+    if bias is None and n_group == 1:  # Mixtral's and Qwen2-MoE's routing, as before (the same ops, bit for bit)
+        top_p, experts = jax.lax.top_k(probs, top_k)  # [B, T, k]
+    else:
+        experts = select(probs, top_k, scoring, n_group, topk_group, bias)
+        top_p = jnp.take_along_axis(probs, experts, axis=-1)  # the unbiased scores: the bias picks, never weighs
+    if norm_topk_prob:
+        # V3 adds 1e-20 to the sum (sigmoid scores, whose sum is not 1); the softmax path keeps Mixtral's division
+        gates = top_p / (top_p.sum(-1, keepdims=True) + (1e-20 if scoring == "sigmoid" else 0.0))
+    else:
+        gates = top_p
+    if routed_scale != 1.0:
+        gates = gates * routed_scale
     chosen = jax.nn.one_hot(experts, X, dtype=jnp.int32)  # [B, T, k, X]
     counts = chosen.sum(1)  # [B, k, X]: this shard's assignments per choice and expert
     load = total(counts.sum(1))  # [B, X]
@@ -137,10 +165,41 @@ def route(logits: Array, top_k: int, norm_topk_prob: bool, capacity_factor: floa
     else:
         keep = jnp.ones(experts.shape, bool)
     f = load / (S * top_k)  # [B, X]: the share of the row's assignments
-    P = total(probs.sum(1)) / S  # [B, X]
+    # P_e: the mean over the row's tokens of e's share of the token's scores — the softmax probability itself, or
+    # for sigmoid scores σ_e / Σ_x σ_x (V3's sequence-wise balance loss normalises them so; balanced routing still
+    # gives 1). Unbiased: the loss measures the router, the bias is outside the gradient.
+    shares = probs if scoring == "softmax" else probs / probs.sum(-1, keepdims=True)
+    P = total(shares.sum(1)) / S  # [B, X]
     aux = X * (jax.lax.stop_gradient(f) * P).sum()  # f is counts: no gradient (Switch)
     z = total((jax.nn.logsumexp(logits, axis=-1) ** 2).sum(1)).sum() / S
     return Routing(experts.astype(jnp.int32), gates, keep, load, aux, z, total((~keep).sum()))
+
+
+def select(scores: Array, top_k: int, scoring: str, n_group: int, topk_group: int, bias: Array | None) -> Array:
+    """The k experts each token is sent to, best first: scores [B, T, X] float32 → int32 [B, T, k].
+
+        s' = scores + bias                      (selection scores; bias None: the scores)
+        group g's score = max_{e ∈ g} s'_e      (softmax: DeepSeek-V2's group_limited_greedy)
+                        = Σ top-2_{e ∈ g} s'_e  (sigmoid: DeepSeek-V3's noaux_tc)
+        keep the topk_group best groups (n_group > 1), s'_e = −inf outside them, top-k of s'.
+
+    Masked experts get −inf, so no expert outside the kept groups can be chosen whatever its biased score. Hugging
+    Face's DeepSeek-V2 fills 0.0 instead (its softmax scores are > 0, so the same experts win); with a correction
+    bias a kept expert's s' may be < 0, and a 0 would then outrank it — an expert of a dropped group chosen. The
+    two agree whenever the k-th kept expert's s' ≥ 0 (always without a bias); transformers' DeepSeek-V3 masks with
+    −inf, as here. Selection only: no gradient flows through it (the gates gather the unbiased scores)."""
+    B, T, X = scores.shape
+    chosen_by = jax.lax.stop_gradient(scores if bias is None else scores + bias.astype(jnp.float32))
+    if n_group > 1:
+        grouped = chosen_by.reshape(B, T, n_group, X // n_group)
+        if scoring == "sigmoid":
+            group_scores = jax.lax.top_k(grouped, 2)[0].sum(-1)  # [B, T, G]
+        else:
+            group_scores = grouped.max(-1)
+        _, groups = jax.lax.top_k(group_scores, topk_group)  # [B, T, topk_group]
+        kept = jax.nn.one_hot(groups, n_group, dtype=jnp.bool_).any(-2)  # [B, T, G]
+        chosen_by = jnp.where(jnp.repeat(kept, X // n_group, axis=-1), chosen_by, -jnp.inf)
+    return jax.lax.top_k(chosen_by, top_k)[1].astype(jnp.int32)
 
 
 # ---------------------------------------------------------------------------------------------------------------------

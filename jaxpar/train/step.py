@@ -31,8 +31,8 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh, PartitionSpec as P
 
-from jaxpar.model import (attention_mask, buffers_of, default_positions, merge_state, moe_objective, run_layers,
-                          stats_total, trainable)
+from jaxpar.model import (attention_mask, buffers_of, default_positions, forward_buffers, merge_state, moe_objective,
+                          run_layers, stats_total, trainable)
 from jaxpar.parallel import circular, executor, schedule as tables
 from jaxpar.parallel.axes import DATA, EXPERT, PIPE
 from jaxpar.parallel.pipeline import Pipeline
@@ -139,12 +139,18 @@ def scheduled_loss_and_grads(graphdef: nnx.GraphDef, params: nnx.State, batch: j
     cfg = nnx.merge(graphdef, params).cfg
     stack_names = tuple(cfg.layer_stacks)
     blocks, rest = nnx.split_state(params, nnx.Any(*map(nnx.PathContains, stack_names)), ...)  # the layers | rest
+    # The layers' weights (differentiated) | their buffers: constants of the executor, which computes no gradient
+    # for them (zeros stand in for theirs below, where the state's tree wants one)
+    weights, buffers = trainable(blocks), buffers_of(blocks)
     # [v·k, …] in storage order → [v, k, …]: chunk r of this stage is row r (pipeline_order), in every stack
-    layers = jax.tree.map(lambda a: a.reshape(v, a.shape[0] // v, *a.shape[1:]), blocks)
+    per_chunk = lambda tree: jax.tree.map(lambda a: a.reshape(v, a.shape[0] // v, *a.shape[1:]), tree)  # noqa: E731
+    layers, constants = per_chunk(weights), per_chunk(buffers)
 
-    def chunk_fn(chunk: nnx.State, x: jax.Array, tape):
-        stacked = {stack: {name: var[...] for name, var in chunk[stack].items() if isinstance(var, nnx.Param)}
-                   for stack in stack_names}  # the layers' weights (their buffers are not inputs of the forward)
+    def chunk_fn(chunk: nnx.State, x: jax.Array, tape, consts: nnx.State):
+        # the layers' weights, and the buffers their forward reads (the routing's correction bias) as constants
+        stacked = {stack: {**{name: var[...] for name, var in chunk[stack].items() if isinstance(var, nnx.Param)},
+                           **forward_buffers(dict(consts[stack].items()) if stack in consts else {}, cfg)}
+                   for stack in stack_names}
         y, stats = run_layers(stacked, x, positions, mask, cfg, remat=remat, par=par.with_tape(tape), stats=True)
         # F of an MoE chunk (a tape's MEASURE and REPLAY report no statistics: `Tape.scan`): its layers' aux losses
         # over this microbatch join the objective like its loss
@@ -160,9 +166,10 @@ def scheduled_loss_and_grads(graphdef: nnx.GraphDef, params: nnx.State, batch: j
 
     loss, layer_grads, rest_grads, stats = executor.execute(
         pipe.program, chunk_fn, layers, rest, tokens.reshape(m, mb, T), targets.reshape(m, mb, T), embed_fn,
-        head_loss_fn, axis=PIPE, operand=lambda w, role: par.policy(role).operand(w, cfg.dtype))
+        head_loss_fn, axis=PIPE, operand=lambda w, role: par.policy(role).operand(w, cfg.dtype), constants=constants)
     block_grads = jax.tree.map(lambda a: a.reshape(a.shape[0] * a.shape[1], *a.shape[2:]), layer_grads)
-    return loss, merge_state(rest_grads, block_grads), in_model_order(stats, pipe)
+    no_grads = jax.tree.map(jnp.zeros_like, buffers)  # the buffers' places in the gradients' tree (dropped: trainable)
+    return loss, merge_state(rest_grads, block_grads, no_grads), in_model_order(stats, pipe)
 
 
 def loss_and_grads(graphdef: nnx.GraphDef, *, grad_accum: int = 1, remat: str = "none",
@@ -347,7 +354,7 @@ def make_train_step(grads_of: Callable[[nnx.State, jax.Array], tuple[jax.Array, 
                                          (state.params, state.opt_state))
         metrics = {"loss": loss, "grad_norm": grad_norm, "skipped": 1 - ok.astype(jnp.int32)}
         if sums and sums[0]:
-            metrics.update(moe_metrics(stats_total(sums[0]), batch.shape[0], moe_layers))
+            metrics.update(moe_metrics(stats_total(sums[0]), batch.shape[0], moe_layers, sums[0]["load"]))
         if schedule is not None:
             metrics["lr"] = schedule(state.step)
         return TrainState(step=state.step + 1, params=params, opt_state=opt_state), metrics
@@ -355,13 +362,19 @@ def make_train_step(grads_of: Callable[[nnx.State, jax.Array], tuple[jax.Array, 
     return step
 
 
-def moe_metrics(sums: dict[str, jax.Array], rows: int, layers: int) -> Metrics:
+def moe_metrics(sums: dict[str, jax.Array], rows: int, layers: int, layer_load: jax.Array | None = None) -> Metrics:
     """The step's MoE statistics (summed over its `rows` rows and its `layers` MoE layers) as metrics: per-expert
     load (assignments, all layers), its imbalance max/mean (1 is balanced), the share of assignments dropped, and the
-    load-balancing and z-losses as means over rows and layers (the aux loss is 1 when balanced)."""
+    load-balancing and z-losses as means over rows and layers (the aux loss is 1 when balanced). With the loads per
+    layer (`layer_load` [L_moe, X]), `moe_max_over_mean_load`: the worst layer's max/mean expert load (the layers'
+    imbalances do not cancel in it, as they can in the sum over layers)."""
     load = sums["load"].astype(jnp.float32)
-    return {"moe_load": load, "moe_imbalance": load.max() / load.mean(), "moe_dropped": sums["dropped"] / load.sum(),
-            "moe_aux_loss": sums["aux"] / (rows * layers), "moe_z_loss": sums["z"] / (rows * layers)}
+    out = {"moe_load": load, "moe_imbalance": load.max() / load.mean(), "moe_dropped": sums["dropped"] / load.sum(),
+           "moe_aux_loss": sums["aux"] / (rows * layers), "moe_z_loss": sums["z"] / (rows * layers)}
+    if layer_load is not None:
+        per_layer = layer_load.astype(jnp.float32)
+        out["moe_max_over_mean_load"] = (per_layer.max(-1) / per_layer.mean(-1)).max()
+    return out
 
 
 def make_eval_step(graphdef: nnx.GraphDef, plan: Plan, *, param_specs: nnx.State | None = None
