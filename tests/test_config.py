@@ -20,7 +20,7 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 TINY = str(ROOT / "configs" / "tiny.py")
 PRESETS = sorted(ROOT.glob("configs/*.py")) + sorted(ROOT.glob("recipes/*.yaml"))
 # A device count each preset is meant for; presets not listed get 8 (one host, or the simulated CPU devices).
-DEVICES = {"llama_8b": 64, "mixtral_8x7b": 64, "qwen2_moe_57b": 128}
+DEVICES = {"llama_8b": 64, "mixtral_8x7b": 64, "qwen2_moe_57b": 128, "deepseek_v3": 256}
 
 
 def _tiny(**sections) -> dict:
