@@ -193,11 +193,13 @@ def test_the_update_rule_on_hand_made_loads():
 
 
 # ---------------------------------------------------------------------------------------------------------------------
-# The model: a llama MoE with DeepSeek-V3 routing (8 experts in 4 groups, 2 groups a token, top 2, sigmoid, bias).
+# The model: a whole DeepSeek-V3-style model — latent attention (a query latent, odd sizes) and DeepSeek-V3 routing
+# (8 experts in 4 groups, 2 groups a token, top 2, sigmoid, a non-zero bias) with a shared expert.
 
-ROUTING = dict(n_experts=8, top_k=2, d_ff=10, scoring="sigmoid", n_group=4, topk_group=2, routed_scale=2.5,
-               correction_bias=True, aux_loss_coef=0.1)
-MODEL = dict(d_model=24, n_heads=4, n_kv_heads=2, n_layers=4, vocab_size=64)
+ROUTING = dict(n_experts=8, top_k=2, d_ff=10, shared_d_ff=10, scoring="sigmoid", n_group=4, topk_group=2,
+               routed_scale=2.5, correction_bias=True, aux_loss_coef=0.1)
+MODEL = dict(family="deepseek", d_model=24, n_heads=4, n_layers=4, vocab_size=64, q_lora_rank=10, kv_lora_rank=7,
+             qk_rope_head_dim=4, qk_nope_head_dim=6, v_head_dim=5, rope_interleave=True)
 PARITY_LAYOUTS = {  # name: ParallelConfig fields (data fills the 8 devices)
     "(data, expert, tensor) = (2, 2, 2) SP, 2 micro-steps": dict(expert=2, tensor=2, sequence_parallel=True),
     "(data, pipe, expert, tensor) = (1, 2, 2, 2) circular": dict(pipe=2, expert=2, tensor=2, microbatches=4,
@@ -226,7 +228,8 @@ def reference():
 
 @pytest.mark.parametrize("layout", list(PARITY_LAYOUTS))
 def test_model_with_a_bias_matches_one_device(reference, layout):
-    """With a non-zero bias (it changes which experts): the loss and every weight's gradient equal one device's
+    """The whole DeepSeek model (latent attention, a shared expert, V3 routing) with a non-zero bias (it changes
+    which experts): the loss and every weight's gradient — the replicated latent projections' included — equal one device's
     (fp32 rtol 1e-5), the step's per-layer loads — what the bias update reads — equal exactly (summed over data,
     expert, the pipeline's microbatches, gradient accumulation's micro-steps and SP's tensor shards), and no gradient
     reaches the bias. (Context parallelism is refused for MoE models by the config.)"""
