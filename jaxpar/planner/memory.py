@@ -460,8 +460,9 @@ def residuals(model: ModelConfig, seq: int, remat: str, moe_layer: bool) -> Resi
     step's arguments (resident) or of no argument at all (constants) are left out: what then lives in the scan's
     body is a layer's, the rest outside."""
     moe = model.moe
-    kind = (dataclasses.replace(moe, sparse_step=1, dense_layers=()) if moe_layer else
-            dataclasses.replace(moe, n_experts=0, sparse_step=1, dense_layers=()))
+    # The dense kind is a fresh MoEConfig (n_experts 0): no MoE field shapes a dense layer, and the routing fields
+    # (sigmoid scoring, groups, correction bias) are refused without experts.
+    kind = dataclasses.replace(moe, sparse_step=1, dense_layers=()) if moe_layer else type(moe)()
     cfg = dataclasses.replace(model, n_layers=2, moe=kind, scan_unroll=1)  # one layer per scan trip
     graphdef, params = abstract_model(cfg)
     leaves, tree = jax.tree.flatten(params)
