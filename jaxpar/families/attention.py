@@ -14,6 +14,8 @@ Like the family files, this module imports no jax (the config validates against 
 
 from __future__ import annotations
 
+import math
+
 from jaxpar.errors import ConfigError, check_divides, divisors
 from jaxpar.families.base import AttentionKind, CacheArray, Param
 
@@ -69,10 +71,19 @@ def _gqa_traffic(cfg, tensor: int, sequence: bool) -> tuple[float, float]:
     return (5 if sequence else 4) * cfg.d_model, 2 * _gqa_heads(cfg, tensor) * cfg.head_dim
 
 
+def _gqa_matmuls(cfg, tensor: int, seq: int) -> list[tuple[float, float]]:
+    """q [D → H/t·E] and o [H/t·E → D]; k and v [D → K/t·E] (at least one head); per local head the scores
+    [s, E] @ [E, s] and their product with V [s, s] @ [s, E] — 2·E·s FLOPs a token each."""
+    D, E, a, kv = cfg.d_model, cfg.head_dim, max(cfg.n_heads // tensor, 1), max(cfg.n_kv_heads // tensor, 1)
+    return ([(2 * D * a * E, math.sqrt(D * a * E))] * 2 + [(2 * D * kv * E, math.sqrt(D * kv * E))] * 2
+            + [(2 * E * seq * a, math.sqrt(E * seq))] * 2)
+
+
 # Grouped-query attention (multi-head when K = H): query head n reads kv head n // (H/K); the cache holds every
 # layer's keys and values per slot, kv heads split over tensor.
 GQA = AttentionKind("gqa", params=_gqa_params, cache=_gqa_cache, check=_gqa_check, shared=_gqa_shared,
-                    flops=_gqa_flops, local=_gqa_local, traffic=_gqa_traffic, shared_axes=("kv_heads",))
+                    flops=_gqa_flops, local=_gqa_local, traffic=_gqa_traffic, matmuls=_gqa_matmuls,
+                    shared_axes=("kv_heads",))
 
 
 
@@ -154,10 +165,25 @@ def _mla_traffic(cfg, tensor: int, sequence: bool) -> tuple[float, float]:
     return halves, 2 * cfg.n_heads // tensor * max(cfg.head_dim, cfg.v_head_dim)
 
 
+def _mla_matmuls(cfg, tensor: int, seq: int) -> list[tuple[float, float]]:
+    """Training's expanded form on one rank, a = H/t local heads: the query path [D → rq] (replicated) and
+    [rq → a·Eqk], or [D → a·Eqk] directly; the latent and rope key [D → r + R] (replicated); the latent's
+    up-projection [r → a·(N + Ev)]; o [a·Ev → D]; per local head the scores [s, Eqk] @ [Eqk, s] and the context
+    [s, s] @ [s, Ev]. The FLOPs sum to `_mla_flops` with keys = seq."""
+    D, a = cfg.d_model, max(cfg.n_heads // tensor, 1)
+    r, rq, R, N, Ev = cfg.kv_lora_rank, cfg.q_lora_rank, cfg.qk_rope_head_dim, cfg.qk_nope_head_dim, cfg.v_head_dim
+    Eqk = N + R
+    out = ([(2 * D * rq, math.sqrt(D * rq)), (2 * rq * a * Eqk, math.sqrt(rq * a * Eqk))] if rq
+           else [(2 * D * a * Eqk, math.sqrt(D * a * Eqk))])
+    out += [(2 * D * (r + R), math.sqrt(D * (r + R))), (2 * r * a * (N + Ev), math.sqrt(r * a * (N + Ev))),
+            (2 * a * Ev * D, math.sqrt(a * Ev * D))]
+    return out + [(2 * Eqk * seq * a, math.sqrt(Eqk * seq)), (2 * Ev * seq * a, math.sqrt(seq * Ev))]
+
+
 # Multi-head latent attention: the latent projections replicated, heads split over tensor; the cache holds each
 # token's normalised latent and rotated rope key, whole on every tensor rank.
 MLA = AttentionKind("mla", params=_mla_params, cache=_mla_cache, check=_mla_check, shared=lambda cfg, tensor: 1,
-                    flops=_mla_flops, local=_mla_local, traffic=_mla_traffic)
+                    flops=_mla_flops, local=_mla_local, traffic=_mla_traffic, matmuls=_mla_matmuls)
 
 ATTENTION_KINDS: dict[str, AttentionKind] = {GQA.name: GQA, MLA.name: MLA}
 

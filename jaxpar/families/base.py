@@ -108,6 +108,10 @@ class AttentionKind:
         all-gather or reduce-scatter of one value a token is one, an all-reduce two; `sequence`: under SP), and
         the key + value elements a rank's attention gathers over `context` per token — what
         `jaxpar.planner.expected` predicts the compiled program's bytes from.
+    matmuls(cfg, tensor, seq) → the layer's attention matmuls as one rank of `tensor` runs them in training over
+        sequences of `seq` tokens, each (FLOPs per token, square-equivalent width √(K·N)): the projections, then the
+        core's per-head scores and their product with the values (`jaxpar.planner.cost.layer_matmuls` rates each
+        at its width; the backward's have the same K·N).
     """
 
     name: str
@@ -118,6 +122,7 @@ class AttentionKind:
     flops: Callable[[object, float, int], tuple[float, float]]
     local: Callable[[object, int], dict[str, int]]
     traffic: Callable[[object, int, bool], tuple[float, float]]
+    matmuls: Callable[[object, int, int], list[tuple[float, float]]]
     shared_axes: tuple[str, ...] = ()
 
 

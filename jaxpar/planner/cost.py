@@ -40,6 +40,7 @@ import math
 
 from jaxpar.config import Config
 from jaxpar import flops
+from jaxpar.families import attention_kind
 from jaxpar.parallel import pipeline, schedule
 from jaxpar.parallel.axes import AXES, DATA, EXPERT, TENSOR
 from jaxpar.plan import padded_vocab
@@ -152,13 +153,13 @@ def _kind(config: Config, axis: str) -> str:
 
 def layer_matmuls(config: Config) -> list[tuple[float, float]]:
     """One layer's matmuls as a tensor rank runs them: (FLOPs per token, square-equivalent width √(K·N)) each — the
-    projections q [h → a/t·E], k and v [h → K/t·E], o [a/t·E → h], the MLP's [h → F/t] (two under SwiGLU) and
-    [F/t → h] (an MoE layer's top_k experts' instead, and its shared expert's), and the attention core's per-head
-    [s, E] @ [E, s] and [s, s] @ [s, E]. The backward's matmuls have the same K·N."""
+    attention kind's (`AttentionKind.matmuls`: GQA's q [h → a/t·E], k and v [h → K/t·E], o [a/t·E → h] and the
+    core's per-head [s, E] @ [E, s] and [s, s] @ [s, E]; MLA's latent down- and up-projections and its core), then
+    the MLP's [h → F/t] (two under SwiGLU) and [F/t → h] (an MoE layer's top_k experts' instead, and its shared
+    expert's). The backward's matmuls have the same K·N."""
     m, t, s = config.model, config.parallel.tensor, config.train.seq_len
-    h, E, a, kv = m.d_model, m.head_dim, max(m.n_heads // t, 1), max(m.n_kv_heads // t, 1)
-    out = [(2 * h * a * E, math.sqrt(h * a * E))] * 2 + [(2 * h * kv * E, math.sqrt(h * kv * E))] * 2
-    out += [(2 * E * s * a, math.sqrt(E * s))] * 2
+    h = m.d_model
+    out = list(attention_kind(m).matmuls(m, t, s))
     glu = 3 if m.family != "gpt2" else 2
 
     def mlp(width: int, copies: float):

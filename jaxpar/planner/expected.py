@@ -96,7 +96,7 @@ def tensor_bytes(config: Config, padded_vocab: int) -> dict[str, float]:
     }
     # All-reduced parameter gradients (float32): per layer application (inside the loops), and once per chunk.
     per_exec, per_chunk = 0.0, 0.0
-    if d["K"] < t:
+    if attention_kind(config.model).shared(config.model, t) > 1:  # GQA's kv heads replicated over ranks (K < t)
         per_exec += 2 * d["h"] * d["K"] * d["E"] * 4
     if d["sp"]:  # the tensor-replicated parameters applied to sequence shards (norms, biases, gpt2's positions)
         per_layer, outside = tensor_replicated_floats(config.model)

@@ -460,8 +460,9 @@ def residuals(model: ModelConfig, seq: int, remat: str, moe_layer: bool) -> Resi
     step's arguments (resident) or of no argument at all (constants) are left out: what then lives in the scan's
     body is a layer's, the rest outside."""
     moe = model.moe
-    kind = (dataclasses.replace(moe, sparse_step=1, dense_layers=()) if moe_layer else
-            dataclasses.replace(moe, n_experts=0, sparse_step=1, dense_layers=()))
+    # The dense kind is a fresh MoEConfig (n_experts 0): no MoE field shapes a dense layer, and the routing fields
+    # (sigmoid scoring, groups, correction bias) are refused without experts.
+    kind = dataclasses.replace(moe, sparse_step=1, dense_layers=()) if moe_layer else type(moe)()
     cfg = dataclasses.replace(model, n_layers=2, moe=kind, scan_unroll=1)  # one layer per scan trip
     graphdef, params = abstract_model(cfg)
     leaves, tree = jax.tree.flatten(params)
@@ -774,9 +775,12 @@ def activation_bytes(config: Config, backend: str = "gpu") -> dict[str, float]:
     else:
         none = 0.0 if p.remat == "none" and not trips else layer_rows * max(recomputed(k) for k in set(kinds))
         if fix.dense_experts and any(kinds):
-            # A dense `ragged_dot`'s input side: the backward's working set where it is larger than the layer's
-            # activations (which it reuses).
-            none = max(none, _dense_experts(config, layer_rows, s, routed, fix)[0])
+            # A dense `ragged_dot`'s backward derives both the inputs' and the weights' gradients, so it holds the
+            # larger of its two sides (a table splits them over B and W: `_table_branch`) where that is larger than
+            # the layer's activations (which it reuses). Wide experts (Mixtral: F/t ≫ h/2) are input-bound;
+            # fine-grained ones (DeepSeek-V3: F/t = 256 against h = 7168) weight-bound — deepseek_v3 on 256
+            # simulated devices holds 3.3 [X/ep, M, h] float32 in its backward layer loop (bench/RESULTS.md).
+            none = max(none, *_dense_experts(config, layer_rows, s, routed, fix))
     return {"layers": saved, "outside": outside, "loop": loop, "working_set": none}
 
 
