@@ -595,7 +595,7 @@ class Transformer(nnx.Module):
         return jnp.stack(out)
 
     def decode(self, tokens: Array, cache: KVCache, par: Parallel = SINGLE_DEVICE, *, positions: Array | None = None,
-               counts: Array | None = None) -> tuple[Array, KVCache]:
+               counts: Array | None = None, hidden: bool = False) -> tuple[Array, KVCache]:
         """Run the next T tokens of every row against `cache` (prefill: the right-padded prompts; decode: T = 1).
 
         Row b's tokens int [B, T] sit at positions[b] … positions[b]+T-1 (default `cache.lengths`: after what the
@@ -605,7 +605,8 @@ class Transformer(nnx.Module):
         slots are overwritten by the tokens that follow. Needs positions[b] + T ≤ S.
 
         Returns float32 logits [B, T, V] (V_local: this rank's vocab shard under tensor parallelism, `par`, whose
-        cache holds its local kv heads) and the cache with the new keys and values written. Each step's matmuls
+        cache holds its local kv heads) and the cache with the new keys and values written — with `hidden`, then
+        the last hidden states [B, T(/t), D] float32 before the final norm (`MTP`'s h⁰). Each step's matmuls
         cost O(T), independent of how full the cache is; attention reads the whole cache, masked.
         """
         T, S = tokens.shape[1], jax.tree.leaves(cache.arrays)[0].shape[2]
@@ -618,6 +619,8 @@ class Transformer(nnx.Module):
         x = self.embed_tokens(tokens, pos, par)
         x, arrays = run_layers(self.stacks(), x, pos, mask[:, None], self.cfg, par=par, cache=cache.arrays)
         lengths = start + (T if counts is None else jnp.asarray(counts, jnp.int32))
+        if hidden:  # the last hidden states too (before the final norm): what the MTP modules read
+            return self.logits(x, par), KVCache(arrays, lengths), x
         return self.logits(x, par), KVCache(arrays, lengths)
 
     def stacks(self) -> Stacks:

@@ -18,7 +18,7 @@ from flax import nnx
 
 from _parity import assert_grads_match, lay_out
 from jaxpar.config import Config, ConfigError, ModelConfig, MoEConfig, ParallelConfig, TrainConfig
-from jaxpar.model import Transformer, default_positions, mtp_targets, run_layers
+from jaxpar.model import Transformer, default_positions, mtp_targets, run_layers, trainable
 from jaxpar.plan import make_plan
 from jaxpar.sharding import param_specs
 from jaxpar.train.step import loss_and_grads, mtp_loss, next_token_loss, sharded_loss_and_grads
@@ -181,20 +181,20 @@ def _grads(cfg, params, batch, parallel=None):
     if parallel is None:
         graphdef = nnx.graphdef(Transformer(cfg, rngs=nnx.Rngs(0)))
         loss, grads, sums = jax.jit(loss_and_grads(graphdef, stats=True, mtp_weight=LAMBDA))(params, batch)
-        return loss, grads, sums
+        return loss, trainable(grads), sums
     plan = make_plan(cfg, parallel, jax.devices())
     graphdef, laid_out = lay_out(cfg, params, plan)
     specs = param_specs(laid_out, plan.rules, plan.param_zero_data)
     fn = sharded_loss_and_grads(graphdef, plan, param_specs=specs, stats=True, mtp_weight=LAMBDA)
     loss, grads, sums = jax.jit(fn)(laid_out, jax.device_put(batch, plan.batch_sharding))
-    return loss, plan.to_canonical(grads), sums
+    return loss, trainable(plan.to_canonical(grads)), sums
 
 
 def test_step_layouts_equal_one_device():
     """The whole step with an MoE MTP module at (data 2, tensor 2, SP) and (data 2, expert 2, tensor 2)."""
     cfg = ModelConfig(**DEEPSEEK)
     batch = _batch(cfg, 8, 12)
-    params = nnx.split(Transformer(cfg, rngs=nnx.Rngs(0)), nnx.Param)[1]
+    params = nnx.split(Transformer(cfg, rngs=nnx.Rngs(0)))[1]  # weights and buffers (the correction bias)
     want_loss, want_grads, want_sums = _grads(cfg, params, batch)
     assert np.abs(np.asarray(want_grads["mtp"]["blocks"]["we_up"][...])).max() > 0  # the MTP experts train
     for layout in (dict(data=4, tensor=2, sequence_parallel=True), dict(data=2, expert=2, tensor=2)):
