@@ -216,3 +216,87 @@ def test_refusals(build, field):
     with pytest.raises(ConfigError) as err:
         build()
     assert err.value.field == field
+
+
+# -----------------------------------------------------------------------------------------------------------------
+# self-speculative decoding
+
+
+@pytest.mark.parametrize("fields", [dict(LLAMA, mtp_depth=3),
+                                    dict(DEEPSEEK, mtp_depth=2, moe=MoEConfig(n_experts=4, top_k=2, d_ff=8,
+                                                                              dense_layers=(0,), capacity_factor=0.0))],
+                         ids=["llama-D3", "deepseek-moe-D2"])
+def test_speculative_equals_greedy(fields):
+    from jaxpar.infer.decode import generate
+    from jaxpar.infer.speculative import speculative_generate
+
+    cfg = ModelConfig(**dict(fields, max_seq_len=64))
+    model = Transformer(cfg, rngs=nnx.Rngs(2))
+    prompts = [[5, 9, 2, 7, 1], [3, 3, 8], [11, 4, 6, 2, 9, 10, 1]]  # ragged: rows accept at their own pace
+    want = generate(model, prompts, max_new_tokens=17, return_prompt=False)
+    got, info = speculative_generate(model, prompts, max_new_tokens=17)
+    np.testing.assert_array_equal(got, want)
+    assert 0.0 <= info["acceptance"] <= 1.0 and info["rounds"] <= 16  # (on a trained model: the report's figure)
+
+
+def test_speculative_accepts_a_right_draft():
+    """Zero output norms make every logit 0, so the main model and the draft both pick token 0: every draft is
+    accepted (D + 1 tokens a main-model step), and the tokens still equal greedy decoding's."""
+    from jaxpar.infer.decode import generate
+    from jaxpar.infer.speculative import speculative_generate
+
+    cfg = ModelConfig(**dict(LLAMA, mtp_depth=3, max_seq_len=64))
+    model = Transformer(cfg, rngs=nnx.Rngs(2))
+    model.final_norm[...] = jnp.zeros_like(model.final_norm[...])
+    model.mtp.head_norm[...] = jnp.zeros_like(model.mtp.head_norm[...])
+    prompts = [[5, 9, 2, 7, 1], [3, 3, 8]]
+    got, info = speculative_generate(model, prompts, max_new_tokens=17)
+    np.testing.assert_array_equal(got, generate(model, prompts, max_new_tokens=17, return_prompt=False))
+    assert info["acceptance"] == 1.0 and info["rounds"] == 4  # 1 + 4·4 = 17 tokens
+
+
+# -----------------------------------------------------------------------------------------------------------------
+# Hugging Face: the MTP layer (model.layers.{num_hidden_layers + k}.*) imported and exported bit for bit
+
+
+def test_hf_mtp_layer_round_trip(tmp_path):
+    """A copy of the DeepSeek-V3 fixture (3 layers, layer 0 dense) with an MTP module written in as layer 3 (an MoE
+    layer: layer 2's tensors under its name, plus enorm, hnorm, eh_proj, shared_head.norm and the copies of the
+    embedding and head) imports with mtp_depth 1 and exports every tensor bit for bit."""
+    import json
+    import pathlib
+    import shutil
+
+    from safetensors.numpy import load_file, save_file
+
+    from jaxpar.cli import main
+    from jaxpar.interop import hf
+
+    fixture = pathlib.Path(__file__).parent / "fixtures" / "hf" / "deepseek_v3"
+    src = tmp_path / "mtp"
+    shutil.copytree(fixture, src)
+    files = load_file(str(src / hf.SINGLE))
+    rng = np.random.default_rng(0)
+    D = files["model.norm.weight"].shape[0]
+    extra = {k.replace("model.layers.2.", "model.layers.3."): v + rng.normal(0, 0.01, v.shape).astype(v.dtype)
+             for k, v in files.items() if k.startswith("model.layers.2.")}
+    extra.update({"model.layers.3.enorm.weight": rng.normal(1, 0.1, D).astype(np.float32),
+                  "model.layers.3.hnorm.weight": rng.normal(1, 0.1, D).astype(np.float32),
+                  "model.layers.3.eh_proj.weight": rng.normal(0, 0.1, (D, 2 * D)).astype(np.float32),
+                  "model.layers.3.shared_head.norm.weight": rng.normal(1, 0.1, D).astype(np.float32),
+                  "model.layers.3.embed_tokens.weight": files["model.embed_tokens.weight"].copy(),
+                  "model.layers.3.shared_head.head.weight": files["lm_head.weight"].copy()})
+    files.update(extra)
+    save_file(files, str(src / hf.SINGLE), metadata={"format": "pt"})
+    config = json.loads((src / "config.json").read_text())
+    (src / "config.json").write_text(json.dumps(dict(config, num_nextn_predict_layers=1)))
+
+    assert hf.model_config(hf.read_config(fixture), fixture).mtp_depth == 0  # no MTP tensors: 0 whatever the key
+    assert hf.model_config(hf.read_config(src), src).mtp_depth == 1
+    hf.import_to_workdir(src, tmp_path / "w")
+    assert main(["convert", "--from", str(tmp_path / "w"), "--to-hf", str(tmp_path / "out")]) == 0
+    out = load_file(str(tmp_path / "out" / hf.SINGLE))
+    assert sorted(out) == sorted(files)
+    assert all(out[k].tobytes() == files[k].tobytes() for k in files), [k for k in files if
+                                                                      out[k].tobytes() != files[k].tobytes()]
+    assert hf.read_config(tmp_path / "out")["num_nextn_predict_layers"] == 1
