@@ -151,8 +151,9 @@ def read(keys, model_type: str) -> tuple[dict, dict]:
                   q_lora_rank=_q_lora_rank(keys), kv_lora_rank=keys.integer("kv_lora_rank"),
                   qk_rope_head_dim=rope_dim, qk_nope_head_dim=nope, v_head_dim=keys.integer("v_head_dim"),
                   # V2 rotates complex pairs (view_as_complex) always; V3 as its key says
-                  rope_interleave=keys.flag("rope_interleave", True) if v3 else True, mtp_depth=mtp_depth,
-                  **rope)
+                  rope_interleave=keys.flag("rope_interleave", True) if v3 else True, **rope)
+    if mtp_depth:
+        fields["mtp_depth"] = mtp_depth
     fields["moe"] = _moe(keys, model_type, default, n_layers)
     names["mtp_depth"] = "num_nextn_predict_layers"
     return fields, names
@@ -381,9 +382,9 @@ def check_names(cfg, names: set[str] | None) -> None:
         layer = re.match(r"model\.layers\.(\d+)\.", name)
         if layer and int(layer.group(1)) >= cfg.n_layers + cfg.mtp_depth:
             raise ConfigError(
-                f"tensor {name}", "present", f"belongs to layer {layer.group(1)} >= num_hidden_layers + "
-                f"num_nextn_predict_layers = {cfg.n_layers} + {cfg.mtp_depth}: a multi-token-prediction (MTP) "
-                "module the config does not declare, which the import would drop",
+                f"tensor {name}", "present", f"belongs to layer {layer.group(1)} >= num_hidden_layers = "
+                f"{cfg.n_layers}: a multi-token-prediction (MTP) module beyond the num_nextn_predict_layers = "
+                f"{cfg.mtp_depth} that config.json declares, which the import would drop",
                 "to import the base model without them, say so: `jaxpar convert --from-hf DIR --to WORKDIR "
                 "--drop-mtp` (hf.import_to_workdir(..., drop_mtp=True))")
 
