@@ -72,17 +72,25 @@ bias.
 
 Refused on import, each with an error naming it: attention_bias / mlp_bias true, any quantization_config (fp8
 blocks) or `*.weight_scale_inv` tensor, DeepSeek-V3.2's lightning indexer (`index_*` keys, `*.indexer.*` tensors),
-and multi-token-prediction weights: V3 checkpoints store `num_nextn_predict_layers` MTP modules as layers
-num_hidden_layers, num_hidden_layers + 1, … (enorm, hnorm, eh_proj, a decoder layer, shared_head). jaxpar's model has
-no MTP module yet, so a checkpoint holding those tensors is refused rather than imported without them, unless the
-import is told to leave them out (`jaxpar convert --from-hf DIR --to WORKDIR --drop-mtp`; `drop_mtp=True` of
-jaxpar.interop.hf's import_to_workdir / load_params) — what transformers itself does, silently. The key alone is accepted — transformers 5 writes num_nextn_predict_layers 1 for every V3 model, MTP weights
-or not — and export writes 0, as it writes no MTP tensors.
+and multi-token-prediction modules the config.json does not declare: V3 checkpoints store `num_nextn_predict_layers`
+MTP modules as layers num_hidden_layers, num_hidden_layers + 1, … — a tensor of a layer past them is refused rather
+than dropped, unless the import is told to leave every layer from num_hidden_layers on out (`jaxpar convert
+--from-hf DIR --to WORKDIR --drop-mtp`; `drop_mtp=True` of jaxpar.interop.hf's import_to_workdir / load_params),
+what transformers itself does, silently.
 
-Export picks V3 for sigmoid scoring, V2 for softmax, and refuses what neither holds (a ConfigError naming the field):
-a correction bias with softmax, renormalised softmax top-k, rotate-half rotary with softmax (V2 has only complex
-pairs), a shared-expert gate or width that is not a multiple of the expert width, dense layers other than a prefix,
-q/k/v biases, a sliding window, no experts.
+MTP modules (model.mtp_depth = num_nextn_predict_layers, jaxpar.model.MTP), layer L + k for module k (L =
+num_hidden_layers, never a fixed 61): the block's tensors as any MoE layer's (stack `mtp.blocks`), and
+
+    mtp.enorm[k], mtp.hnorm[k] [D]     model.layers.{L+k}.enorm.weight, .hnorm.weight
+    mtp.eh_proj[k] [2D, D]             model.layers.{L+k}.eh_proj.weight [D, 2D]  (input [enorm(emb); hnorm(h)])
+    mtp.head_norm[k] [D]               model.layers.{L+k}.shared_head.norm.weight
+    embed, lm_head (shared)            model.layers.{L+k}.embed_tokens.weight, .shared_head.head.weight: copies the
+                                       export writes from the model's one embedding and head; the import reads the
+                                       main ones (`_mtp_copies`)
+
+num_nextn_predict_layers counts only where the checkpoint holds MTP tensors (transformers 5 writes 1 for every V3
+model and saves no MTP weights): jaxpar.interop.hf.model_config sets mtp_depth 0 otherwise. Export writes
+num_nextn_predict_layers = mtp_depth.
 """
 
 from __future__ import annotations

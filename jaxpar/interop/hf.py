@@ -286,7 +286,7 @@ def _hf_shape(rule: Rule, abstract_layer_shape: tuple[int, ...]) -> tuple[int, .
 
 def beyond_layers(names: set[str], n_layers: int) -> set[str]:
     """The tensors of `names` under `model.layers.{i}.` with i >= n_layers: what DeepSeek-V3 stores its
-    multi-token-prediction (MTP) modules as (layer num_hidden_layers, …), which no jaxpar model holds yet."""
+    multi-token-prediction (MTP) modules as (layer num_hidden_layers, …): what `drop_mtp` leaves out."""
     return {n for n in names if (m := re.match(r"model\.layers\.(\d+)\.", n)) and int(m.group(1)) >= n_layers}
 
 
