@@ -120,6 +120,70 @@ class Blocks(nnx.Module):
         return out
 
 
+class MTP(nnx.Module):
+    """DeepSeek-V3's multi-token prediction modules (§2.2), D = `cfg.mtp_depth` of them, each stacked on a leading
+    `layers` axis of length D: for depth k = 1 … D,
+
+        h'ᵏ_i = eh_projᵏ · [RMSNorm_enormᵏ(Emb(t_{i+k})); RMSNorm_hnormᵏ(hᵏ⁻¹_i)]      (2·d_model → d_model)
+        hᵏ_i  = Blockᵏ(h'ᵏ)_i                                                         (causal over i, positions i)
+        P(t_{i+k+1}) = softmax(Head(RMSNorm_headᵏ(hᵏ_i)))
+
+    h⁰ is the main model's last hidden state *before* its final norm (hnorm normalises it); Emb and Head are the
+    main model's (shared); the concatenation puts the embedding first, as the released DeepSeek-V3 checkpoint's
+    eh_proj [D, 2D] reads its input (vLLM / SGLang: cat(enorm(e), hnorm(h))). Each module's output norm is its own
+    (HF `shared_head.norm`). The blocks are layers of the model's kind (MoE when the model has experts: DeepSeek-V3's
+    MTP layer is an MoE layer), run by the same `block` function under the same `Parallel` context.
+
+    enorm, hnorm, head_norm [D, d]; eh_proj [D, 2d, d]; blocks: `Blocks(layers=D)`. The blocks' MoE statistics are
+    not reported (their correction bias, if any, keeps its value; no aux loss)."""
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        n, D = cfg.mtp_depth, cfg.d_model
+        ones = Param((D,), ("norm",), "ones", decay=False)
+        self.enorm = _param(rngs, ones, cfg, layers=n)
+        self.hnorm = _param(rngs, ones, cfg, layers=n)
+        self.eh_proj = _param(rngs, Param((2 * D, D), (None, "embed"), "normal"), cfg, layers=n)
+        self.head_norm = _param(rngs, ones, cfg, layers=n)
+        self.blocks = Blocks(cfg, rngs=rngs, layers=n)
+        self.cfg = cfg
+
+    def depth(self, k: int) -> tuple[dict[str, Array], dict[str, Array]]:
+        """Module k's (0-based) own parameters {enorm, hnorm, eh_proj, head_norm} and its block's, unstacked."""
+        own = {name: getattr(self, name)[...][k] for name in ("enorm", "hnorm", "eh_proj", "head_norm")}
+        return own, jax.tree.map(lambda a: a[k], self.blocks.stacked())
+
+
+def mtp_step(own: dict[str, Array], layer: dict[str, Array], h: Array, e: Array, positions: Array,
+             mask: Array | None, cfg: ModelConfig, par: Parallel = SINGLE_DEVICE, kv_cache: Callable | None = None):
+    """One MTP module (`MTP`) before its head: the previous depth's hidden h and the embedding e of the tokens
+    k ahead, both float32 [B, T(/t), D] → (hᵏ [B, T(/t), D] float32, the block's cache or None). eh_proj is a weight
+    every tensor rank holds whole, applied to this rank's tokens (no region: `par.dot`)."""
+    u = jnp.concatenate([norm(e, par.replicated(own["enorm"]), None, cfg),
+                         norm(h, par.replicated(own["hnorm"]), None, cfg)], -1)  # [B, T, 2D] compute dtype
+    x = par.dot("btc,cd->btd", u, par.replicated(own["eh_proj"]), "head").astype(cfg.dtype).astype(jnp.float32)
+    x, kv, _ = block(layer, x, positions, mask, cfg, par, kv_cache)
+    return x, kv
+
+
+def mtp_targets(batch: Array, depth: int, segment_ids: Array | None = None) -> tuple[Array, Array, Array]:
+    """The MTP modules' inputs and targets from rows batch int [B, T+1] (positions i = 0 … T-1 are the main model's
+    inputs): → (tokens [n, B, T] — t_{i+k} for depth k = 1 … n, 0 past the row —, targets [n, B, T] — t_{i+k+1} —,
+    valid bool [n, B, T]). A position is valid when its target exists (i+k+1 ≤ T: the last k positions of each row
+    have none) and, with packed documents (segment_ids int [B, T+1], one id per document), lies in the same
+    document as position i — so no target crosses a document boundary (the input t_{i+k} lies between them)."""
+    B, T1 = batch.shape
+    T = T1 - 1
+    padded = jnp.pad(batch, ((0, 0), (0, depth)))  # [B, T+1+n]
+    i = jnp.arange(T)
+    tokens = jnp.stack([padded[:, k:k + T] for k in range(1, depth + 1)])
+    targets = jnp.stack([padded[:, k + 1:k + 1 + T] for k in range(1, depth + 1)])
+    valid = jnp.stack([jnp.broadcast_to(i + k + 1 <= T, (B, T)) for k in range(1, depth + 1)])
+    if segment_ids is not None:
+        seg = jnp.pad(segment_ids, ((0, 0), (0, depth)), constant_values=-1)
+        valid &= jnp.stack([seg[:, k + 1:k + 1 + T] == seg[:, :T] for k in range(1, depth + 1)])
+    return tokens, targets, valid
+
+
 class Buffer(nnx.Variable):
     """Model state that is not a parameter: the step updates it from its statistics, outside the gradient.
 
@@ -485,15 +549,21 @@ class Transformer(nnx.Module):
         if not cfg.tie_embeddings:
             self.lm_head = _param(rngs, Param((D, V), ("embed", "vocab"), "normal", role="head"), cfg,
                                   pad=((0, 0), (0, Vp - V)))
+        if cfg.mtp_depth:  # drawn last: a model's other values are the same with MTP on or off
+            self.mtp = MTP(cfg, rngs=rngs)
         self.cfg = cfg
 
     def __call__(self, tokens: Array, *, positions: Array | None = None, segment_ids: Array | None = None,
-                 remat: str = "none", par: Parallel = SINGLE_DEVICE, stats: bool = False):
+                 remat: str = "none", par: Parallel = SINGLE_DEVICE, stats: bool = False,
+                 mtp_tokens: Array | None = None):
         """tokens int [B, T]; positions [B, T] (default 0..T-1); segment_ids [B, T]: attend only within a segment.
 
         Returns float32 logits [B, T, V_local]: the whole (padded) vocab on one device, this rank's vocab shard under
         tensor parallelism (the loss is then `par.cross_entropy`); with `stats`, (logits, the MoE layers'
         statistics summed over the rows, one row per MoE layer [L_moe, …] — `moe`, `run_layers`).
+
+        mtp_tokens int [n, B, T] (n = cfg.mtp_depth; `mtp_targets`): depth k's input tokens t_{i+k} at position i;
+        the result then gains a last entry, the MTP modules' float32 logits [n, B, T, V_local] (`MTP`).
         """
         B, T = tokens.shape
         if positions is None:
@@ -501,10 +571,31 @@ class Transformer(nnx.Module):
         x = self.embed_tokens(tokens, positions, par)
         mask = attention_mask(T, segment_ids, self.cfg.sliding_window)
         x, layer_stats = run_layers(self.stacks(), x, positions, mask, self.cfg, remat=remat, par=par, stats=True)
-        return (self.logits(x, par), layer_stats) if stats else self.logits(x, par)
+        out = (self.logits(x, par), layer_stats) if stats else (self.logits(x, par),)
+        if mtp_tokens is not None:
+            out = (*out, self.mtp_logits(x, mtp_tokens, positions, mask, remat=remat, par=par))
+        return out if len(out) > 1 else out[0]
+
+    def mtp_logits(self, h: Array, mtp_tokens: Array, positions: Array, mask: Array | None, *, remat: str = "none",
+                   par: Parallel = SINGLE_DEVICE) -> Array:
+        """The MTP modules in sequence from the main model's last hidden state h [B, T(/t), D] (before the final
+        norm) and their input tokens mtp_tokens [n, B, T] → float32 logits [n, B, T, V_local]. `remat` checkpoints
+        each module's block as `run_layers` does a layer's."""
+        cfg = self.cfg
+        if not hasattr(self, "mtp"):
+            raise ValueError("mtp_tokens given, and the model has no MTP modules (model.mtp_depth = 0)")
+        step = functools.partial(mtp_step, cfg=cfg, par=par)
+        if remat != "none":
+            step = jax.checkpoint(step, policy=REMAT_POLICIES[remat])
+        out = []
+        for k in range(mtp_tokens.shape[0]):
+            own, layer = self.mtp.depth(k)
+            h, _ = step(own, layer, h, self.embed_tokens(mtp_tokens[k], positions, par), positions, mask)
+            out.append(self.logits(h, par, scale=own["head_norm"]))
+        return jnp.stack(out)
 
     def decode(self, tokens: Array, cache: KVCache, par: Parallel = SINGLE_DEVICE, *, positions: Array | None = None,
-               counts: Array | None = None) -> tuple[Array, KVCache]:
+               counts: Array | None = None, hidden: bool = False) -> tuple[Array, KVCache]:
         """Run the next T tokens of every row against `cache` (prefill: the right-padded prompts; decode: T = 1).
 
         Row b's tokens int [B, T] sit at positions[b] … positions[b]+T-1 (default `cache.lengths`: after what the
@@ -514,7 +605,8 @@ class Transformer(nnx.Module):
         slots are overwritten by the tokens that follow. Needs positions[b] + T ≤ S.
 
         Returns float32 logits [B, T, V] (V_local: this rank's vocab shard under tensor parallelism, `par`, whose
-        cache holds its local kv heads) and the cache with the new keys and values written. Each step's matmuls
+        cache holds its local kv heads) and the cache with the new keys and values written — with `hidden`, then
+        the last hidden states [B, T(/t), D] float32 before the final norm (`MTP`'s h⁰). Each step's matmuls
         cost O(T), independent of how full the cache is; attention reads the whole cache, masked.
         """
         T, S = tokens.shape[1], jax.tree.leaves(cache.arrays)[0].shape[2]
@@ -527,6 +619,8 @@ class Transformer(nnx.Module):
         x = self.embed_tokens(tokens, pos, par)
         x, arrays = run_layers(self.stacks(), x, pos, mask[:, None], self.cfg, par=par, cache=cache.arrays)
         lengths = start + (T if counts is None else jnp.asarray(counts, jnp.int32))
+        if hidden:  # the last hidden states too (before the final norm): what the MTP modules read
+            return self.logits(x, par), KVCache(arrays, lengths), x
         return self.logits(x, par), KVCache(arrays, lengths)
 
     def stacks(self) -> Stacks:
@@ -542,11 +636,13 @@ class Transformer(nnx.Module):
             x = x + pos.astype(jnp.float32)
         return constrain(x, ("batch", "seq", "embed"))
 
-    def logits(self, x: Array, par: Parallel = SINGLE_DEVICE) -> Array:
-        """Final norm and LM head: [B, T(/t), D] → float32 logits [B, T, V_local], padded vocab masked."""
+    def logits(self, x: Array, par: Parallel = SINGLE_DEVICE, scale: Array | None = None) -> Array:
+        """Final norm and LM head: [B, T(/t), D] → float32 logits [B, T, V_local], padded vocab masked. scale: the
+        norm's scale instead of the final norm's (an MTP module's own output norm, through the shared head)."""
         cfg = self.cfg
         bias = self.final_norm_b[...] if hasattr(self, "final_norm_b") else None
-        x = norm(x, par.replicated(self.final_norm[...]), _maybe(par.replicated, bias), cfg)
+        scale = self.final_norm[...] if scale is None else scale
+        x = norm(x, par.replicated(scale), _maybe(par.replicated, bias), cfg)
         head = self.embed[...].T if cfg.tie_embeddings else self.lm_head[...]  # [D, V_local]
         (logits,) = par.column(x, (head,), ("btd,dv->btv",), "head")  # [B, T, V_local] float32
         if self.padded_vocab != cfg.vocab_size:

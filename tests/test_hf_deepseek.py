@@ -668,8 +668,9 @@ def test_a_bfloat16_export_keeps_the_correction_bias_float32(tmp_path):
 
 @NEEDS_MODEL
 def test_mtp_weights_are_refused_on_import_naming_mtp(tmp_path, capsys):
-    """A V3 checkpoint with an MTP module (layer num_hidden_layers = 3): refused, not imported without it — unless
-    the import is told to leave it out (--drop-mtp)."""
+    """A V3 checkpoint with an MTP module (layer num_hidden_layers = 3) that its config.json does not declare
+    (num_nextn_predict_layers 0): refused, not imported without it — unless the import is told to leave it out
+    (--drop-mtp). (A declared module imports: tests/test_mtp.py.)"""
     src = tmp_path / "mtp"
     shutil.copytree(FIXTURES / "deepseek_v3", src)
     files = load_file(str(src / hf.SINGLE))
@@ -677,7 +678,7 @@ def test_mtp_weights_are_refused_on_import_naming_mtp(tmp_path, capsys):
     files["model.layers.3.enorm.weight"] = np.ones(64, np.float32)
     save_file(files, str(src / hf.SINGLE), metadata={"format": "pt"})
     config = json.loads((src / "config.json").read_text())
-    (src / "config.json").write_text(json.dumps(dict(config, num_nextn_predict_layers=1)))
+    (src / "config.json").write_text(json.dumps(dict(config, num_nextn_predict_layers=0)))
     with pytest.raises(ConfigError, match=r"multi-token-prediction \(MTP\)"):
         hf.import_to_workdir(src, tmp_path / "w")
     assert not (tmp_path / "w").exists()

@@ -192,6 +192,11 @@ class ModelConfig:
     qk_nope_head_dim: int = _f(0, "MLA (deepseek family): width of each head's query/key part without RoPE; "
                                "head_dim = qk_nope_head_dim + qk_rope_head_dim")
     v_head_dim: int = _f(0, "MLA (deepseek family): width of each head's value")
+    mtp_depth: int = _f(0, "multi-token prediction (DeepSeek-V3, HF num_nextn_predict_layers): D sequential "
+                        "modules, module k predicting token i+k+1 from the hidden state of depth k-1 and token i+k's "
+                        "embedding (its own norms, projection and one block of the model's kind; the embedding and "
+                        "LM head shared); trained with train.mtp_loss_weight, a draft for self-speculative "
+                        "decoding; RMSNorm families; 0: off")
     qkv_bias: bool = _f(False, "biases on the q, k, v projections in the llama family (Qwen2); gpt2 always has them")
     sliding_window: int = _f(0, "attend only to the last this-many positions, the query's own included (Mistral); "
                              "0: full causal attention")
@@ -247,6 +252,11 @@ class ModelConfig:
         for name in ("rope_theta", "norm_eps", "init_std"):
             check_positive(f"model.{name}", getattr(self, name))
         self._check_mla_and_yarn()
+        check_positive("model.mtp_depth", self.mtp_depth, allow_zero="off")
+        if self.mtp_depth and FAMILIES[self.family].norm != "rms":
+            raise ConfigError("model.mtp_depth", self.mtp_depth, f"multi-token prediction's modules normalise with "
+                              f"RMSNorm (enorm, hnorm), and family {self.family!r} uses LayerNorm",
+                              "set model.mtp_depth=0, or use a llama-like family (llama, deepseek)")
         # Resolve the derived sizes so the frozen config (and config.json) holds concrete numbers.
         if self.n_kv_heads == 0:
             object.__setattr__(self, "n_kv_heads", self.n_heads)
@@ -543,6 +553,9 @@ class TrainConfig:
     eval_batches: int = _f(4, "held-out batches per evaluation")
     max_bad_steps: int = _f(5, "stop after this many consecutive steps with a non-finite loss, gradient or update "
                                "(each such step is skipped: parameters and optimizer state are left as they were)")
+    mtp_loss_weight: float = _f(0.3, "lambda of the multi-token prediction loss (model.mtp_depth > 0): the "
+                                "objective adds lambda/D times the sum over depths of each depth's mean cross-entropy "
+                                "(logged as mtp_loss; the reported loss stays the next-token loss)")
     init_from_hf: str = _f("", "a Hugging Face model directory whose weights start the run (the model section must "
                            "match it: `jaxpar train --init-from-hf DIR` fills it in); '' starts from random weights")
 
@@ -550,7 +563,8 @@ class TrainConfig:
         check_fields(self, "train")
         for name in ("batch_size", "seq_len", "steps", "lr", "grad_accum", "log_every", "eval_batches", "max_bad_steps"):
             check_positive(f"train.{name}", getattr(self, name))
-        for name in ("warmup_steps", "weight_decay", "grad_clip", "eval_every", "seed", "profile_steps"):
+        for name in ("warmup_steps", "weight_decay", "grad_clip", "eval_every", "seed", "profile_steps",
+                     "mtp_loss_weight"):
             check_positive(f"train.{name}", getattr(self, name), allow_zero="allowed")
         if self.seed >= 2**32:
             raise ConfigError("train.seed", self.seed, "must lie in [0, 2**32) (it seeds the data order too)",
@@ -607,6 +621,11 @@ def check_layout(m: ModelConfig, p: ParallelConfig) -> None:
     attention_kind(m).check(m, p.tensor)  # its heads (or latent dims) against the tensor degree
     check_divides("model.d_ff", m.d_ff, "parallel.tensor", p.tensor, "the MLP hidden dim is split over tensor")
     stages = p.pipe * p.repeats
+    if m.mtp_depth and p.pipe > 1:
+        raise ConfigError("parallel.pipe", p.pipe, f"model.mtp_depth = {m.mtp_depth}: the multi-token prediction "
+                          "modules are not placed on the pipeline's last stage in this release",
+                          "set parallel.pipe=1 (data, tensor, expert and sequence parallelism run MTP), or "
+                          "model.mtp_depth=0")
     if m.n_layers % stages:
         raise ConfigError("model.n_layers", m.n_layers,
                           f"must be divisible by parallel.pipe * parallel.repeats = {p.pipe}*{p.repeats} = {stages}",

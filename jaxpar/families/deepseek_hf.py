@@ -72,21 +72,30 @@ bias.
 
 Refused on import, each with an error naming it: attention_bias / mlp_bias true, any quantization_config (fp8
 blocks) or `*.weight_scale_inv` tensor, DeepSeek-V3.2's lightning indexer (`index_*` keys, `*.indexer.*` tensors),
-and multi-token-prediction weights: V3 checkpoints store `num_nextn_predict_layers` MTP modules as layers
-num_hidden_layers, num_hidden_layers + 1, … (enorm, hnorm, eh_proj, a decoder layer, shared_head). jaxpar's model has
-no MTP module yet, so a checkpoint holding those tensors is refused rather than imported without them, unless the
-import is told to leave them out (`jaxpar convert --from-hf DIR --to WORKDIR --drop-mtp`; `drop_mtp=True` of
-jaxpar.interop.hf's import_to_workdir / load_params) — what transformers itself does, silently. The key alone is accepted — transformers 5 writes num_nextn_predict_layers 1 for every V3 model, MTP weights
-or not — and export writes 0, as it writes no MTP tensors.
+and multi-token-prediction modules the config.json does not declare: V3 checkpoints store `num_nextn_predict_layers`
+MTP modules as layers num_hidden_layers, num_hidden_layers + 1, … — a tensor of a layer past them is refused rather
+than dropped, unless the import is told to leave every layer from num_hidden_layers on out (`jaxpar convert
+--from-hf DIR --to WORKDIR --drop-mtp`; `drop_mtp=True` of jaxpar.interop.hf's import_to_workdir / load_params),
+what transformers itself does, silently.
 
-Export picks V3 for sigmoid scoring, V2 for softmax, and refuses what neither holds (a ConfigError naming the field):
-a correction bias with softmax, renormalised softmax top-k, rotate-half rotary with softmax (V2 has only complex
-pairs), a shared-expert gate or width that is not a multiple of the expert width, dense layers other than a prefix,
-q/k/v biases, a sliding window, no experts.
+MTP modules (model.mtp_depth = num_nextn_predict_layers, jaxpar.model.MTP), layer L + k for module k (L =
+num_hidden_layers, never a fixed 61): the block's tensors as any MoE layer's (stack `mtp.blocks`), and
+
+    mtp.enorm[k], mtp.hnorm[k] [D]     model.layers.{L+k}.enorm.weight, .hnorm.weight
+    mtp.eh_proj[k] [2D, D]             model.layers.{L+k}.eh_proj.weight [D, 2D]  (input [enorm(emb); hnorm(h)])
+    mtp.head_norm[k] [D]               model.layers.{L+k}.shared_head.norm.weight
+    embed, lm_head (shared)            model.layers.{L+k}.embed_tokens.weight, .shared_head.head.weight: copies the
+                                       export writes from the model's one embedding and head; the import reads the
+                                       main ones (`_mtp_copies`)
+
+num_nextn_predict_layers counts only where the checkpoint holds MTP tensors (transformers 5 writes 1 for every V3
+model and saves no MTP weights): jaxpar.interop.hf.model_config sets mtp_depth 0 otherwise. Export writes
+num_nextn_predict_layers = mtp_depth.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from typing import Any
 
@@ -139,7 +148,8 @@ def read(keys, model_type: str) -> tuple[dict, dict]:
         raise keys.bad("num_key_value_heads", kv_heads, f"must equal num_attention_heads = {n_heads} in a DeepSeek "
                        "model (latent attention gives every head its own keys)")
     nope, rope_dim = keys.integer("qk_nope_head_dim"), keys.integer("qk_rope_head_dim")
-    keys.integer("num_nextn_predict_layers", 0, minimum=0)  # type-checked; MTP tensors are refused by `tensors`
+    # MTP modules (layers n_layers …): hf.model_config sets 0 when the checkpoint holds no MTP tensors
+    mtp_depth = keys.integer("num_nextn_predict_layers", 0, minimum=0)
     rope, names = _rope_fields(keys, keys.integer("max_position_embeddings"))
     names.update(KEYS)
     fields = dict(family="deepseek", vocab_size=keys.integer("vocab_size"), d_model=d_model, n_layers=n_layers,
@@ -150,7 +160,10 @@ def read(keys, model_type: str) -> tuple[dict, dict]:
                   qk_rope_head_dim=rope_dim, qk_nope_head_dim=nope, v_head_dim=keys.integer("v_head_dim"),
                   # V2 rotates complex pairs (view_as_complex) always; V3 as its key says
                   rope_interleave=keys.flag("rope_interleave", True) if v3 else True, **rope)
+    if mtp_depth:
+        fields["mtp_depth"] = mtp_depth
     fields["moe"] = _moe(keys, model_type, default, n_layers)
+    names["mtp_depth"] = "num_nextn_predict_layers"
     return fields, names
 
 
@@ -342,7 +355,7 @@ def write(cfg, out: dict, base: dict | None) -> None:
                topk_group=moe.topk_group, routed_scaling_factor=moe.routed_scale,
                norm_topk_prob=moe.norm_topk_prob, aux_loss_alpha=moe.aux_loss_coef)
     if model_type == "deepseek_v3":
-        out.update(rope_interleave=cfg.rope_interleave, num_nextn_predict_layers=0)  # no MTP tensors are written
+        out.update(rope_interleave=cfg.rope_interleave, num_nextn_predict_layers=cfg.mtp_depth)
     else:
         out["mlp_bias"] = False
     rope: dict[str, Any] = {"rope_type": "default"}
@@ -375,11 +388,11 @@ def check_names(cfg, names: set[str] | None) -> None:
             if pattern.match(name):
                 raise ConfigError(f"tensor {name}", "present", f"is {what}", fix)
         layer = re.match(r"model\.layers\.(\d+)\.", name)
-        if layer and int(layer.group(1)) >= cfg.n_layers:
+        if layer and int(layer.group(1)) >= cfg.n_layers + cfg.mtp_depth:
             raise ConfigError(
                 f"tensor {name}", "present", f"belongs to layer {layer.group(1)} >= num_hidden_layers = "
-                f"{cfg.n_layers}: a multi-token-prediction (MTP) module (num_nextn_predict_layers), which jaxpar's "
-                "deepseek model does not implement yet and would drop",
+                f"{cfg.n_layers}: a multi-token-prediction (MTP) module beyond the num_nextn_predict_layers = "
+                f"{cfg.mtp_depth} that config.json declares, which the import would drop",
                 "to import the base model without them, say so: `jaxpar convert --from-hf DIR --to WORKDIR "
                 "--drop-mtp` (hf.import_to_workdir(..., drop_mtp=True))")
 
@@ -400,8 +413,15 @@ def tensors(cfg, names: set[str] | None = None) -> list[Rule]:
     def heads(rows: int, n: int, width: int):  # [H·width, rows] ⇄ [rows, H, width] (head-major rows)
         return lambda x: x.T.reshape(rows, n, width), lambda x: x.reshape(rows, -1).T
 
-    rules = [Rule("embed", "model.embed_tokens.weight", same, same),
-             Rule("final_norm", "model.norm.weight", same, same)]
+    rules = _mtp_copies(cfg) + [Rule("embed", "model.embed_tokens.weight", same, same),
+                                Rule("final_norm", "model.norm.weight", same, same)]
+    if cfg.mtp_depth:  # the MTP modules: layers n_layers … n_layers + D - 1, each an MoE layer with its own norms
+        ls = tuple(range(cfg.n_layers, cfg.n_layers + cfg.mtp_depth))
+        layers["mtp.blocks"] = ls
+        rules += [Rule("mtp.enorm", lay + "enorm.weight", same, same, layers=ls),
+                  Rule("mtp.hnorm", lay + "hnorm.weight", same, same, layers=ls),
+                  Rule("mtp.eh_proj", lay + "eh_proj.weight", *T, layers=ls),  # [D, 2D]: [enorm(e); hnorm(h)]
+                  Rule("mtp.head_norm", lay + "shared_head.norm.weight", same, same, layers=ls)]
     for stack, ls in layers.items():
         rules += [Rule(f"{stack}.attn_norm", lay + "input_layernorm.weight", same, same, layers=ls),
                   Rule(f"{stack}.mlp_norm", lay + "post_attention_layernorm.weight", same, same, layers=ls)]
@@ -420,33 +440,48 @@ def tensors(cfg, names: set[str] | None = None) -> list[Rule]:
         rules += [Rule(f"dense_blocks.w_{p}", lay + f"mlp.{p}_proj.weight", *T, layers=layers["dense_blocks"])
                   for p in ("gate", "up", "down")]
     rules += _moe_rules(cfg, names, layers["blocks"])
+    if cfg.mtp_depth:
+        rules += _moe_rules(cfg, names, layers["mtp.blocks"], stack="mtp.blocks")
     if not cfg.tie_embeddings:
         rules.append(Rule("lm_head", "lm_head.weight", *T))
     return rules
 
 
-def _moe_rules(cfg, names: set[str] | None, ls: tuple[int, ...] | None) -> list[Rule]:
-    """The MoE layers' rules (stack `blocks`, model layers `ls`; None: every layer)."""
+def _mtp_copies(cfg) -> list[Rule]:
+    """Each MTP layer's copies of the shared embedding and head (`model.layers.{L+k}.embed_tokens.weight`,
+    `.shared_head.head.weight`: DeepSeek-V3's checkpoint stores them per module). The model holds one embedding and
+    one head, so export writes the copies from them and import reads the main tensors (these rules come first: a
+    later rule of the same parameter is the one `load_params` reads; the copies are not read)."""
+    head = Rule("embed", "", same, same) if cfg.tie_embeddings else Rule("lm_head", "", lambda x: x.T, lambda x: x.T)
+    out = []
+    for layer in range(cfg.n_layers, cfg.n_layers + cfg.mtp_depth):
+        out += [Rule("embed", f"model.layers.{layer}.embed_tokens.weight", same, same),
+                dataclasses.replace(head, name=f"model.layers.{layer}.shared_head.head.weight")]
+    return out
+
+
+def _moe_rules(cfg, names: set[str] | None, ls: tuple[int, ...] | None, stack: str = "blocks") -> list[Rule]:
+    """The MoE layers' rules (stack `stack`, model layers `ls`; None: every layer)."""
     moe, D, X = cfg.moe, cfg.d_model, cfg.moe.n_experts
     lay, T = "model.layers.{l}.mlp.", (lambda x: x.T, lambda x: x.T)
-    rules = [Rule("blocks.router", lay + "gate.weight", *T, layers=ls)]
+    rules = [Rule(f"{stack}.router", lay + "gate.weight", *T, layers=ls)]
     bias = lay + "gate.e_score_correction_bias"
     if moe.correction_bias:  # a Buffer: carried by import and export like a parameter, never trained
-        rules.append(Rule("blocks.e_score_correction_bias", bias, same, same, layers=ls))
+        rules.append(Rule(f"{stack}.e_score_correction_bias", bias, same, same, layers=ls))
     elif moe.scoring == "sigmoid":  # V3 always holds one: zeros select as no bias does
-        rules.append(ZeroRule("blocks.e_score_correction_bias", bias, same, same, layers=ls, shape=(X,)))
+        rules.append(ZeroRule(f"{stack}.e_score_correction_bias", bias, same, same, layers=ls, shape=(X,)))
     if names is not None and any(n.endswith(FUSED) for n in names):  # transformers 5's fused layout
-        rules += [ExpertRule("blocks.we_gate", lay + "experts.gate_up_proj", *T, part=0, parts=2, layers=ls),
-                  ExpertRule("blocks.we_up", lay + "experts.gate_up_proj", *T, part=1, parts=2, layers=ls),
-                  ExpertRule("blocks.we_down", lay + "experts.down_proj", *T, layers=ls)]
+        rules += [ExpertRule(f"{stack}.we_gate", lay + "experts.gate_up_proj", *T, part=0, parts=2, layers=ls),
+                  ExpertRule(f"{stack}.we_up", lay + "experts.gate_up_proj", *T, part=1, parts=2, layers=ls),
+                  ExpertRule(f"{stack}.we_down", lay + "experts.down_proj", *T, layers=ls)]
     else:
-        rules += [ExpertRule(f"blocks.we_{p}", lay + f"experts.{{e}}.{p}_proj.weight", *T, layers=ls)
+        rules += [ExpertRule(f"{stack}.we_{p}", lay + f"experts.{{e}}.{p}_proj.weight", *T, layers=ls)
                   for p in ("gate", "up", "down")]
     if moe.shared_d_ff:
-        rules += [Rule(f"blocks.ws_{p}", lay + f"shared_experts.{p}_proj.weight", *T, layers=ls)
+        rules += [Rule(f"{stack}.ws_{p}", lay + f"shared_experts.{p}_proj.weight", *T, layers=ls)
                   for p in ("gate", "up", "down")]
     else:  # n_shared_experts 0: transformers builds a shared MLP of width 0, which adds exactly zero
-        rules += [ZeroRule(f"blocks.ws_{p}", lay + f"shared_experts.{p}_proj.weight", *T, layers=ls, shape=shape)
+        rules += [ZeroRule(f"{stack}.ws_{p}", lay + f"shared_experts.{p}_proj.weight", *T, layers=ls, shape=shape)
                   for p, shape in (("gate", (0, D)), ("up", (0, D)), ("down", (D, 0)))]
     return rules
 

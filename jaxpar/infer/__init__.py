@@ -1,10 +1,12 @@
 """Inference: token sampling and generation loops.
 
 `generate` is the KV-cache decoder (`jaxpar.infer.decode`); `generate_uncached` is the cache-free reference it is
-checked against, a full forward per token (`jaxpar.infer.sampling`).
+checked against, a full forward per token (`jaxpar.infer.sampling`); `speculative_generate` is greedy decoding with
+the model's multi-token prediction modules as the draft (`jaxpar.infer.speculative`: the same tokens).
 """
 
 from jaxpar.infer.decode import generate
 from jaxpar.infer.sampling import generate_uncached, sample_logits
+from jaxpar.infer.speculative import speculative_generate
 
-__all__ = ["generate", "generate_uncached", "sample_logits"]
+__all__ = ["generate", "generate_uncached", "sample_logits", "speculative_generate"]

@@ -175,6 +175,9 @@ def model_config(hf: dict, path: pathlib.Path, **overrides: Any) -> ModelConfig:
     arch = architecture(hf, path)
     family_name, model_type = ARCHITECTURES[arch]
     fields, names = FAMILIES[family_name].hf.read(_Keys(hf, path), model_type)
+    if fields.get("mtp_depth") and "mtp_depth" not in overrides and not beyond_layers(
+            _tensor_names(path.parent), fields["n_layers"]):
+        fields["mtp_depth"] = 0  # num_nextn_predict_layers without MTP tensors (transformers 5 writes 1 always)
     dtype = _DTYPES.get(str(hf.get("torch_dtype") or hf.get("dtype") or "float32"), "float32")
     fields.update(param_dtype=dtype, dtype=dtype)
     fields.update(overrides)
@@ -188,6 +191,15 @@ def model_config(hf: dict, path: pathlib.Path, **overrides: Any) -> ModelConfig:
         rule, fix = (re.sub(r"\b(model\.|moe\.)(\w+)", lambda m: names.get(
             m.group(2) if m.group(1) == "model." else m.group(0), m.group(0)), text) for text in (e.rule, e.fix))
         raise HFError(f"{path}: {names[field]} = {e.value!r}: {rule}; {fix}") from None
+
+
+def _tensor_names(directory: pathlib.Path) -> set[str]:
+    """The tensor names of a Hugging Face directory from its headers; empty where it holds no weights (a
+    config.json alone)."""
+    try:
+        return SafetensorsDir(directory).names()
+    except (HFError, OSError):
+        return set()
 
 
 def hf_config(cfg: ModelConfig, base: dict | None = None, dtype: str | None = None) -> dict:
@@ -274,7 +286,7 @@ def _hf_shape(rule: Rule, abstract_layer_shape: tuple[int, ...]) -> tuple[int, .
 
 def beyond_layers(names: set[str], n_layers: int) -> set[str]:
     """The tensors of `names` under `model.layers.{i}.` with i >= n_layers: what DeepSeek-V3 stores its
-    multi-token-prediction (MTP) modules as (layer num_hidden_layers, …), which no jaxpar model holds yet."""
+    multi-token-prediction (MTP) modules as (layer num_hidden_layers, …): what `drop_mtp` leaves out."""
     return {n for n in names if (m := re.match(r"model\.layers\.(\d+)\.", n)) and int(m.group(1)) >= n_layers}
 
 
@@ -366,6 +378,8 @@ def load_params(path: str | pathlib.Path, cfg: ModelConfig, abstract: nnx.State,
                     used.add(name)
     # GPT-2 checkpoints may hold non-parameter buffers (attention masks); anything else left over is reported.
     ignored = {n for n in files.names() - used if n.endswith((".attn.bias", ".attn.masked_bias", "rotary_emb.inv_freq"))}
+    # copies of a parameter another rule reads (DeepSeek-V3's per-MTP-layer embedding and head: export writes them)
+    ignored |= {r.name for r in table if rules.get(r.param) is not r and not r.stacked and r.name in files.names()}
     if cfg.tie_embeddings:
         ignored.add("lm_head.weight")
     unused = files.names() - used - ignored - dropped
@@ -659,7 +673,8 @@ def import_to_workdir(src: str | pathlib.Path, dst: str | pathlib.Path, *, dtype
     src, dst = pathlib.Path(src), pathlib.Path(dst)
     hf_cfg = read_config(src)
     checkpoint.check_params_only_target(dst, src)  # a new directory outside src, before anything is read
-    cfg = model_config(hf_cfg, src, **({"dtype": dtype, "param_dtype": dtype} if dtype else {}))
+    cfg = model_config(hf_cfg, src, **({"dtype": dtype, "param_dtype": dtype} if dtype else {}),
+                       **({"mtp_depth": 0} if drop_mtp else {}))
     if quantize is not None:
         checkpoint.quantize_config(cfg, quantize, group_size)  # a bad group size fails before anything is read
     _, abstract = abstract_model(cfg)

@@ -88,8 +88,8 @@ def build_trainer(config: Config, devices: list | Mesh | None, *, explicit: bool
                   if plan.mesh is not None and plan.opt_zero_data != plan.param_zero_data else None)
     grads_of, step_grads = (sharded_loss_and_grads(graphdef, plan, grad_accum=config.train.grad_accum,
                                                    remat=parallel.remat, param_specs=specs, grad_specs=grad_specs,
-                                                   stats=stats)
-                            for stats in (False, model.moe.enabled))  # the step also reports MoE statistics
+                                                   stats=stats, mtp_weight=config.train.mtp_loss_weight)
+                            for stats in (False, model.moe.enabled or model.mtp_depth > 0))  # MoE / MTP statistics
     moe_layers = model.moe_layer_count
 
     def update_in_layout(buffers, stats):  # the buffers live in the plan's layer order, the rule reads model order

@@ -32,7 +32,7 @@ from flax import nnx
 from jax.sharding import Mesh, PartitionSpec as P
 
 from jaxpar.model import (attention_mask, buffers_of, default_positions, forward_buffers, merge_state, moe_objective,
-                          run_layers, stats_total, trainable)
+                          mtp_targets, run_layers, stats_total, trainable)
 from jaxpar.parallel import circular, executor, schedule as tables
 from jaxpar.parallel.axes import DATA, EXPERT, PIPE
 from jaxpar.parallel.pipeline import Pipeline
@@ -46,7 +46,8 @@ Metrics = dict[str, jax.Array]
 
 
 def next_token_loss(graphdef: nnx.GraphDef, params: nnx.State, batch: jax.Array, remat: str = "none",
-                    par: Parallel = SINGLE_DEVICE, pipe: Pipeline | None = None, objective: bool = False):
+                    par: Parallel = SINGLE_DEVICE, pipe: Pipeline | None = None, objective: bool = False,
+                    mtp_weight: float = 0.0):
     """Mean cross-entropy (float32, nats/token) of predicting batch[:, 1:] from batch[:, :-1]. batch int [B, T+1].
 
     With `pipe`, these are this stage's rows and the layers run through the circular pipeline. Under context
@@ -54,17 +55,51 @@ def next_token_loss(graphdef: nnx.GraphDef, params: nnx.State, batch: jax.Array,
 
     objective: return (what training minimises — the loss plus the MoE layers' weighted load-balancing and z-losses,
     jaxpar.model.moe_objective — , (the loss, the MoE statistics summed over these rows, per MoE layer [L_moe, …] —
-    under a pipeline this stage's layers' rows, zeros in the others')) instead."""
+    under a pipeline this stage's layers' rows, zeros in the others')) instead.
+
+    With MTP (model.mtp_depth = n > 0, `objective`): the objective also adds mtp_weight/n · Σ_k (depth k's mean
+    cross-entropy over its valid positions, `mtp_loss`), and the statistics gain "mtp": {"ce": [n] the summed
+    cross-entropy of each depth over these rows' valid positions, "count": [n] how many} — sums, so the step's
+    mtp_loss is exact at any layout."""
     model = nnx.merge(graphdef, params)
-    if pipe is not None:
+    mtp = objective and model.cfg.mtp_depth > 0
+    if pipe is not None:  # (the config refuses MTP with a pipeline)
         loss, stats = pipeline_loss(model, batch, pipe, remat, par)
+    elif mtp:
+        tokens, targets, positions = sequence_share(batch, par)
+        mtp_in, mtp_out, valid = (jnp.stack([par.context_shard(x) for x in a])  # each [n, B, T(/c)]
+                                  for a in mtp_targets(batch, model.cfg.mtp_depth))
+        logits, stats, mtp_logits = model(tokens, positions=positions, remat=remat, par=par, stats=True,
+                                          mtp_tokens=mtp_in)
+        loss = par.cross_entropy(logits, targets).mean()
     else:
         tokens, targets, positions = sequence_share(batch, par)
         logits, stats = model(tokens, positions=positions, remat=remat, par=par, stats=True)  # [B, T(/c), V_local]
         loss = par.cross_entropy(logits, targets).mean()
     if not objective:
         return loss
-    return loss + moe_objective(stats, model.cfg, batch.shape[0]), (loss, stats)
+    value = loss + moe_objective(stats, model.cfg, batch.shape[0])
+    if mtp:
+        extra, sums = mtp_loss(mtp_logits, mtp_out, valid, batch.shape[1] - 1, par)
+        value, stats = value + mtp_weight * extra, {**stats, "mtp": sums}
+    return value, (loss, stats)
+
+
+def mtp_loss(logits: jax.Array, targets: jax.Array, valid: jax.Array, T: int, par: Parallel = SINGLE_DEVICE
+             ) -> tuple[jax.Array, dict]:
+    """The MTP loss of these rows: logits [n, R, T_local, V_local] (`Transformer.mtp_logits`), targets and valid
+    [n, R, T_local] (`mtp_targets`, this rank's share of each row under context parallelism); T the whole rows'
+    length. → (1/n Σ_k mean cross-entropy of depth k, {"ce": [n] summed cross-entropy, "count": [n] valid
+    positions}).
+
+    The mean divides by the share of depth k's valid positions these rows' tokens would hold in proportion,
+    R·T_local·(T−k)/T — exactly the count on one device and on each data shard; under context parallelism, where
+    the last positions sit on some ranks only, the pmean of the shares is still the mean over the whole rows."""
+    n, R, T_local = valid.shape
+    ce = jnp.stack([par.cross_entropy(a, t) for a, t in zip(logits, targets)]) * valid  # [n, R, T_local]
+    share = R * T_local * (T - np.arange(1, n + 1)) / T  # [n]: static
+    per_depth = ce.sum((1, 2)) / jnp.asarray(share, jnp.float32)
+    return per_depth.mean(), {"ce": ce.sum((1, 2)), "count": valid.sum((1, 2)).astype(jnp.float32)}
 
 
 def sequence_share(batch: jax.Array, par: Parallel) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -174,8 +209,8 @@ def scheduled_loss_and_grads(graphdef: nnx.GraphDef, params: nnx.State, batch: j
 
 def loss_and_grads(graphdef: nnx.GraphDef, *, grad_accum: int = 1, remat: str = "none",
                    par: Parallel = SINGLE_DEVICE, grad_axes: tuple[str, ...] = (), pipe: Pipeline | None = None,
-                   pipe_replicated=None, zero_dims=None, grad_dims=None, expert_split=None, stats: bool = False
-                   ) -> Callable[[nnx.State, jax.Array], tuple[jax.Array, nnx.State]]:
+                   pipe_replicated=None, zero_dims=None, grad_dims=None, expert_split=None, stats: bool = False,
+                   mtp_weight: float = 0.0) -> Callable[[nnx.State, jax.Array], tuple[jax.Array, nnx.State]]:
     """(params, batch int [B, T+1]) → (mean loss, gradients), on whatever rows it is given; with `stats`, also the
     MoE layers' statistics summed over every row, per MoE layer in model order (each leaf [L_moe, …];
     jaxpar.model.moe; {} for a dense model).
@@ -208,12 +243,14 @@ def loss_and_grads(graphdef: nnx.GraphDef, *, grad_accum: int = 1, remat: str = 
     expert_split: per parameter, whether it is split over `expert` (the experts of MoE layers): its gradient holds
     every expert rank's tokens' contributions already (the all-to-all's transpose brought them), so it is divided
     by the expert degree and averaged over the other gradient axes only.
+
+    mtp_weight: λ of the MTP loss (model.mtp_depth > 0: `next_token_loss`); the statistics then hold "mtp".
     """
     scale = 1.0 / pipe.stages if pipe is not None else 1.0
 
     def objective(p, b):  # (what is differentiated: the loss plus the MoE terms, (the loss reported, MoE sums))
         p = merge_state(trainable(p), jax.tree.map(jax.lax.stop_gradient, buffers_of(p)))  # buffers: constants
-        value, (loss, sums) = next_token_loss(graphdef, p, b, remat, par, pipe, objective=True)
+        value, (loss, sums) = next_token_loss(graphdef, p, b, remat, par, pipe, objective=True, mtp_weight=mtp_weight)
         return scale * value, (scale * loss, sums)
 
     differentiate = jax.value_and_grad(objective, has_aux=True)
@@ -297,7 +334,7 @@ def _zero_dims(param_specs: nnx.State):
 
 def sharded_loss_and_grads(graphdef: nnx.GraphDef, plan: Plan, *, grad_accum: int = 1, remat: str = "none",
                            param_specs: nnx.State | None = None, grad_specs: nnx.State | None = None,
-                           stats: bool = False):
+                           stats: bool = False, mtp_weight: float = 0.0):
     """`loss_and_grads` over the global batch: under shard_map on the plan's mesh when the plan is sharded (params
     laid out by `param_specs`, rows over the batch axes), else as one global computation (single device, or GSPMD
     on a mesh). grad_specs: how the gradients leave (default param_specs); ZeRO-1 passes the optimizer state's
@@ -305,13 +342,13 @@ def sharded_loss_and_grads(graphdef: nnx.GraphDef, plan: Plan, *, grad_accum: in
     if not plan.sharded:
         if plan.pipeline is not None:  # make_plan refuses this combination; never drop a pipeline silently
             raise ValueError("a pipeline needs the explicit shard_map step (an explicit plan)")
-        return loss_and_grads(graphdef, grad_accum=grad_accum, remat=remat, stats=stats)
+        return loss_and_grads(graphdef, grad_accum=grad_accum, remat=remat, stats=stats, mtp_weight=mtp_weight)
     replicated = jax.tree.map(lambda spec: PIPE not in _mesh_axes(spec), param_specs)
     expert_split = jax.tree.map(lambda spec: EXPERT in _mesh_axes(spec), param_specs)
     local = loss_and_grads(graphdef, grad_accum=grad_accum, remat=remat, par=plan.parallel, grad_axes=plan.grad_axes,
                            pipe=plan.pipeline, pipe_replicated=replicated, zero_dims=_zero_dims(param_specs),
                            grad_dims=None if grad_specs is None else _zero_dims(grad_specs),
-                           expert_split=expert_split, stats=stats)
+                           expert_split=expert_split, stats=stats, mtp_weight=mtp_weight)
     grad_specs = param_specs if grad_specs is None else grad_specs
     out_specs = (P(), grad_specs, P()) if stats else (P(), grad_specs)
     return jax.shard_map(local, mesh=plan.mesh, in_specs=(param_specs, plan.batch_spec), out_specs=out_specs,
@@ -336,10 +373,12 @@ def make_train_step(grads_of: Callable[[nnx.State, jax.Array], tuple[jax.Array, 
     statistics (stats=True), the metrics gain `moe_metrics` over the model's `moe_layers` MoE layers, and the
     model's buffers (jaxpar.model.Buffer) become `update_buffers(buffers, the per-layer statistics [L_moe, …])` —
     the optimizer sees the weights alone (their gradients; the buffers' are dropped: they are constants of the
-    loss)."""
+    loss). Statistics holding "mtp" (an MTP model) add `mtp_loss`: the mean over depths of each depth's mean
+    cross-entropy over every valid position of the step (`mtp_loss`)."""
 
     def step(state: TrainState, batch: jax.Array) -> tuple[TrainState, Metrics]:
         loss, grads, *sums = grads_of(state.params, batch)
+        mtp = sums[0].pop("mtp", None) if sums and sums[0] else None
         grads, weights, buffers = trainable(grads), trainable(state.params), buffers_of(state.params)
         updates, opt_state = tx.update(grads, state.opt_state, weights)
         weights = optax.apply_updates(weights, updates)
@@ -355,6 +394,8 @@ def make_train_step(grads_of: Callable[[nnx.State, jax.Array], tuple[jax.Array, 
         metrics = {"loss": loss, "grad_norm": grad_norm, "skipped": 1 - ok.astype(jnp.int32)}
         if sums and sums[0]:
             metrics.update(moe_metrics(stats_total(sums[0]), batch.shape[0], moe_layers, sums[0]["load"]))
+        if mtp is not None:
+            metrics["mtp_loss"] = (mtp["ce"] / jnp.maximum(mtp["count"], 1.0)).mean()
         if schedule is not None:
             metrics["lr"] = schedule(state.step)
         return TrainState(step=state.step + 1, params=params, opt_state=opt_state), metrics
