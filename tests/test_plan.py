@@ -34,9 +34,11 @@ def test_rules_are_derived_from_the_table():
     assert len(rules) == len(axes.RULES)  # each logical name once
     assert sharding.RULES is axes.RULES  # the one table the sharding helpers apply
     # Every old rule holds, with the new axes added where they split: batch also over expert, seq over context.
-    want = dict(OLD_RULES, batch=("data", "pipe", "expert"), seq="context", experts="expert")
+    # and MLA's latents (q_lora, kv_lora) replicated.
+    want = dict(OLD_RULES, batch=("data", "pipe", "expert"), seq="context", experts="expert", q_lora=None,
+                kv_lora=None)
     assert rules == want
-    assert [name for name, mesh_axes in axes.RULES if mesh_axes is None] == ["embed", "head_dim", "norm"]
+    assert [name for name, mesh_axes in axes.RULES if mesh_axes is None] == ["embed", "head_dim", "norm", "q_lora", "kv_lora"]
     assert axes.BATCH_AXES == ("data", "pipe", "expert")
     assert axes.GRAD_AXES == ("data", "expert")
 
