@@ -14,6 +14,7 @@ error must print before jax loads.
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any, Callable, Mapping
 
 # Dimension letters (as in jaxpar.model): D d_model, H query heads, K kv heads, E head_dim, F d_ff, P positions.
@@ -198,6 +199,23 @@ class Family:
         """How many D×F weight matrices one layer's dense MLP holds (3 for SwiGLU, 2 for a plain MLP): FLOP formulas.
         (An MoE layer's active matrices: `jaxpar.flops`.)"""
         return 3 if self.mlp == "swiglu" else 2
+
+
+def swiglu_d_ff(d_model: int) -> int:
+    """A SwiGLU family's default MLP width: 8/3·d_model rounded up to a multiple of 32 (SwiGLU's three matrices cost
+    what a 4·d_model MLP's two do)."""
+    return 32 * math.ceil(8 * d_model / 3 / 32)
+
+
+def mlp_params(cfg, moe: bool) -> dict[str, Param]:
+    """A SwiGLU layer's MLP half: the mixture of experts (`moe_params`) when `moe`, else the dense SwiGLU
+    w_gate, w_up [D, F]; w_down [F, D] (F = cfg.d_ff)."""
+    if moe:
+        return moe_params(cfg)
+    D, F = cfg.d_model, cfg.d_ff
+    return {"w_gate": Param((D, F), ("embed", "mlp"), "normal", contract=(0,), role="mlp"),
+            "w_up": Param((D, F), ("embed", "mlp"), "normal", contract=(0,), role="mlp"),
+            "w_down": Param((F, D), ("mlp", "embed"), "out", contract=(0,), role="mlp")}
 
 
 def moe_params(cfg) -> dict[str, Param]:

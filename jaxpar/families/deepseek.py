@@ -16,30 +16,15 @@ Hugging Face: DeepseekV2ForCausalLM / DeepseekV3ForCausalLM, mapped in jaxpar/fa
 
 from __future__ import annotations
 
-import math
-
 from jaxpar.errors import ConfigError
 from jaxpar.families.attention import MLA, attention_params
 from jaxpar.families import deepseek_hf
-from jaxpar.families.base import Family, Param, moe_params
+from jaxpar.families.base import Family, Param, mlp_params, swiglu_d_ff
 
 
 def layer_params(cfg, moe: bool) -> dict[str, Param]:
     """The deepseek layer: latent attention between RMSNorms, a SwiGLU MLP or (`moe`) DeepSeekMoE."""
-    D, F = cfg.d_model, cfg.d_ff
-    params = attention_params(cfg, MLA, norm_bias=False)
-    if moe:
-        params.update(moe_params(cfg))
-    else:
-        params.update(w_gate=Param((D, F), ("embed", "mlp"), "normal", contract=(0,), role="mlp"),
-                      w_up=Param((D, F), ("embed", "mlp"), "normal", contract=(0,), role="mlp"),
-                      w_down=Param((F, D), ("mlp", "embed"), "out", contract=(0,), role="mlp"))
-    return params
-
-
-def default_d_ff(d_model: int) -> int:
-    """8/3·d_model rounded up to a multiple of 32, as the llama family (a SwiGLU MLP)."""
-    return 32 * math.ceil(8 * d_model / 3 / 32)
+    return {**attention_params(cfg, MLA, norm_bias=False), **mlp_params(cfg, moe)}
 
 
 def check(cfg) -> None:
@@ -63,4 +48,4 @@ def check(cfg) -> None:
 
 FAMILY = Family(name="deepseek", summary="RMSNorm, RoPE, SwiGLU / DeepSeekMoE, multi-head latent attention "
                 "(DeepSeek-V2, V3)", norm="rms", positions="rope", mlp="swiglu", layer_params=layer_params,
-                default_d_ff=default_d_ff, check=check, hf=deepseek_hf.HF, attention=MLA.name)
+                default_d_ff=swiglu_d_ff, check=check, hf=deepseek_hf.HF, attention=MLA.name)

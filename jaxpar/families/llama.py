@@ -16,34 +16,21 @@ way in.
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 from jaxpar.errors import ConfigError
 from jaxpar.families import moe_hf
 from jaxpar.families.attention import GQA, attention_params, qkv_bias_params
-from jaxpar.families.base import Family, HuggingFace, Param, Rule, moe_params, same
+from jaxpar.families.base import Family, HuggingFace, Param, Rule, mlp_params, same, swiglu_d_ff
 
 
 def layer_params(cfg, moe: bool) -> dict[str, Param]:
     """The llama layer: the shared attention with RMSNorms, a SwiGLU MLP (or, `moe`, a mixture of SwiGLU experts:
     Mixtral, Qwen2-MoE), q/k/v biases only with qkv_bias."""
-    D, F = cfg.d_model, cfg.d_ff
-    params = attention_params(cfg, GQA, norm_bias=False)
-    if moe:
-        params.update(moe_params(cfg))
-    else:
-        params.update(w_gate=Param((D, F), ("embed", "mlp"), "normal", contract=(0,), role="mlp"),
-                      w_up=Param((D, F), ("embed", "mlp"), "normal", contract=(0,), role="mlp"),
-                      w_down=Param((F, D), ("mlp", "embed"), "out", contract=(0,), role="mlp"))
+    params = {**attention_params(cfg, GQA, norm_bias=False), **mlp_params(cfg, moe)}
     if cfg.qkv_bias:
         params.update(qkv_bias_params(cfg))
     return params
-
-
-def default_d_ff(d_model: int) -> int:
-    """8/3·d_model rounded up to a multiple of 32: SwiGLU's three matrices cost what a 4·d_model MLP's two do."""
-    return 32 * math.ceil(8 * d_model / 3 / 32)
 
 
 def check(cfg) -> None:
@@ -240,5 +227,5 @@ def tensors(cfg, names: set[str] | None = None) -> list[Rule]:
 
 
 FAMILY = Family(name="llama", summary="RMSNorm, RoPE, SwiGLU, GQA (Llama, Mistral, Qwen2)", norm="rms",
-                positions="rope", mlp="swiglu", layer_params=layer_params, default_d_ff=default_d_ff, check=check,
+                positions="rope", mlp="swiglu", layer_params=layer_params, default_d_ff=swiglu_d_ff, check=check,
                 hf=HuggingFace(ARCHITECTURES, read, write, exportable, tensors), attention=GQA.name)
