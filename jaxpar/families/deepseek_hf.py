@@ -358,22 +358,7 @@ def write(cfg, out: dict, base: dict | None) -> None:
         out.update(rope_interleave=cfg.rope_interleave, num_nextn_predict_layers=cfg.mtp_depth)
     else:
         out["mlp_bias"] = False
-    rope: dict[str, Any] = {"rope_type": "default"}
-    if cfg.rope_scaling == "linear":
-        rope = {"rope_type": "linear", "factor": cfg.rope_factor}
-    elif cfg.rope_scaling == "llama3":
-        rope = {"rope_type": "llama3", "factor": cfg.rope_factor, "low_freq_factor": cfg.rope_low_freq_factor,
-                "high_freq_factor": cfg.rope_high_freq_factor,
-                "original_max_position_embeddings": cfg.rope_original_max_len}
-    elif cfg.rope_scaling == "yarn":
-        rope = {"rope_type": "yarn", "factor": cfg.rope_factor, "beta_fast": cfg.rope_beta_fast,
-                "beta_slow": cfg.rope_beta_slow, "mscale": cfg.rope_mscale, "mscale_all_dim": cfg.rope_mscale_all_dim,
-                "original_max_position_embeddings": cfg.rope_original_max_len}
-    if "rope_parameters" in out:  # transformers >= 5
-        out["rope_parameters"] = {**rope, "rope_theta": cfg.rope_theta}
-    else:  # transformers 4 / DeepSeek's own configs, whose code reads rope_scaling["type"]
-        out["rope_theta"] = cfg.rope_theta
-        out["rope_scaling"] = None if rope["rope_type"] == "default" else {**rope, "type": rope["rope_type"]}
+    llama.write_rope(cfg, out, legacy_type=True)  # transformers 4 / DeepSeek's own code read rope_scaling["type"]
 
 
 # -----------------------------------------------------------------------------------------------------------------

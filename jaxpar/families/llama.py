@@ -170,6 +170,14 @@ def write(cfg, out: dict, base: dict | None) -> None:
             out["layer_types"] = [("sliding" if cfg.sliding_window else "full") + "_attention"] * cfg.n_layers
     if cfg.moe.enabled:
         moe_hf.write(cfg, out, model_type)
+    write_rope(cfg, out)
+
+
+def write_rope(cfg, out: dict, *, legacy_type: bool = False) -> None:
+    """config.json's RoPE keys for cfg in the spelling `out` has: transformers ≥ 5's `rope_parameters` (rope_theta
+    inside) where `out` holds it, else top-level `rope_theta` + `rope_scaling` (null for none; with `legacy_type`
+    the kind also as `type`, which DeepSeek's own code reads). The inverse of `_rope_fields` (and of deepseek_hf's,
+    which adds YaRN)."""
     rope: dict[str, Any] = {"rope_type": "default"}
     if cfg.rope_scaling == "linear":
         rope = {"rope_type": "linear", "factor": cfg.rope_factor}
@@ -177,11 +185,16 @@ def write(cfg, out: dict, base: dict | None) -> None:
         rope = {"rope_type": "llama3", "factor": cfg.rope_factor, "low_freq_factor": cfg.rope_low_freq_factor,
                 "high_freq_factor": cfg.rope_high_freq_factor,
                 "original_max_position_embeddings": cfg.rope_original_max_len}
+    elif cfg.rope_scaling == "yarn":
+        rope = {"rope_type": "yarn", "factor": cfg.rope_factor, "beta_fast": cfg.rope_beta_fast,
+                "beta_slow": cfg.rope_beta_slow, "mscale": cfg.rope_mscale, "mscale_all_dim": cfg.rope_mscale_all_dim,
+                "original_max_position_embeddings": cfg.rope_original_max_len}
     if "rope_parameters" in out:  # transformers >= 5
         out["rope_parameters"] = {**rope, "rope_theta": cfg.rope_theta}
     else:
         out["rope_theta"] = cfg.rope_theta
-        out["rope_scaling"] = None if rope["rope_type"] == "default" else rope
+        out["rope_scaling"] = (None if rope["rope_type"] == "default" else
+                               {**rope, "type": rope["rope_type"]} if legacy_type else rope)
 
 
 def exportable(cfg) -> None:
