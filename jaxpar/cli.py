@@ -361,7 +361,7 @@ def build_parser() -> argparse.ArgumentParser:
     conv.add_argument("--group-size", type=int, default=None, help="int4: inputs per scale (default 128)")
     conv.add_argument("--drop-mtp", action="store_true",
                       help="--from-hf: import without the tensors of layers from num_hidden_layers on (DeepSeek-V3's "
-                           "multi-token-prediction modules, which jaxpar does not implement yet; refused otherwise)")
+                           "multi-token-prediction modules: the model then has model.mtp_depth 0)")
     conv.set_defaults(run=_convert)
     lau = sub.add_parser("launch", help="run a command as N local JAX processes (CPU devices, gloo collectives)")
     lau.add_argument("--processes", type=int, required=True, help="number of local processes")

@@ -392,13 +392,18 @@ def load_params(path: str | pathlib.Path, cfg: ModelConfig, abstract: nnx.State,
     return state
 
 
+def _named(tree: dict) -> dict[str, Any]:
+    """The leaves of a pure dict by dotted path ("blocks.wq")."""
+    out: dict[str, Any] = {}
+    jax.tree_util.tree_map_with_path(lambda kp, x: out.__setitem__(".".join(str(k.key) for k in kp), x), tree)
+    return out
+
+
 def _carried(state: nnx.State, rules: dict[str, Rule]) -> dict:
     """The pure dict of what a Hugging Face checkpoint holds of model state `state`: every parameter, and each
     buffer a rule names (a buffer without a tensor, like expert_load, is left out: it starts at its initial value
     on import and is not exported)."""
-    buffers: set[str] = set()
-    jax.tree_util.tree_map_with_path(lambda kp, _: buffers.add(".".join(str(k.key) for k in kp)),
-                                     nnx.to_pure_dict(buffers_of(state)))
+    buffers = _named(nnx.to_pure_dict(buffers_of(state)))
 
     def keep(d: dict, prefix: str) -> dict:
         out = {}
@@ -446,9 +451,7 @@ def _check_shapes(files: "SafetensorsDir", cfg: ModelConfig, like: dict, rules: 
             raise HFError(f"{path / files.where[name]}: tensor {name!r} has shape {stored}, but config.json implies "
                           f"{tuple(expected)}{_size_hint(cfg, path, expected, stored)}")
 
-    flat: list[tuple[str, Any]] = []
-    jax.tree_util.tree_map_with_path(lambda kp, v: flat.append((".".join(str(k.key) for k in kp), v)), like)
-    for param, var in flat:
+    for param, var in _named(like).items():
         rule = _rule_of(rules, param, cfg, path)
         layers = rule.model_layers(cfg.n_layers) if rule.stacked else (None,)
         if isinstance(rule, ExpertRule):
@@ -562,17 +565,14 @@ def save_params(params: nnx.State, cfg: ModelConfig, path: str | pathlib.Path, *
 
 def _write_files(params: nnx.State, cfg: ModelConfig, path: pathlib.Path, *, base_config, dtype, tokenizer,
                  max_shard_bytes: int, names) -> None:
-    flat: dict[str, Any] = {}
     rules = _rules(cfg, names)
     if any(isinstance(r, ExpertRule) and not r.per_expert for r in rules):
         # an import of the fused expert layout exports the hub's per-expert one
         rules = _rules(cfg, {n for n in names if not n.endswith(FUSED)})
     # the weights and the buffers the format holds (a rule names them); not expert_load, which no format has
-    jax.tree_util.tree_map_with_path(lambda kp, x: flat.__setitem__(".".join(str(k.key) for k in kp), x),
-                                     _carried(params, {r.param: r for r in rules}))
-    kept = set()  # the buffers: float32 state, written as float32 whatever `dtype` (transformers keeps them so)
-    jax.tree_util.tree_map_with_path(lambda kp, _: kept.add(".".join(str(k.key) for k in kp)),
-                                     nnx.to_pure_dict(buffers_of(params)))
+    flat = _named(_carried(params, {r.param: r for r in rules}))
+    kept = _named(nnx.to_pure_dict(buffers_of(params)))  # the buffers: float32 state, written as float32 whatever
+    # `dtype` (transformers keeps them so)
     vocab_axes = vocab_dims(params)
     first = next(iter(nnx.to_pure_dict(trainable(params)).values()))
     while isinstance(first, dict):
@@ -669,7 +669,7 @@ def import_to_workdir(src: str | pathlib.Path, dst: str | pathlib.Path, *, dtype
     `dst` must be new — absent or an empty directory, outside `src` — and is published whole or not at all
     (`checkpoint.write_params_only`). quantize: store the layers' matrices as 'int8' / 'int4'
     (`checkpoint.cast_and_quantize`). drop_mtp: import without the tensors of layers from num_hidden_layers on
-    (DeepSeek-V3's multi-token-prediction modules, which jaxpar's model does not hold; `load_params`)."""
+    (DeepSeek-V3's multi-token-prediction modules: the model gets model.mtp_depth 0; `load_params`)."""
     src, dst = pathlib.Path(src), pathlib.Path(dst)
     hf_cfg = read_config(src)
     checkpoint.check_params_only_target(dst, src)  # a new directory outside src, before anything is read
