@@ -160,7 +160,7 @@ def test_the_executor_prepares_each_weight_by_its_role():
     def trace(stacks, x):
         positions, mask = default_positions(*x.shape[:2]), attention_mask(x.shape[1], None)
 
-        def chunk_fn(chunk, x, tape):  # as the train step's: the tape rides on the context (`Tape.scan`)
+        def chunk_fn(chunk, x, tape, consts):  # as the train step's: the tape rides on the context (`Tape.scan`)
             return run_layers(chunk, x, positions, mask, cfg, par=SINGLE_DEVICE.with_tape(tape), stats=True)
 
         def operand(w, role):

@@ -58,15 +58,15 @@ class Chunk:
 
     chunk_fn, operand: as `execute` takes them; chunk_a, chunk_b: the chunk's parameters, twice (two traces); x0: a
     microbatch's input [mb, …]; like(x, ref): x typed as ref is (inside shard_map, as varying over the pipe axis);
-    consts: the chunk's constants (`execute`'s), or None — chunk_fn then takes three arguments."""
+    consts: the chunk's constants (`execute`'s), or None."""
 
     def __init__(self, chunk_fn: Callable, chunk_a, chunk_b, x0: Array, operand: Callable[[Array, str], Array],
                  like: Callable = lambda x, ref: x, consts=None):
-        self.chunk_fn, self.operand, self.like, self.has_consts = chunk_fn, operand, like, consts is not None
+        self.chunk_fn, self.operand, self.like = chunk_fn, operand, like
         self.params_ref = chunk_a
         param_leaves, self.param_def = jax.tree.flatten(chunk_a)
         measured = Tape(MEASURE)
-        self.call(chunk_a, x0, measured, consts)
+        chunk_fn(chunk_a, x0, measured, consts)
         role_of = {}  # id(weight) → its matmul role, as the model contracted it
         for w, role in zip(measured.weights, measured.roles):
             if role_of.setdefault(id(w), role) != role:
@@ -87,10 +87,6 @@ class Chunk:
         _, vjp_b, _, _, _, _ = self.vjp(chunk_b, x0 + 0, consts)
         self.treedef, self.kinds, self.leaves_a = _split_residuals(vjp_a, known_a, jax.tree.leaves(vjp_b), probes_a)
         self.stash_ref = [leaf for leaf, kind in zip(self.leaves_a, self.kinds) if kind[0] == "stash"]
-
-    def call(self, params, x, tape, consts):
-        """chunk_fn on one chunk's parameters (and its constants, where the executor has any)."""
-        return self.chunk_fn(params, x, tape, consts) if self.has_consts else self.chunk_fn(params, x, tape)
 
     def zeros(self, ref):
         """Zeros shaped and typed as the pytree `ref` (through `like`)."""
@@ -122,7 +118,7 @@ class Chunk:
 
         def record(others, x, probes):
             tape = Tape(RECORD, probes)
-            y, stats = self.call(self.join(weights, others), x, tape, consts_r)
+            y, stats = self.chunk_fn(self.join(weights, others), x, tape, consts_r)
             return y, (tape.inputs, stats)
 
         probes = self.zeros(self.probe_ref)
@@ -173,9 +169,9 @@ def execute(program: Program, chunk_fn: Callable, layers, rest, tokens: Array, t
             operand: Callable[[Array, str], Array] = lambda w, role: w, constants=None):
     """Run a schedule's ticks on this stage. Call inside shard_map with `axis` bound.
 
-    chunk_fn(chunk_params, x [mb, …], tape) → (y [mb, …], statistics): one chunk's k layers under `tape`
-    (jaxpar.parallel.weightgrad), run as one scan by the tape on the model's context (`Parallel.with_tape`, which
-    `jaxpar.model.run_layers` scans through); statistics: a pytree of sums the chunk reports (the MoE layers'
+    chunk_fn(chunk_params, x [mb, …], tape, chunk_constants) → (y [mb, …], statistics): one chunk's k layers under
+    `tape` (jaxpar.parallel.weightgrad), run as one scan by the tape on the model's context (`Parallel.with_tape`,
+    which `jaxpar.model.run_layers` scans through); statistics: a pytree of sums the chunk reports (the MoE layers'
     routing statistics; {} for none), read from F (RECORD). What the tape collected is on it afterwards (`Tape.scan`:
     RECORD's `inputs`, REPLAY's `outputs`, [k, …]). A chunk that adds a term of its own to the objective (the MoE
     layers' aux losses) attaches it to y with `add_to_objective`.
@@ -186,8 +182,8 @@ def execute(program: Program, chunk_fn: Callable, layers, rest, tokens: Array, t
     operand(w, role): a matmul weight as the contraction of its role reads it (jaxpar.matmul: the role's policy's
     `Einsum.operand`; the role is the one the model named for the weight, which the tape records).
     constants: None, or a pytree with leaves [v, …] like `layers` that the chunks read but are not differentiated
-    for (the layers' buffers: jaxpar.model.Buffer); chunk_fn then takes the chunk's as a fourth argument,
-    chunk_fn(chunk_params, x, tape, chunk_constants), and no gradient is computed or returned for them.
+    for (the layers' buffers: jaxpar.model.Buffer); chunk_fn gets the chunk's (None without constants), and no
+    gradient is computed or returned for them.
 
     Returns (loss, layer_grads, rest_grads, stats), this stage's share: loss = Σ_j loss_j / m over the microbatches
     whose last chunk it holds; the complete gradients of its chunks; the gradients of `rest` from the microbatches it
@@ -283,7 +279,7 @@ def execute(program: Program, chunk_fn: Callable, layers, rest, tokens: Array, t
 
         def replay(weights):
             tape = Tape(REPLAY, jax.tree.unflatten(chunk.tape_def, [b[g["tape"]] for b in tape_buf]))
-            chunk.call(chunk.join(weights, others), zeros(msg_ref), tape, consts_r)
+            chunk_fn(chunk.join(weights, others), zeros(msg_ref), tape, consts_r)
             return tape.outputs
 
         _, vjp_w = jax.vjp(replay, chunk.part(params_r, True))

@@ -523,7 +523,7 @@ def table_chunk(model: ModelConfig, seq: int, remat: str, k: int) -> TableChunk:
         stacks = nnx.merge(graphdef, jax.tree.unflatten(tree, leaves)).stacks()
         positions, mask = default_positions(*x.shape[:2]), attention_mask(seq, None)
 
-        def chunk_fn(chunk, x, tape):
+        def chunk_fn(chunk, x, tape, consts):  # (no constants: the trace's stacks hold the buffers it reads)
             if tape.mode == MEASURE:
                 measured.append(tape)
             return run_layers(chunk, x, positions, mask, cfg, remat=remat, par=SINGLE_DEVICE.with_tape(tape),
