@@ -154,15 +154,14 @@ class MTP(nnx.Module):
 
 
 def mtp_step(own: dict[str, Array], layer: dict[str, Array], h: Array, e: Array, positions: Array,
-             mask: Array | None, cfg: ModelConfig, par: Parallel = SINGLE_DEVICE, kv_cache: Callable | None = None):
+             mask: Array | None, cfg: ModelConfig, par: Parallel = SINGLE_DEVICE) -> Array:
     """One MTP module (`MTP`) before its head: the previous depth's hidden h and the embedding e of the tokens
-    k ahead, both float32 [B, T(/t), D] → (hᵏ [B, T(/t), D] float32, the block's cache or None). eh_proj is a weight
-    every tensor rank holds whole, applied to this rank's tokens (no region: `par.dot`)."""
+    k ahead, both float32 [B, T(/t), D] → hᵏ [B, T(/t), D] float32. eh_proj is a weight every tensor rank holds
+    whole, applied to this rank's tokens (no region: `par.dot`)."""
     u = jnp.concatenate([norm(e, par.replicated(own["enorm"]), None, cfg),
                          norm(h, par.replicated(own["hnorm"]), None, cfg)], -1)  # [B, T, 2D] compute dtype
     x = par.dot("btc,cd->btd", u, par.replicated(own["eh_proj"]), "head").astype(cfg.dtype).astype(jnp.float32)
-    x, kv, _ = block(layer, x, positions, mask, cfg, par, kv_cache)
-    return x, kv
+    return block(layer, x, positions, mask, cfg, par)[0]
 
 
 def mtp_targets(batch: Array, depth: int, segment_ids: Array | None = None) -> tuple[Array, Array, Array]:
@@ -590,7 +589,7 @@ class Transformer(nnx.Module):
         out = []
         for k in range(mtp_tokens.shape[0]):
             own, layer = self.mtp.depth(k)
-            h, _ = step(own, layer, h, self.embed_tokens(mtp_tokens[k], positions, par), positions, mask)
+            h = step(own, layer, h, self.embed_tokens(mtp_tokens[k], positions, par), positions, mask)
             out.append(self.logits(h, par, scale=own["head_norm"]))
         return jnp.stack(out)
 

@@ -46,7 +46,7 @@ def draft(model, h0: jax.Array, tokens: jax.Array, m: jax.Array) -> tuple[jax.Ar
     h, out = h0, []
     for k in range(1, model.cfg.mtp_depth + 1):
         own, layer = model.mtp.depth(k - 1)
-        h, _ = mtp_step(own, layer, h, model.embed_tokens(tokens[:, k:k + S], pos), pos, None, model.cfg)
+        h = mtp_step(own, layer, h, model.embed_tokens(tokens[:, k:k + S], pos), pos, None, model.cfg)
         logits = model.logits(jnp.take_along_axis(h, m[:, None, None], 1), scale=own["head_norm"])  # [B, 1, V]
         d = jnp.argmax(logits[:, 0], -1).astype(jnp.int32)
         tokens = tokens.at[jnp.arange(B), m + k + 1].set(d)

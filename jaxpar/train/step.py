@@ -65,22 +65,21 @@ def next_token_loss(graphdef: nnx.GraphDef, params: nnx.State, batch: jax.Array,
     mtp = objective and model.cfg.mtp_depth > 0
     if pipe is not None:  # (the config refuses MTP with a pipeline)
         loss, stats = pipeline_loss(model, batch, pipe, remat, par)
-    elif mtp:
-        tokens, targets, positions = sequence_share(batch, par)
-        mtp_in, mtp_out, valid = (jnp.stack([par.context_shard(x) for x in a])  # each [n, B, T(/c)]
-                                  for a in mtp_targets(batch, model.cfg.mtp_depth))
-        logits, stats, mtp_logits = model(tokens, positions=positions, remat=remat, par=par, stats=True,
-                                          mtp_tokens=mtp_in)
-        loss = par.cross_entropy(logits, targets).mean()
     else:
         tokens, targets, positions = sequence_share(batch, par)
-        logits, stats = model(tokens, positions=positions, remat=remat, par=par, stats=True)  # [B, T(/c), V_local]
+        mtp_kw = {}
+        if mtp:  # the MTP modules' inputs, targets and valid positions, each [n, B, T(/c)]
+            mtp_in, mtp_out, valid = (jnp.stack([par.context_shard(x) for x in a])
+                                      for a in mtp_targets(batch, model.cfg.mtp_depth))
+            mtp_kw = dict(mtp_tokens=mtp_in)
+        # logits [B, T(/c), V_local], then the MTP modules' [n, B, T(/c), V_local] with mtp_tokens
+        logits, stats, *mtp_logits = model(tokens, positions=positions, remat=remat, par=par, stats=True, **mtp_kw)
         loss = par.cross_entropy(logits, targets).mean()
     if not objective:
         return loss
     value = loss + moe_objective(stats, model.cfg, batch.shape[0])
     if mtp:
-        extra, sums = mtp_loss(mtp_logits, mtp_out, valid, batch.shape[1] - 1, par)
+        extra, sums = mtp_loss(mtp_logits[0], mtp_out, valid, batch.shape[1] - 1, par)
         value, stats = value + mtp_weight * extra, {**stats, "mtp": sums}
     return value, (loss, stats)
 
