@@ -205,6 +205,22 @@ def test_step_layouts_equal_one_device():
         assert_grads_match(grads, want_grads)
 
 
+@pytest.mark.parametrize("impl", ["all_gather", "ring"])
+def test_step_under_context_parallelism_equals_one_device(impl):
+    """A dense MTP model at context 2: each rank holds a zigzag share of every row's positions and of its MTP
+    targets, and `mtp_loss` divides by its share of the valid positions — the loss, the MTP sums and every gradient
+    equal one device's."""
+    cfg = ModelConfig(**LLAMA)
+    batch = _batch(cfg, 8, 12)
+    params = nnx.split(Transformer(cfg, rngs=nnx.Rngs(0)))[1]
+    want_loss, want_grads, want_sums = _grads(cfg, params, batch)
+    loss, grads, sums = _grads(cfg, params, batch, ParallelConfig(data=4, context=2, context_impl=impl))
+    np.testing.assert_allclose(loss, want_loss, rtol=1e-5)
+    np.testing.assert_allclose(sums["mtp"]["ce"], want_sums["mtp"]["ce"], rtol=1e-5)
+    np.testing.assert_array_equal(sums["mtp"]["count"], want_sums["mtp"]["count"])
+    assert_grads_match(grads, want_grads)
+
+
 @pytest.mark.parametrize("build,field", [
     (lambda: ModelConfig(family="gpt2", mtp_depth=1), "model.mtp_depth"),
     (lambda: ModelConfig(mtp_depth=-1), "model.mtp_depth"),

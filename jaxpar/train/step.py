@@ -299,7 +299,10 @@ def loss_and_grads(graphdef: nnx.GraphDef, *, grad_accum: int = 1, remat: str = 
             dims = dims if dims is not None else jax.tree.map(lambda _: -1, grads)
             split = expert_split if expert_split is not None else jax.tree.map(lambda _: False, grads)
             grads = jax.tree.map(lambda g, d, e: _mean(g, d, grad_axes, e), grads, dims, split)
-            sums = jax.tree.map(lambda a: jax.lax.psum(a, grad_axes), sums)
+            # each rank's sums are over its own rows, whatever they vary over by type (the MTP modules' count of
+            # valid positions depends on the positions alone: under context parallelism it varies over `context`
+            # only, and a psum wants one typing over all its axes)
+            sums = jax.tree.map(lambda a: jax.lax.psum(vary(a, grad_axes), grad_axes), sums)
         return (loss, grads, sums) if stats else (loss, grads)
 
     return run
