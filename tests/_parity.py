@@ -26,6 +26,38 @@ def canonical_host(params, config, mesh=None) -> dict:
     return jax.tree.map(np.asarray, nnx.to_pure_dict(plan.to_canonical(params)))
 
 
+# Layouts the model-state tests train at with `fit` (name: (config overrides, devices)): every pipeline kind's layer
+# order (the circular loop's passes, ZB-V's V placement), expert and tensor parallelism, and sequence parallelism.
+_FIT_ONE = ["parallel.repeats=1", "parallel.microbatches=1"]
+FIT_LAYOUTS = {
+    "single device": (["parallel.data=1", "parallel.pipe=1", "parallel.expert=1", "parallel.tensor=1"] + _FIT_ONE, 1),
+    "(data, expert, tensor) = (2, 2, 2) SP": (["parallel.data=2", "parallel.pipe=1", "parallel.expert=2",
+                                               "parallel.tensor=2", "parallel.sequence_parallel=true"] + _FIT_ONE, 8),
+    "(pipe, expert, tensor) = (2, 2, 2) circular": (["parallel.data=1", "parallel.pipe=2", "parallel.expert=2",
+                                                     "parallel.tensor=2", "parallel.repeats=2",
+                                                     "parallel.microbatches=4"], 8),
+    "(data, pipe, tensor) = (2, 2, 2) ZB-V": (["parallel.data=2", "parallel.pipe=2", "parallel.expert=1",
+                                               "parallel.tensor=2", "parallel.repeats=2", "parallel.microbatches=4",
+                                               "parallel.schedule=zbv"], 8),
+}
+
+
+def restore_on(workdir, config, devices: int):
+    """The newest training checkpoint of `workdir` restored onto `config`'s layout (resolved for its first
+    `devices` devices) → (the restored TrainState, the model state on the host as `canonical_host` gives it)."""
+    from jaxpar.store import checkpoint
+    from jaxpar.train import build_trainer
+
+    config = config.resolve_for_devices(devices)
+    like = build_trainer(config, jax.devices()[:devices], abstract=True)
+    mngr = checkpoint.manager(workdir)
+    try:
+        state, _ = checkpoint.restore_train(mngr, like.state, like.shardings, like.plan, config.model.vocab_size)
+    finally:
+        mngr.close()
+    return state, canonical_host(state.params, config, like.mesh)
+
+
 def single_device(cfg, batch):
     """The reference: one device, no mesh, unpadded vocab, layers in model order → (params, loss, grads)."""
     graphdef, params = nnx.split(Transformer(cfg, rngs=nnx.Rngs(0)), nnx.Param)

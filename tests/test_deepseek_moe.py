@@ -17,12 +17,11 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from _parity import assert_grads_match, canonical_host, on_layout
+from _parity import FIT_LAYOUTS, assert_grads_match, canonical_host, on_layout, restore_on
 from jaxpar.config import ModelConfig, MoEConfig, ParallelConfig, load_config
 from jaxpar.model import MODEL_STATE, Transformer, bias_update, buffers_of, trainable, update_buffers
 from jaxpar.parallel.expert import route
-from jaxpar.store import checkpoint
-from jaxpar.train import build_trainer, fit
+from jaxpar.train import fit
 from jaxpar.train.step import loss_and_grads
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -252,30 +251,17 @@ TRAIN = ["model.d_model=24", "model.n_heads=4", "model.n_kv_heads=2", "model.n_l
          "moe.top_k=2", "moe.d_ff=10", "moe.scoring=sigmoid", "moe.n_group=4", "moe.topk_group=2",
          "moe.correction_bias=true", f"moe.bias_update_rate={RATE}", "moe.aux_loss_coef=0", "train.batch_size=16",
          "train.seq_len=16", "train.steps=2", "train.log_every=1", "train.eval_every=0", "train.warmup_steps=1"]
-TRAIN_LAYOUTS = {  # name: (overrides, devices)
-    "single device": (["parallel.data=1", "parallel.pipe=1", "parallel.expert=1", "parallel.tensor=1",
-                       "parallel.repeats=1", "parallel.microbatches=1"], 1),
-    "(data, expert, tensor) = (2, 2, 2) SP": (["parallel.data=2", "parallel.pipe=1", "parallel.expert=2",
-                                               "parallel.tensor=2", "parallel.sequence_parallel=true",
-                                               "parallel.repeats=1", "parallel.microbatches=1"], 8),
-    "(pipe, expert, tensor) = (2, 2, 2) circular": (["parallel.data=1", "parallel.pipe=2", "parallel.expert=2",
-                                                     "parallel.tensor=2", "parallel.repeats=2",
-                                                     "parallel.microbatches=4"], 8),
-    "(data, pipe, tensor) = (2, 2, 2) ZB-V": (["parallel.data=2", "parallel.pipe=2", "parallel.expert=1",
-                                               "parallel.tensor=2", "parallel.repeats=2", "parallel.microbatches=4",
-                                               "parallel.schedule=zbv"], 8),
-}
 
 
 def train_config(name):
-    return load_config("configs/moe_tiny.py", TRAIN + TRAIN_LAYOUTS[name][0])
+    return load_config("configs/moe_tiny.py", TRAIN + FIT_LAYOUTS[name][0])
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     """name → (workdir, FitResult): two steps of `fit` at each layout, on the same batches."""
     out = {}
-    for name, (_, devices) in TRAIN_LAYOUTS.items():
+    for name, (_, devices) in FIT_LAYOUTS.items():
         workdir = tmp_path_factory.mktemp("run")
         out[name] = workdir, fit(train_config(name), workdir, devices=jax.devices()[:devices], progress=False)
     return out
@@ -299,14 +285,7 @@ def test_the_bias_trains_alike_everywhere_and_restores_bit_for_bit(runs):
 
     source = "(pipe, expert, tensor) = (2, 2, 2) circular"
     for target in ("single device", "(data, pipe, tensor) = (2, 2, 2) ZB-V"):
-        config = train_config(target).resolve_for_devices(TRAIN_LAYOUTS[target][1])
-        like = build_trainer(config, jax.devices()[:TRAIN_LAYOUTS[target][1]], abstract=True)
-        mngr = checkpoint.manager(runs[source][0])
-        try:
-            state, _ = checkpoint.restore_train(mngr, like.state, like.shardings, like.plan, config.model.vocab_size)
-        finally:
-            mngr.close()
-        got = canonical_host(state.params, config, like.mesh)
+        _, got = restore_on(runs[source][0], train_config(target), FIT_LAYOUTS[target][1])
         jax.tree.map(np.testing.assert_array_equal, got, host[source])
 
 

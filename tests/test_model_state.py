@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from _parity import canonical_host
+from _parity import FIT_LAYOUTS, canonical_host, restore_on
 from jaxpar.config import load_config
 from jaxpar.model import abstract_model, buffers_of
 from jaxpar.store import checkpoint
@@ -25,16 +25,8 @@ MODEL = ["model.d_model=24", "model.n_heads=4", "model.n_kv_heads=2", "model.n_l
          "moe.top_k=2", "moe.d_ff=10", f"moe.load_ema={DECAY}", "train.batch_size=16", "train.seq_len=16",
          "train.steps=3", "train.log_every=1", "train.eval_every=0", "train.warmup_steps=1",
          "train.weight_decay=0.5"]  # a decay that would show on the buffer if it reached it
-LAYOUTS = {  # name: (overrides, devices)
-    "single device": (["parallel.data=1", "parallel.pipe=1", "parallel.expert=1", "parallel.tensor=1",
-                       "parallel.repeats=1", "parallel.microbatches=1"], 1),
-    "(pipe, expert, tensor) = (2, 2, 2) circular": (["parallel.data=1", "parallel.pipe=2", "parallel.expert=2",
-                                                     "parallel.tensor=2", "parallel.repeats=2",
-                                                     "parallel.microbatches=4"], 8),
-    "(data, pipe, tensor) = (2, 2, 2) ZB-V": (["parallel.data=2", "parallel.pipe=2", "parallel.expert=1",
-                                               "parallel.tensor=2", "parallel.repeats=2", "parallel.microbatches=4",
-                                               "parallel.schedule=zbv"], 8),
-}
+LAYOUTS = {name: FIT_LAYOUTS[name] for name in ("single device", "(pipe, expert, tensor) = (2, 2, 2) circular",
+                                                  "(data, pipe, tensor) = (2, 2, 2) ZB-V")}
 
 
 def config_at(name):
@@ -90,14 +82,7 @@ def test_every_layout_updates_the_buffer_alike_and_it_restores_anywhere_bit_for_
     source = "(pipe, expert, tensor) = (2, 2, 2) circular"
     workdir = runs[source][0]
     for target in ("single device", "(data, pipe, tensor) = (2, 2, 2) ZB-V"):
-        config = config_at(target).resolve_for_devices(LAYOUTS[target][1])
-        like = build_trainer(config, jax.devices()[:LAYOUTS[target][1]], abstract=True)
-        mngr = checkpoint.manager(workdir)
-        try:
-            state, _ = checkpoint.restore_train(mngr, like.state, like.shardings, like.plan, config.model.vocab_size)
-        finally:
-            mngr.close()
-        got = canonical_host(state.params, config, like.mesh)
+        state, got = restore_on(workdir, config_at(target), LAYOUTS[target][1])
         jax.tree.map(np.testing.assert_array_equal, got, host[source])
         assert "expert_load" not in str(jax.tree_util.tree_flatten_with_path(state.opt_state)[0])
 
