@@ -229,9 +229,9 @@ def reference():
 def test_model_with_a_bias_matches_one_device(reference, layout):
     """The whole DeepSeek model (latent attention, a shared expert, V3 routing) with a non-zero bias (it changes
     which experts): the loss and every weight's gradient — the replicated latent projections' included — equal one
-    device's (fp32 rtol 1e-5), the step's per-layer loads — what the bias update reads — equal exactly (summed over data,
-    expert, the pipeline's microbatches, gradient accumulation's micro-steps and SP's tensor shards), and no gradient
-    reaches the bias. (Context parallelism is refused for MoE models by the config.)"""
+    device's (fp32 rtol 1e-5), the step's per-layer loads — what the bias update reads — equal exactly (summed over
+    data, expert, the pipeline's microbatches, gradient accumulation's micro-steps and SP's tensor shards), and no
+    gradient reaches the bias. (Context parallelism is refused for MoE models by the config.)"""
     cfg, state, batch, want_loss, want_grads, want_sums = reference
     accum = 2 if "micro-steps" in layout else 1  # gradient accumulation sums the micro-steps' loads
     loss, grads, sums = on_layout(cfg, state, batch, ParallelConfig(**PARITY_LAYOUTS[layout]), stats=True,
