@@ -223,6 +223,14 @@ def _hf_import(kind):
     return call
 
 
+def _config_row(name: str, preset: str, overrides: list[str], field: str) -> Case:
+    """A `train` row whose bad input is config overrides on a preset: `--config.KEY=VALUE` flags on the command
+    line, and the same overrides through `load_config`."""
+    flags = " ".join(f"--config.{o}" for o in overrides)
+    return Case(f"train-{name}", f"train --no-progress --config configs/{preset} --workdir {{tmp}}/w {flags}", field,
+                lambda c, t: load_config(f"configs/{preset}", list(overrides)))
+
+
 TRAIN = "train --no-progress --config configs/tiny.py --workdir {tmp}/w "
 MOE = "train --no-progress --config configs/moe_tiny.py --workdir {tmp}/w "
 SMALL = " ".join(f"--config.{o}" for o in ONE + ["parallel.data=-1"])  # the same run on all 8 devices
@@ -259,50 +267,34 @@ CASES = [
          lambda c, t: load_config("configs/moe_tiny.py", ["moe.load_ema=fast"])),
     Case("train-load-ema-dense", TRAIN + "--config.moe.load_ema=0.9", "moe.load_ema",
          lambda c, t: load_config("configs/tiny.py", ["moe.load_ema=0.9"])),
-    Case("train-moe-scoring-unknown", MOE + "--config.moe.scoring=tanh", "moe.scoring",
-         lambda c, t: load_config("configs/moe_tiny.py", ["moe.scoring=tanh"])),
-    Case("train-moe-n-group-not-dividing", MOE + "--config.moe.n_group=3", "moe.n_group",
-         lambda c, t: load_config("configs/moe_tiny.py", ["moe.n_group=3"])),
-    Case("train-moe-n-group-zero", MOE + "--config.moe.n_group=0", "moe.n_group",
-         lambda c, t: load_config("configs/moe_tiny.py", ["moe.n_group=0"])),
-    Case("train-moe-topk-group-over-groups", MOE + "--config.moe.n_group=4 --config.moe.topk_group=5", "moe.topk_group",
-         lambda c, t: load_config("configs/moe_tiny.py", ["moe.n_group=4", "moe.topk_group=5"])),
-    Case("train-moe-sigmoid-one-expert-groups", MOE + "--config.moe.scoring=sigmoid --config.moe.n_group=8",
-         "moe.n_group",
-         lambda c, t: load_config("configs/moe_tiny.py", ["moe.scoring=sigmoid", "moe.n_group=8"])),
-    Case("train-moe-top-k-over-group-experts", MOE + "--config.moe.n_group=4 --config.moe.top_k=3", "moe.top_k",
-         lambda c, t: load_config("configs/moe_tiny.py", ["moe.n_group=4", "moe.top_k=3"])),
-    Case("train-moe-routed-scale-zero", MOE + "--config.moe.routed_scale=0", "moe.routed_scale",
-         lambda c, t: load_config("configs/moe_tiny.py", ["moe.routed_scale=0"])),
-    Case("train-moe-correction-bias-text", MOE + "--config.moe.correction_bias=maybe", "moe.correction_bias",
-         lambda c, t: load_config("configs/moe_tiny.py", ["moe.correction_bias=maybe"])),
-    Case("train-moe-bias-rate-without-bias", MOE + "--config.moe.bias_update_rate=0.001", "moe.bias_update_rate",
-         lambda c, t: load_config("configs/moe_tiny.py", ["moe.bias_update_rate=0.001"])),
-    Case("train-moe-bias-rate-negative",
-         MOE + "--config.moe.correction_bias=true --config.moe.bias_update_rate=-0.001", "moe.bias_update_rate",
-         lambda c, t: load_config("configs/moe_tiny.py",
-                                  ["moe.correction_bias=true", "moe.bias_update_rate=-0.001"])),
-    Case("train-moe-recenter-without-bias", MOE + "--config.moe.bias_recenter=true", "moe.bias_recenter",
-         lambda c, t: load_config("configs/moe_tiny.py", ["moe.bias_recenter=true"])),
-    Case("train-correction-bias-dense", TRAIN + "--config.moe.correction_bias=true", "moe.correction_bias",
-         lambda c, t: load_config("configs/tiny.py", ["moe.correction_bias=true"])),
+    # DeepSeek's routing (moe.scoring, n_group, topk_group, routed_scale, correction_bias, bias_update_rate, …)
+    *[_config_row(*row) for row in [
+        ("moe-scoring-unknown", "moe_tiny.py", ["moe.scoring=tanh"], "moe.scoring"),
+        ("moe-n-group-not-dividing", "moe_tiny.py", ["moe.n_group=3"], "moe.n_group"),
+        ("moe-n-group-zero", "moe_tiny.py", ["moe.n_group=0"], "moe.n_group"),
+        ("moe-topk-group-over-groups", "moe_tiny.py", ["moe.n_group=4", "moe.topk_group=5"], "moe.topk_group"),
+        ("moe-sigmoid-one-expert-groups", "moe_tiny.py", ["moe.scoring=sigmoid", "moe.n_group=8"], "moe.n_group"),
+        ("moe-top-k-over-group-experts", "moe_tiny.py", ["moe.n_group=4", "moe.top_k=3"], "moe.top_k"),
+        ("moe-routed-scale-zero", "moe_tiny.py", ["moe.routed_scale=0"], "moe.routed_scale"),
+        ("moe-correction-bias-text", "moe_tiny.py", ["moe.correction_bias=maybe"], "moe.correction_bias"),
+        ("moe-bias-rate-without-bias", "moe_tiny.py", ["moe.bias_update_rate=0.001"], "moe.bias_update_rate"),
+        ("moe-bias-rate-negative", "moe_tiny.py", ["moe.correction_bias=true", "moe.bias_update_rate=-0.001"],
+         "moe.bias_update_rate"),
+        ("moe-recenter-without-bias", "moe_tiny.py", ["moe.bias_recenter=true"], "moe.bias_recenter"),
+        ("correction-bias-dense", "tiny.py", ["moe.correction_bias=true"], "moe.correction_bias"),
+    ]],
     Case("train-moe-unknown-key", MOE + "--config.moe.num_experts=8", "moe.num_experts",
          lambda c, t: load_config("configs/moe_tiny.py", ["moe.num_experts=8"])),
     Case("train-moe-shared-gate-without-shared", MOE + "--config.moe.shared_gate=true", "moe.shared_gate",
          lambda c, t: load_config("configs/moe_tiny.py", ["moe.shared_gate=true"])),
     # multi-token prediction (model.mtp_depth, train.mtp_loss_weight)
-    Case("train-mtp-depth-negative", MOE + "--config.model.mtp_depth=-1", "model.mtp_depth",
-         lambda c, t: load_config("configs/moe_tiny.py", ["model.mtp_depth=-1"])),
-    Case("train-mtp-depth-text", MOE + "--config.model.mtp_depth=two", "model.mtp_depth",
-         lambda c, t: load_config("configs/moe_tiny.py", ["model.mtp_depth=two"])),
-    Case("train-mtp-gpt2", MOE + "--config.moe.n_experts=0 --config.model.family=gpt2 --config.model.mtp_depth=1",
-         "model.mtp_depth",
-         lambda c, t: load_config("configs/moe_tiny.py", ["moe.n_experts=0", "model.family=gpt2",
-                                                          "model.mtp_depth=1"])),
-    Case("train-mtp-with-pipeline", TRAIN + "--config.model.mtp_depth=1", "parallel.pipe",
-         lambda c, t: load_config("configs/tiny.py", ["model.mtp_depth=1"])),
-    Case("train-mtp-loss-weight-negative", MOE + "--config.train.mtp_loss_weight=-0.3", "train.mtp_loss_weight",
-         lambda c, t: load_config("configs/moe_tiny.py", ["train.mtp_loss_weight=-0.3"])),
+    *[_config_row(*row) for row in [
+        ("mtp-depth-negative", "moe_tiny.py", ["model.mtp_depth=-1"], "model.mtp_depth"),
+        ("mtp-depth-text", "moe_tiny.py", ["model.mtp_depth=two"], "model.mtp_depth"),
+        ("mtp-gpt2", "moe_tiny.py", ["moe.n_experts=0", "model.family=gpt2", "model.mtp_depth=1"], "model.mtp_depth"),
+        ("mtp-with-pipeline", "tiny.py", ["model.mtp_depth=1"], "parallel.pipe"),
+        ("mtp-loss-weight-negative", "moe_tiny.py", ["train.mtp_loss_weight=-0.3"], "train.mtp_loss_weight"),
+    ]],
     Case("train-moe-gpt2", MOE + "--config.model.family=gpt2", "moe.n_experts",
          lambda c, t: load_config("configs/moe_tiny.py", ["model.family=gpt2"])),
     Case("train-moe-expert-width-vs-tensor", MOE + "--config.moe.d_ff=175", "moe.d_ff",
