@@ -8,7 +8,8 @@ scoring with auxiliary-loss-free balancing, YaRN RoPE) — for the planner and a
                            + 64 RoPE dims (the rope key shared by all heads), values 128
     KV cache per token   = 512 + 64 = 576 values a layer (the same 128 heads as GQA-128 would hold 2·128·128 = 32,768)
     experts              = 256 routed over expert 32 (8 per rank), each split over tensor 8 (256 columns per GPU)
-    parameters           = ≈ 671B total, ≈ 37B active per token (the multi-token-prediction module is not modelled)
+    parameters           = 671.0B total, 37.6B active per token (count_params; tests/test_config.py); model.mtp_depth
+                           is 0 here: the checkpoint's one MTP module (14B more) is not trained by this preset
 
 Training layout here: data * expert * tensor = 1 * 32 * 8 = 256 (tensor inside each 8-GPU host); no pipeline
 (the 3 dense layers would give the first stage a different layer kind), no ZeRO (it shards over 'data', size 1 here).

@@ -71,6 +71,17 @@ def test_preset_loads_and_resolves(path):
     assert config_from_dict(json.loads(resolved.to_json())) == resolved
 
 
+def test_deepseek_v3_preset_is_deepseek_v3s_size():
+    """configs/deepseek_v3.py's docstring figures: 671.0B parameters, 37.6B of them active per token (a token runs
+    8 of the 256 routed experts of each of the 58 MoE layers; DeepSeek-AI report 671B and 37B)."""
+    from jaxpar.model import count_params
+
+    m = load_config("configs/deepseek_v3.py").model
+    total = count_params(m)
+    idle = (m.moe.n_experts - m.moe.top_k) * 3 * m.d_model * m.moe.d_ff * m.moe_layer_count
+    assert (round(total / 1e9, 1), round((total - idle) / 1e9, 1)) == (671.0, 37.6)
+
+
 @pytest.mark.parametrize("path", sorted(ROOT.glob("configs/*.py")), ids=lambda p: p.name)
 def test_preset_is_a_commented_config_dict(path):
     """ml_collections ConfigDict of known sections; every key line carries a trailing comment; a docstring."""
