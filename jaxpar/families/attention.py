@@ -86,7 +86,6 @@ GQA = AttentionKind("gqa", params=_gqa_params, cache=_gqa_cache, check=_gqa_chec
                     shared_axes=("kv_heads",))
 
 
-
 # -----------------------------------------------------------------------------------------------------------------
 # Multi-head latent attention (DeepSeek-V2 §2.1). Letters: r kv_lora_rank, rq q_lora_rank, R qk_rope_head_dim,
 # N qk_nope_head_dim, Eqk = N + R (= head_dim), Ev v_head_dim.
