@@ -10,9 +10,8 @@ rope_interleave, YaRN (factor 4, beta 16 / 2, mscale = mscale_all_dim = 1).
 Two groups of tests. The first runs on the mapping alone: config.json → ModelConfig fields for every key (both
 RoPE spellings, transformers' defaults), the refusals as one-line errors naming the key, the tensor table against
 the fixture files (every name, every shape, the head splits, to_hf ∘ to_jax bit for bit, the fused layout), a fresh
-config.json read back, and the export's refusals — with a stand-in config where ModelConfig lacks the MLA and
-routing fields. The second (`NEEDS_MODEL`) needs the deepseek family and routing of the other branches: import →
-export bit for bit through the command line, the correction bias carried as a buffer, and the MTP refusal on import.
+config.json read back, and the export's refusals. The second builds models: import → export bit for bit through the
+command line, the correction bias carried as a buffer, and the MTP refusal on import.
 Parity with transformers' logits and greedy tokens is in tests/test_hf_moe.py's parametrisations.
 """
 
@@ -29,19 +28,13 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file, save_file
 
-from jaxpar.config import ConfigError, ModelConfig, MoEConfig
+from jaxpar.config import ConfigError, ModelConfig
 from jaxpar.families import deepseek_hf
 from jaxpar.families.moe_hf import ExpertRule, ZeroRule
 from jaxpar.interop import hf
 
 FIXTURES = pathlib.Path(__file__).parent / "fixtures" / "hf"
 DEEPSEEK = ("deepseek_v2", "deepseek_v3")
-MLA = ("q_lora_rank", "kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim", "rope_interleave")
-YARN = ("rope_beta_fast", "rope_beta_slow", "rope_mscale", "rope_mscale_all_dim")
-ROUTING = ("scoring", "n_group", "topk_group", "correction_bias", "routed_scale")
-# The model side (MLA family, YaRN, DeepSeek routing) is on other branches: these tests run once it is merged.
-NEEDS_MODEL = pytest.mark.skipif(not {f.name for f in dataclasses.fields(ModelConfig)} >= set(MLA),
-                                 reason="needs the deepseek family and DeepSeek routing (MLA / routing branches)")
 
 
 def config_json(name: str) -> dict:
@@ -61,28 +54,11 @@ def tensors(directory: pathlib.Path) -> dict[str, np.ndarray]:
     return out
 
 
-class StandIn:
-    """A ModelConfig (or MoEConfig) with extra attributes: the MLA / YaRN / routing fields this branch's ModelConfig
-    does not have yet. Everything else — layer_stacks included — is the real config's."""
-
-    def __init__(self, base, **extra):
-        self._base = base
-        self.__dict__.update(extra)
-
-    def __getattr__(self, name):
-        return getattr(self._base, name)
-
-
-def stand_in(fields: dict) -> StandIn:
-    fields, moe = dict(fields), dict(fields["moe"])
-    extra = {k: fields.pop(k) for k in MLA + YARN if k in fields}
-    routing = {k: moe.pop(k) for k in ROUTING}
-    if fields["rope_scaling"] == "yarn":  # not a kind this branch's ModelConfig knows
-        extra.update(rope_scaling="yarn", rope_factor=fields.pop("rope_factor"),
-                     rope_original_max_len=fields.pop("rope_original_max_len"))
-        del fields["rope_scaling"]
-    base = ModelConfig(**{**fields, "family": "llama", "moe": MoEConfig(**moe)})
-    return StandIn(base, family="deepseek", moe=StandIn(base.moe, **routing), **extra)
+def config_of(fields: dict, **changes) -> ModelConfig:
+    """The ModelConfig of fields deepseek_hf read, with `changes` applied (`moe_*` keys to the moe section)."""
+    model = {k: v for k, v in changes.items() if not k.startswith("moe_")}
+    moe = {k[4:]: v for k, v in changes.items() if k.startswith("moe_")}
+    return ModelConfig(**{**fields, **model, "moe": {**fields["moe"], **moe}})
 
 
 # -----------------------------------------------------------------------------------------------------------------
@@ -266,7 +242,7 @@ def each_tensor(rule, cfg):
 def fused(name: str) -> dict[str, np.ndarray]:
     """The fixture in transformers 5's fused expert layout (what save_pretrained(save_original_format=False) writes,
     asserted by the fixture script): per MoE layer experts.gate_up_proj [X, 2F, D], experts.down_proj [X, D, F]."""
-    hub, cfg = tensors(FIXTURES / name), stand_in(read(config_json(name)))
+    hub, cfg = tensors(FIXTURES / name), config_of(read(config_json(name)))
     out = {k: v for k, v in hub.items() if ".mlp.experts." not in k}
     for layer in cfg.layer_stacks["blocks"]:
         get = lambda e, w: hub[f"model.layers.{layer}.mlp.experts.{e}.{w}.weight"]  # noqa: E731
@@ -281,7 +257,7 @@ def fused(name: str) -> dict[str, np.ndarray]:
 @pytest.mark.parametrize("name", DEEPSEEK)
 def test_the_tensor_table_names_every_tensor_with_its_shape_and_inverts_bit_for_bit(name, layout):
     files = tensors(FIXTURES / name) if layout == "hub" else fused(name)
-    cfg = stand_in(read(config_json(name)))
+    cfg = config_of(read(config_json(name)))
     assert cfg.layer_stacks == {"blocks": (1, 2), "dense_blocks": (0,)}
     rules = deepseek_hf.tensors(cfg, set(files))
     shapes, seen = jaxpar_shapes(cfg), set()
@@ -310,7 +286,7 @@ def test_the_tensor_table_names_every_tensor_with_its_shape_and_inverts_bit_for_
 def test_head_splits_follow_hf_row_order(name):
     """Row h·W + j of a head-major HF projection is jaxpar's [.., h, j]: per head k_nope then v in kv_b_proj, the
     query's last qk_rope_head_dim dims its rope part (no permutation); o_proj's column h·Ev + j is wo[h, j]."""
-    files, cfg = tensors(FIXTURES / name), stand_in(read(config_json(name)))
+    files, cfg = tensors(FIXTURES / name), config_of(read(config_json(name)))
     rules = {r.param: r for r in deepseek_hf.tensors(cfg, set(files))}
     nope, Ev, E = cfg.qk_nope_head_dim, cfg.v_head_dim, cfg.qk_nope_head_dim + cfg.qk_rope_head_dim
     kv_b = files["model.layers.1.self_attn.kv_b_proj.weight"]
@@ -336,7 +312,7 @@ def test_head_splits_follow_hf_row_order(name):
     ("model.layers.3.shared_head.norm.weight", r"multi-token-prediction"),
 ])
 def test_tensors_jaxpar_does_not_implement_are_refused_by_name(tensor, message):
-    cfg = stand_in(read(config_json("deepseek_v3")))
+    cfg = config_of(read(config_json("deepseek_v3")))
     with pytest.raises(ConfigError) as info:
         deepseek_hf.tensors(cfg, set(tensors(FIXTURES / "deepseek_v3")) | {tensor})
     assert info.value.field == f"tensor {tensor}" and re.search(message, str(info.value)), str(info.value)
@@ -346,9 +322,7 @@ def test_tensors_jaxpar_does_not_implement_are_refused_by_name(tensor, message):
 def test_zero_width_shared_experts_and_a_missing_bias_are_zero_rules():
     """n_shared_experts 0 (transformers builds a width-0 MLP) and a sigmoid model without a correction bias (V3
     always holds one): tensors no parameter holds, written as zeros."""
-    fields = read(dict(config_json("deepseek_v3"), n_shared_experts=0))
-    cfg = stand_in(fields)
-    cfg.moe.correction_bias = False
+    cfg = config_of(read(dict(config_json("deepseek_v3"), n_shared_experts=0)), moe_correction_bias=False)
     zero = {r.param: r.shape for r in deepseek_hf.tensors(cfg) if isinstance(r, ZeroRule)}
     assert zero == {"blocks.ws_gate": (0, 64), "blocks.ws_up": (0, 64), "blocks.ws_down": (64, 0),
                     "blocks.e_score_correction_bias": (8,)}
@@ -442,7 +416,7 @@ def numpy_forward(cfg, p: dict, ids: np.ndarray) -> np.ndarray:
 def mapped(name: str):
     """(stand-in cfg, the fixture's tensors mapped to jaxpar's layout: unstacked params as arrays, stacked ones as
     {model layer: array}, experts stacked [X, …])."""
-    files, cfg = tensors(FIXTURES / name), stand_in(read(config_json(name)))
+    files, cfg = tensors(FIXTURES / name), config_of(read(config_json(name)))
     p: dict = {}
     for rule in deepseek_hf.tensors(cfg, set(files)):
         for hf_name, layer, e in each_tensor(rule, cfg):
@@ -484,7 +458,7 @@ def test_the_exported_config_json_reads_back_to_the_same_fields(name, base):
     kept) and from nothing (the older rope_theta + rope_scaling spelling, with DeepSeek's `type` key)."""
     fields = read(config_json(name))
     out = copy.deepcopy(config_json(name)) if base == "imported" else {}
-    deepseek_hf.write(stand_in(fields), out, config_json(name) if base == "imported" else None)
+    deepseek_hf.write(config_of(fields), out, config_json(name) if base == "imported" else None)
     assert read(out) == fields
     arch = {"deepseek_v2": "DeepseekV2ForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM"}[name]
     assert out["architectures"] == [arch] and out["head_dim"] == 8 and out["qk_head_dim"] == 16
@@ -512,22 +486,20 @@ def test_the_exported_config_json_reads_back_to_the_same_fields(name, base):
     ("deepseek_v3", "model", "qkv_bias", True, "model.qkv_bias"),
 ])
 def test_export_refuses_what_neither_architecture_holds(name, where, field, value, refused):
-    cfg = stand_in(read(config_json(name)))
-    deepseek_hf.exportable(cfg)  # the fixtures' own configs export
-    setattr(cfg.moe if where == "moe" else cfg, field, value)
+    fields = read(config_json(name))
+    deepseek_hf.exportable(config_of(fields))  # the fixtures' own configs export
     with pytest.raises(ConfigError) as info:
-        deepseek_hf.exportable(cfg)
+        deepseek_hf.exportable(config_of(fields, **{("moe_" if where == "moe" else "") + field: value}))
     assert info.value.field == refused and "\n" not in str(info.value)
 
 
 def test_v3_without_the_bias_and_v2_greedy_export():
-    v3 = stand_in(read(config_json("deepseek_v3")))
-    v3.moe.correction_bias = False  # still V3 (sigmoid); its bias tensor is written as zeros (a ZeroRule)
+    # still V3 (sigmoid); its bias tensor is written as zeros (a ZeroRule)
+    v3 = config_of(read(config_json("deepseek_v3")), moe_correction_bias=False)
     out: dict = {}
     deepseek_hf.write(v3, out, None)
     assert out["architectures"] == ["DeepseekV3ForCausalLM"]
-    v2 = stand_in(read(config_json("deepseek_v2")))
-    v2.moe.n_group = v2.moe.topk_group = 1
+    v2 = config_of(read(config_json("deepseek_v2")), moe_n_group=1, moe_topk_group=1)
     out = {}
     deepseek_hf.write(v2, out, None)
     assert (out["architectures"], out["topk_method"]) == (["DeepseekV2ForCausalLM"], "greedy")
@@ -610,10 +582,9 @@ def test_drop_mtp_leaves_out_only_the_layers_beyond_the_model(tmp_path, capsys):
 
 
 # -----------------------------------------------------------------------------------------------------------------
-# With the model side merged (MLA family, DeepSeek routing): real ModelConfigs, import and export
+# Real models: import and export
 
 
-@NEEDS_MODEL
 @pytest.mark.parametrize("name", DEEPSEEK)
 def test_model_config_of_the_fixtures(name):
     cfg = hf.model_config(hf.read_config(FIXTURES / name), FIXTURES / name)
@@ -627,7 +598,6 @@ def test_model_config_of_the_fixtures(name):
     assert cfg.layer_stacks == {"blocks": (1, 2), "dense_blocks": (0,)}
 
 
-@NEEDS_MODEL
 @pytest.mark.parametrize("name,layout", [("deepseek_v2", "hub"), ("deepseek_v3", "hub"), ("deepseek_v3", "fused")])
 def test_command_line_import_export_reproduces_every_tensor_bit_for_bit(name, layout, tmp_path):
     """`jaxpar convert --from-hf` then `--to-hf`: every tensor bit for bit (the fused layout exports the hub's), the
@@ -657,7 +627,6 @@ def test_command_line_import_export_reproduces_every_tensor_bit_for_bit(name, la
                                                       for l in (1, 2)]))
 
 
-@NEEDS_MODEL
 def test_a_bfloat16_export_keeps_the_correction_bias_float32(tmp_path):
     hf.import_to_workdir(FIXTURES / "deepseek_v3", tmp_path / "w")
     hf.export_workdir(tmp_path / "w", tmp_path / "out", dtype="bfloat16")
@@ -666,7 +635,6 @@ def test_a_bfloat16_export_keeps_the_correction_bias_float32(tmp_path):
     assert out["model.layers.1.mlp.gate.weight"].dtype != np.float32
 
 
-@NEEDS_MODEL
 def test_mtp_weights_are_refused_on_import_naming_mtp(tmp_path, capsys):
     """A V3 checkpoint with an MTP module (layer num_hidden_layers = 3) that its config.json does not declare
     (num_nextn_predict_layers 0): refused, not imported without it — unless the import is told to leave it out
@@ -696,7 +664,6 @@ def test_mtp_weights_are_refused_on_import_naming_mtp(tmp_path, capsys):
     assert hf.read_config(tmp_path / "out")["num_nextn_predict_layers"] == 0
 
 
-@NEEDS_MODEL
 @pytest.mark.parametrize("name", DEEPSEEK)
 def test_a_fresh_config_json_reads_back_to_the_same_model_config(name):
     cfg = hf.model_config(hf.read_config(FIXTURES / name), FIXTURES / name)
