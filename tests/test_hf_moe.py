@@ -7,8 +7,7 @@ biases, tied, sharded over 3 files (a layer's experts spread across them).
 tests/fixtures/hf/qwen2_moe_mixed: a mixed dense / MoE stack, 8 layers with decoder_sparse_step 2 and mlp_only_layers
 [1, 5]: MoE layers 3 and 7 (norm_topk_prob true, a gated shared expert), the other six dense (intermediate_size 96);
 untied, sharded. Its two halves hold the same kinds of layers, so it runs on a 2-stage pipeline.
-tests/fixtures/hf/deepseek_v2, deepseek_v3: DeepSeek's MLA and routing (tests/test_hf_deepseek.py describes them);
-their parity rows here need the deepseek family and routing (`NEEDS_DEEPSEEK`).
+tests/fixtures/hf/deepseek_v2, deepseek_v3: DeepSeek's MLA and routing (tests/test_hf_deepseek.py describes them).
 Every routing decision of the reference inputs is clear (the k-th and (k+1)-th router probabilities differ by
 > 1e-3), so a float32 port routes alike.
 
@@ -36,7 +35,7 @@ import pytest
 from flax import nnx
 from safetensors.numpy import load_file, save_file
 
-from jaxpar.config import ConfigError, ModelConfig, MoEConfig, ParallelConfig
+from jaxpar.config import ConfigError, MoEConfig, ParallelConfig
 from jaxpar.infer.text import load
 from jaxpar.interop import hf
 from jaxpar.model import abstract_model
@@ -46,18 +45,6 @@ from jaxpar.train.step import sharded_loss_and_grads
 
 FIXTURES = pathlib.Path(__file__).parent / "fixtures" / "hf"
 MOE = ("mixtral", "qwen2_moe", "qwen2_moe_mixed")
-# DeepSeek-V2 / V3 (tests/test_hf_deepseek.py holds their mapping's tests): parity needs the deepseek family (MLA)
-# and DeepSeek routing, which other branches bring; until they are merged these rows skip.
-DEEPSEEK_MODEL = {f.name for f in dataclasses.fields(ModelConfig)} >= {
-    "q_lora_rank", "kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim", "rope_interleave"}
-NEEDS_DEEPSEEK = pytest.mark.skipif(not DEEPSEEK_MODEL, reason="needs the deepseek family and DeepSeek routing "
-                                    "(MLA / routing branches)")
-
-
-def deepseek(*args):
-    return pytest.param(*args, marks=NEEDS_DEEPSEEK)
-
-
 EXPERT_TENSORS = {"mixtral": ("block_sparse_moe", ("w1", "w3", "w2")),  # (block, (gate, up, down)) of the hub layout
                   "qwen2_moe": ("mlp", ("gate_proj", "up_proj", "down_proj")),
                   "qwen2_moe_mixed": ("mlp", ("gate_proj", "up_proj", "down_proj"))}
@@ -242,8 +229,8 @@ def test_an_expert_sharded_import_reads_only_its_experts(name, fused, pipe, tmp_
 
 
 @pytest.mark.parametrize("name,tensor", [("mixtral", 1), ("qwen2_moe", 1), ("qwen2_moe_mixed", 1), ("mixtral", 4),
-                                         deepseek("deepseek_v2", 1), deepseek("deepseek_v3", 1),
-                                         deepseek("deepseek_v2", 2), deepseek("deepseek_v3", 2)])
+                                         ("deepseek_v2", 1), ("deepseek_v3", 1),
+                                         ("deepseek_v2", 2), ("deepseek_v3", 2)])
 def test_logits_match_transformers(name, tensor):
     """One forward over four rows right-padded to one length (a causal model: padding after a row changes nothing
     before it): the reference batch [2, 13] and the two greedy texts, prompt + 31 new tokens (Mixtral's 41 tokens
@@ -264,8 +251,8 @@ def test_logits_match_transformers(name, tensor):
 
 
 @pytest.mark.parametrize("name,data,tensor", [("mixtral", 1, 1), ("qwen2_moe", 1, 1), ("qwen2_moe_mixed", 1, 1),
-                                              ("qwen2_moe", 2, 2), deepseek("deepseek_v2", 1, 1),
-                                              deepseek("deepseek_v3", 1, 1), deepseek("deepseek_v3", 2, 2)])
+                                              ("qwen2_moe", 2, 2), ("deepseek_v2", 1, 1),
+                                              ("deepseek_v3", 1, 1), ("deepseek_v3", 2, 2)])
 def test_greedy_generation_matches_transformers(name, data, tensor):
     """32 greedy tokens with the KV cache, two prompts (5 and 9 tokens) in one left-padded batch, on one device and
     with the prompts over data 2 and each layer over tensor 2."""
@@ -284,8 +271,8 @@ def cross_entropy(logits: np.ndarray, ids: np.ndarray) -> float:
 
 
 @pytest.mark.parametrize("name,expert,tensor,pipe", [("mixtral", 4, 2, 1), ("qwen2_moe", 2, 2, 1),
-                                                   ("qwen2_moe_mixed", 2, 2, 2), deepseek("deepseek_v2", 2, 2, 1),
-                                                   deepseek("deepseek_v3", 4, 2, 1)])
+                                                   ("qwen2_moe_mixed", 2, 2, 2), ("deepseek_v2", 2, 2, 1),
+                                                   ("deepseek_v3", 4, 2, 1)])
 def test_loss_on_an_expert_layout_matches_transformers(name, expert, tensor, pipe):
     """Imported straight onto (data, pipe, expert, tensor) of the 8 devices and run through the training step's
     shard_map (tokens reach their experts by all-to-all; the mixed model's dense and MoE stacks over 2 pipeline
@@ -311,7 +298,7 @@ def test_export_loads_in_transformers(tmp_path):
     """Live round trip where transformers (and torch) are installed: jaxpar's export gives transformers' logits."""
     torch = pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")
-    for name in MOE + (("deepseek_v2", "deepseek_v3") if DEEPSEEK_MODEL else ()):
+    for name in MOE + ("deepseek_v2", "deepseek_v3"):
         hf.import_to_workdir(FIXTURES / name, tmp_path / name)
         hf.export_workdir(tmp_path / name, tmp_path / f"{name}_hf")
         model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / f"{name}_hf", attn_implementation="eager")
