@@ -18,7 +18,6 @@ Parity with transformers' logits and greedy tokens is in tests/test_hf_moe.py's 
 from __future__ import annotations
 
 import copy
-import dataclasses
 import json
 import pathlib
 import re
@@ -506,56 +505,13 @@ def test_v3_without_the_bias_and_v2_greedy_export():
 
 
 # -----------------------------------------------------------------------------------------------------------------
-# Buffers through import and export (jaxpar.interop.hf), on a model this branch can build
-
-
-def test_a_buffer_a_rule_names_is_imported_and_exported_as_float32(tmp_path, monkeypatch):
-    """The mechanism DeepSeek-V3's e_score_correction_bias rides on, shown with Mixtral's expert_load buffer given
-    a (made-up) tensor name: import reads it from the file instead of its initial value, export writes it back —
-    float32 even in a bfloat16 export — and a buffer without a rule (the same model without it) is neither read
-    nor written."""
-    from flax import nnx
-
-    from jaxpar.families import FAMILIES, llama
-    from jaxpar.families.base import Rule, same
-    from jaxpar.model import abstract_model, buffers_of
-
-    name = "model.layers.{l}.block_sparse_moe.expert_load"
-    family = FAMILIES["llama"]
-    table = lambda cfg, names=None: llama.tensors(cfg, names) + (  # noqa: E731
-        [Rule("blocks.expert_load", name, same, same)] if cfg.moe.load_ema else [])
-    monkeypatch.setitem(FAMILIES, "llama", dataclasses.replace(family, hf=dataclasses.replace(family.hf,
-                                                                                               tensors=table)))
-    src = tmp_path / "mixtral"
-    shutil.copytree(FIXTURES / "mixtral", src)
-    files = load_file(str(src / "model.safetensors"))
-    load = np.array([[0.1, 0.2, 0.3, 0.4], [0.4, 0.3, 0.2, 0.1]], np.float32)
-    files.update({name.format(l=layer): load[layer] for layer in range(2)})
-    save_file(files, str(src / "model.safetensors"), metadata={"format": "pt"})
-    cfg = hf.model_config(hf.read_config(src), src)
-    cfg = dataclasses.replace(cfg, moe=dataclasses.replace(cfg.moe, load_ema=0.9))
-    _, abstract = abstract_model(cfg)
-    state = hf.load_params(src, cfg, abstract)
-    np.testing.assert_array_equal(np.asarray(buffers_of(state)["blocks"]["expert_load"][...]), load)
-    hf.save_params(state, cfg, tmp_path / "out", dtype="bfloat16")
-    out = tensors(tmp_path / "out")
-    assert out[name.format(l=1)].dtype == np.float32 and np.array_equal(out[name.format(l=1)], load[1])
-    assert out["model.layers.1.block_sparse_moe.gate.weight"].dtype != np.float32  # the weights: bfloat16
-    plain = dataclasses.replace(cfg, moe=dataclasses.replace(cfg.moe, load_ema=0.0))
-    _, abstract = abstract_model(plain)
-    with pytest.raises(hf.HFError, match="expert_load"):  # no rule: a tensor the model does not use
-        hf.load_params(src, plain, abstract)
-    monkeypatch.setitem(FAMILIES, "llama", family)  # no rule at all: the buffer starts at 1/X, is not exported
-    state = hf.load_params(FIXTURES / "mixtral", cfg, abstract_model(cfg)[1])
-    assert float(nnx.to_pure_dict(buffers_of(state))["blocks"]["expert_load"][0, 0]) == 0.25
-    hf.save_params(state, cfg, tmp_path / "out2")
-    assert not any("expert_load" in k for k in tensors(tmp_path / "out2"))
+# --drop-mtp, on any family's checkpoint
 
 
 def test_drop_mtp_leaves_out_only_the_layers_beyond_the_model(tmp_path, capsys):
-    """The explicit skip, on a model this branch can build: a Llama checkpoint with tensors of a layer past
-    num_hidden_layers is refused (they are not the model's), imported with drop_mtp, and exported without them;
-    --drop-mtp anywhere but an import is a usage error."""
+    """The explicit skip: a Llama checkpoint with tensors of a layer past num_hidden_layers is refused (they are not
+    the model's), imported with drop_mtp, and exported without them; --drop-mtp anywhere but an import is a usage
+    error."""
     from jaxpar.cli import main
 
     src = tmp_path / "llama"
