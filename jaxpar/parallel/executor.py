@@ -26,7 +26,10 @@ def _split_residuals(vjp_fn, known, other_trace, zero=()):
     """Sort the leaves of a vjp closure: ('param', i) — known[i], the chunk's parameters or the weights as the
     matmuls read them, taken again from the live parameters; ('zero', leaf) — one of `zero`, the zero probes (a
     checkpointed period keeps its inputs, the probes among them: all zeros, made again for B, not stashed);
-    ('const', leaf) — values from outside the chunk (identical in two independent traces: masks, positions);
+    ('const', leaf) — values from outside the chunk (identical in two independent traces: masks, positions), and
+    concrete arrays (not tracers, so functions of nothing traced: jax ≥ 0.12.1 keeps a numpy constant such as
+    RoPE's inverse frequencies as a fresh `TypedNdArray` leaf in each trace; stashed, it would come back from the
+    buffers as varying over the pipe axis, which the checkpointed period's jaxpr does not accept);
     ('stash', n) — activations the backward needs, kept per microbatch. `other_trace`: the leaves of a second
     trace."""
     leaves, treedef = jax.tree.flatten(vjp_fn)
@@ -38,7 +41,7 @@ def _split_residuals(vjp_fn, known, other_trace, zero=()):
             kinds.append(("param", pid[id(leaf)]))
         elif id(leaf) in zid:
             kinds.append(("zero", leaf))
-        elif leaf is other:
+        elif leaf is other or not isinstance(leaf, jax.core.Tracer):
             kinds.append(("const", leaf))
         else:
             kinds.append(("stash", n))
