@@ -81,7 +81,9 @@ def heap_chain(dump_dir: str | pathlib.Path) -> dict | None:
                 continue
             where = _OP_NAME.search(site.attrs)
             where = where.group(1).removeprefix("jit(step)/").removeprefix("shard_map/") if where else site.name
-            where = where.replace("/body/eval_jaxpr/", "/")
+            # a loop's body is implied by the loop: jax 0.12.1 names a nested loop "while/body/while" where
+            # earlier releases wrote "while/while"; one spelling for every release
+            where = where.replace("/body/eval_jaxpr/", "/").replace("/body/", "/")
             if site.op == "conditional":  # its branches in order
                 label = f"branch {branch[site.name]} of {where}"
                 branch[site.name] += 1
