@@ -27,6 +27,7 @@ def test_gpu_script_dry_run():
     dots, full) and the planner's section included. ~45 s on an idle 2-core VM; the timeouts (gpu.sh's own for a dry
     run, 840 s, and this one) are safety nets for a loaded machine, not limits the test measures."""
     env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS", "GPU_BENCH_TIMEOUT_S")}
+    env["XLA_FLAGS"] = "--xla_backend_optimization_level=0"  # one CPU device; unoptimised kernels (tests/conftest.py)
     proc = subprocess.run(["bash", "bench/gpu.sh", "--dry-run", "--steps", "2"], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=900, check=False)
     assert proc.returncode == 0, proc.stderr[-3000:]
