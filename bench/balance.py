@@ -8,7 +8,7 @@ expert-load curves and losses of both runs to one JSON.
 The two runs go one after the other (on a 2-core machine two at once are no faster), each the plain CLI command
 recorded in the JSON, into WORKDIRS_on and WORKDIRS_off (removed first). --collect skips training and reads those
 workdirs' metrics.jsonl. --steps shortens both runs equally (default: the config's schedule, 600 steps); --rate
-sets the γ of the run with the update on; --also records other workdirs' curves (runs stopped early) beside them.
+sets the γ of the run with the update on; --also records other workdirs' curves (runs stopped early) beside them; those the JSON already records stay.
 
 Curves, every train.log_every = 10 steps: `moe_max_over_mean_load` (the worst MoE layer's busiest expert over the
 mean expert load of that step), `moe_imbalance` (the same with the loads summed over the MoE layers), `loss`; and
@@ -90,7 +90,9 @@ def main(argv: list[str] | None = None) -> int:
         c = run["curve"]
         print(f"{name}: step {c['step'][-1]} max/mean {c['moe_max_over_mean_load'][-1]:.3f} "
               f"all layers {c['moe_imbalance'][-1]:.3f} loss {run['final_loss']:.4f} held-out {run['final_eval_loss']}")
-    exploratory = {}
+    # the exploratory runs recorded before stay (their workdirs are long gone); --also adds to them or replaces one
+    previous = pathlib.Path(args.out)
+    exploratory = json.loads(previous.read_text()).get("exploratory", {}) if previous.exists() else {}
     for item in args.also:
         name, workdir = item.split("=", 1)
         run = collect(pathlib.Path(workdir))
