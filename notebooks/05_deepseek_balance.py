@@ -60,8 +60,8 @@ import numpy as np
 #
 # `configs/deepseek_tiny.py`: 4 layers (a dense first one, then 3 MoE layers of 8 routed experts in 4 groups of 2,
 # top 2 from the best 2 groups, plus one shared expert), sigmoid scoring, **aux_loss_coef 0**, trained from the
-# default corpus on 8 simulated devices (data 2 × expert 2 × tensor 2). Two runs of 300 steps (the config's 600
-# halved to fit a shared 2-core CPU; warmup 50, then cosine to step 300), the same in every respect but γ: the bias
+# default corpus on 8 simulated devices (data 2 × expert 2 × tensor 2). Two runs of the config's 600 steps (warmup
+# 50, then cosine to step 600), the same in every respect but γ: the bias
 # update on (the config's γ = 1e-2) and off (`moe.bias_update_rate=0`, so the bias stays 0 and routing is plain
 # group-limited top-k). The curves were recorded with `bench/balance.py` (the exact commands are in the JSON) —
 # training takes tens of minutes on a CPU, so the notebook only reads them. (γ = 1e-3, DeepSeek-V3's own rate over
