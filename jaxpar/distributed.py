@@ -25,6 +25,11 @@ overrides all of it.
 silent host. A process that dies closes its sockets, which `Watchdog` sees at once: every live process prints
 `jaxpar: lost process K …` and exits with status `EXIT_LOST_PEER` (3), typically within a second or two.
 All options exist under these names in jax 0.10.2 through 0.12.
+
+**No persistent compilation cache across CPU processes.** JAX writes the cache from process 0 only, so a resumed run
+has process 0 load its step from the cache while the others compile it; with CPU (gloo) collectives on jax 0.12.1
+that step's first collective never completed (both processes waiting on its result). `initialize` turns the cache
+off for multi-process CPU runs and says so (`cpu_cache_notice`); GPU runs keep it.
 """
 
 from __future__ import annotations
@@ -186,6 +191,22 @@ def initialize(settings: Settings) -> None:
 
     host = distributed.global_state.coordinator_address.rsplit(":", 1)[0].strip("[]")
     start_watchdog(jax.process_count(), jax.process_index(), host, settings.peer_timeout_s)
+    notice = cpu_cache_notice(jax.default_backend(), jax.config.jax_compilation_cache_dir,
+                              jax.config.jax_enable_compilation_cache)
+    if notice:  # before the first compile, which is when JAX opens the cache
+        jax.config.update("jax_enable_compilation_cache", False)
+        if jax.process_index() == 0:
+            print(notice, flush=True)
+
+
+def cpu_cache_notice(backend: str, cache_dir: str | None, enabled: bool) -> str | None:
+    """The line a multi-process run prints when it turns JAX's persistent compilation cache off (CPU only: see the
+    module docstring), or None where there is nothing to turn off."""
+    if backend != "cpu" or not cache_dir or not enabled:
+        return None
+    return (f"jaxpar: the persistent compilation cache ({cache_dir}) is off for this multi-process CPU run: JAX "
+            "writes it from process 0 only, and a resume where process 0 loads a step the others compile never "
+            "finished its first collective (jax 0.12.1, gloo)")
 
 
 def batch_rows(sharding, batch_size: int) -> tuple[int, int]:

@@ -35,6 +35,13 @@ TIMEOUT = 600  # per subprocess run, a safety net for a loaded machine; a health
 
 # ---------------------------------------------------------------- settings and device order (no processes) ----
 
+def test_the_persistent_cache_is_turned_off_only_for_cpu_processes():
+    assert "is off for this multi-process CPU run" in distributed.cpu_cache_notice("cpu", "/tmp/c", True)
+    assert distributed.cpu_cache_notice("gpu", "/tmp/c", True) is None  # GPU runs keep their cache
+    assert distributed.cpu_cache_notice("cpu", None, True) is None  # nothing set, or turned off already
+    assert distributed.cpu_cache_notice("cpu", "/tmp/c", False) is None
+
+
 def test_resolve_single_process_by_default():
     assert distributed.resolve(env={}).num_processes == 1
     assert distributed.resolve(env={"SLURM_NTASKS": "1", "SLURM_PROCID": "0"}).num_processes == 1  # one srun task
@@ -159,13 +166,12 @@ def reference(references):
     return references((2, 2, 2))
 
 
-def start_process(workdir, k, port, log_path):
-    """Process k of 2 with the environment `jaxpar launch` gives it (started by hand, so a test can kill one).
-
-    No persistent compilation cache: JAX writes it from process 0 only, so a resumed run has process 0 load its step
-    from the cache while process 1 compiles it — on jax 0.12.1 with gloo that first step never finishes (both
-    processes wait on the step's result; without the cache the same resume takes 23 s)."""
-    env = child_env(dict(os.environ), process_id=k, processes=2,
+def start_process(workdir, k, port, log_path, cache):
+    """Process k of 2 with the environment `jaxpar launch` gives it (started by hand, so a test can kill one), and
+    JAX's persistent compilation cache in `cache`, as a user may set it: `distributed.initialize` must turn it off
+    (JAX writes it from process 0 only; on jax 0.12.1 with gloo a resume where process 0 loaded its step from the
+    cache while process 1 compiled it never finished that step — without the cache the same resume takes 23 s)."""
+    env = child_env(dict(os.environ, JAX_COMPILATION_CACHE_DIR=str(cache)), process_id=k, processes=2,
                     devices_per_process=4, coordinator=f"127.0.0.1:{port}")
     with open(log_path, "w") as log:  # the child keeps its own copy of the descriptor
         return subprocess.Popen([sys.executable, "-m", "jaxpar.cli", *train_args(workdir)], cwd=ROOT, env=env,
@@ -180,7 +186,8 @@ def test_two_processes_match_one_process_bitwise_and_survive_a_lost_process(refe
     ref_dir, ref = reference
     ref_losses = logged_losses(ref_dir)
     workdir, port = tmp_path / "two", free_port()
-    procs = [start_process(workdir, k, port, tmp_path / f"p{k}.log") for k in range(2)]
+    cache = tmp_path / "jax-cache"
+    procs = [start_process(workdir, k, port, tmp_path / f"p{k}.log", cache) for k in range(2)]
     try:
         deadline = time.time() + TIMEOUT
         while not ((workdir / "metrics.jsonl").exists() and
@@ -201,12 +208,13 @@ def test_two_processes_match_one_process_bitwise_and_survive_a_lost_process(refe
     assert detect_s < 60
     assert "jaxpar: lost process 1" in out, out[-3000:]
     assert "device ids:" in out and "(process 1)" in out  # the device order, printed at start-up
+    assert distributed.cpu_cache_notice("cpu", str(cache), True) in out
     lines_before = len((workdir / "metrics.jsonl").read_text().splitlines())
     last_ckpt = max(int(p.name) for p in (workdir / "checkpoints").iterdir() if p.name.isdigit())
 
     relaunch = subprocess.run([sys.executable, "-m", "jaxpar.cli", "launch", "--processes", "2",
                                "--devices-per-process", "4", "--", "jaxpar", *train_args(workdir)],
-                              cwd=ROOT, env=dict(os.environ),
+                              cwd=ROOT, env=dict(os.environ, JAX_COMPILATION_CACHE_DIR=str(cache)),
                               capture_output=True, text=True, timeout=TIMEOUT, check=False)
     assert relaunch.returncode == 0, relaunch.stdout[-3000:]
     assert "[0] done:" in relaunch.stdout and "[1] done:" in relaunch.stdout  # rank-prefixed output
