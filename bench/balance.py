@@ -8,7 +8,8 @@ expert-load curves and losses of both runs to one JSON.
 The two runs go one after the other (on a 2-core machine two at once are no faster), each the plain CLI command
 recorded in the JSON, into WORKDIRS_on and WORKDIRS_off (removed first). --collect skips training and reads those
 workdirs' metrics.jsonl. --steps shortens both runs equally (default: the config's schedule, 600 steps); --rate
-sets the γ of the run with the update on; --also records other workdirs' curves (runs stopped early) beside them; those the JSON already records stay.
+sets the γ of the run with the update on; --also records other workdirs' curves (runs stopped early) beside them,
+and the exploratory runs the JSON already records stay.
 
 Curves, every train.log_every = 10 steps: `moe_max_over_mean_load` (the worst MoE layer's busiest expert over the
 mean expert load of that step), `moe_imbalance` (the same with the loads summed over the MoE layers), `loss`; and

@@ -169,8 +169,7 @@ def reference(references):
 def start_process(workdir, k, port, log_path, cache):
     """Process k of 2 with the environment `jaxpar launch` gives it (started by hand, so a test can kill one), and
     JAX's persistent compilation cache in `cache`, as a user may set it: `distributed.initialize` must turn it off
-    (JAX writes it from process 0 only; on jax 0.12.1 with gloo a resume where process 0 loaded its step from the
-    cache while process 1 compiled it never finished that step — without the cache the same resume takes 23 s)."""
+    (why: jaxpar/distributed.py's docstring) — with it on, the resume below hung on jax 0.12.1."""
     env = child_env(dict(os.environ, JAX_COMPILATION_CACHE_DIR=str(cache)), process_id=k, processes=2,
                     devices_per_process=4, coordinator=f"127.0.0.1:{port}")
     with open(log_path, "w") as log:  # the child keeps its own copy of the descriptor
