@@ -16,8 +16,9 @@ group-limited selection) balanced without an auxiliary loss (the correction bias
                            MoE layer was still at max/mean load 3.9 at step 190 of 600 (the bias at ±0.17, moving
                            the right way), with 1e-2 it was under 1.3 by step 80 (bench/RESULTS.md, "Auxiliary-
                            loss-free balancing")
-    mesh on 8 devices    = data * expert * tensor = 2 * 2 * 2 (no pipeline: the dense first layer would give the
-                           stages different layer kinds)
+    mesh on 8 devices    = data * expert * tensor = 2 * 2 * 2 (a pipeline runs the dense first layer beside the
+                           embedding and splits the 3 MoE layers: pipe 3, which 8 devices do not divide; with
+                           model.n_layers=5, pipe 2 or 4)
 
     jaxpar train --config configs/deepseek_tiny.py --workdir /tmp/deepseek_tiny
 """

@@ -11,8 +11,9 @@ scoring with auxiliary-loss-free balancing, YaRN RoPE) — for the planner and a
     parameters           = 671.0B total, 37.6B active per token (count_params; tests/test_config.py); model.mtp_depth
                            is 0 here: the checkpoint's one MTP module (14B more) is not trained by this preset
 
-Training layout here: data * expert * tensor = 1 * 32 * 8 = 256 (tensor inside each 8-GPU host); no pipeline
-(the 3 dense layers would give the first stage a different layer kind), no ZeRO (it shards over 'data', size 1 here).
+Training layout here: data * expert * tensor = 1 * 32 * 8 = 256 (tensor inside each 8-GPU host); no pipeline (one
+would run the 3 dense layers beside the embedding and split the 58 MoE layers over 2, 29 or 58 stages), no ZeRO (it
+shards over 'data', size 1 here).
 `plan --verify` with this layout kept: 956.3 GB predicted for XLA:CPU against 915.8 compiled (+4.4 %), 170.5 GB
 predicted on a GPU (bench/RESULTS.md, "DeepSeek-V3").
 DeepSeek trained with 16-way pipeline and 64-way expert parallelism on 2048 H800s without tensor parallelism.

@@ -64,14 +64,14 @@ REMAT_POLICIES = {
 
 
 def _param(rngs: nnx.Rngs, spec: Param, cfg: ModelConfig, *, layers: int | None = None,
-           pad: tuple[tuple[int, int], ...] | None = None, dtype=None) -> nnx.Param:
-    """A parameter from its family spec: stacked on a leading `layers` axis when given, then zero `pad`, in `dtype`
-    (default `param_dtype`); its logical axes and weight-decay flag ride along as metadata. Only the normal
-    initialisers draw from `rngs`, so the draws (and the values a seed gives) follow the order the family lists its
-    parameters in."""
+           pad: tuple[tuple[int, int], ...] | None = None, dtype=None, axis: str = "layers") -> nnx.Param:
+    """A parameter from its family spec: stacked on a leading axis of `layers` entries when given (logical axis
+    `axis`: see `Blocks`), then zero `pad`, in `dtype` (default `param_dtype`); its logical axes and weight-decay
+    flag ride along as metadata. Only the normal initialisers draw from `rngs`, so the draws (and the values a seed
+    gives) follow the order the family lists its parameters in."""
     shape, axes = spec.shape, spec.axes
     if layers is not None:
-        shape, axes = (layers, *shape), ("layers", *axes)
+        shape, axes = (layers, *shape), (axis, *axes)
     std = {"normal": cfg.init_std, "out": cfg.init_std / math.sqrt(2 * cfg.n_layers), "half": cfg.init_std / 2}
     if spec.init in std:  # "out": GPT-2 / Megatron scale the projections that write into the residual stream
         value = std[spec.init] * jax.random.normal(rngs.params(), shape, jnp.float32)
@@ -88,25 +88,32 @@ class Blocks(nnx.Module):
     stack (`blocks`: all L layers), or two when its layers mix dense MLPs and mixtures of experts
     (`ModelConfig.layer_stacks`: `blocks` the MoE layers, `dense_blocks` the dense ones).
 
+    The stacked axis's logical name says who may split it: `layers` (a pipeline's stages own contiguous layers:
+    `pipe` splits it, and a pipeline stores it in its own order, `Plan.stack_order`); `prefix_layers`, DeepSeek's
+    leading dense layers (`ModelConfig.prefix_layers`), which a pipeline runs beside the embedding on every stage;
+    `mtp_layers`, the MTP modules' blocks, which run after the last layer beside the head. The last two no mesh
+    axis splits, and they stay in model order on every layout.
+
     A quantized model (`cfg.weights` int8 / int4) stores each matrix the family marks as contracted (`Param.contract`)
     as integers `name` [n, …] with float32 scales `name_scale` [n, …] (`ModelConfig.scale_param`), zeros here: the
     values come from `quantize_state`, a checkpoint or an import."""
 
-    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, moe: bool | None = None, layers: int | None = None):
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, moe: bool | None = None, layers: int | None = None,
+                 axis: str = "layers"):
         moe = cfg.moe.enabled if moe is None else moe
         layers = cfg.n_layers if layers is None else layers
         quantized = cfg.quantized_params(moe)
         for name, spec in family(cfg).layer_params(cfg, moe).items():
             if name in quantized:
                 setattr(self, name, _param(rngs, dataclasses.replace(spec, init="zeros"), cfg, layers=layers,
-                                           dtype=QUANT_DTYPES[cfg.weights][0]))
+                                           dtype=QUANT_DTYPES[cfg.weights][0], axis=axis))
                 setattr(self, name + "_scale", _param(rngs, cfg.scale_param(spec), cfg, layers=layers,
-                                                      dtype=jnp.float32))
+                                                      dtype=jnp.float32, axis=axis))
             else:
-                setattr(self, name, _param(rngs, spec, cfg, layers=layers))
+                setattr(self, name, _param(rngs, spec, cfg, layers=layers, axis=axis))
         for name, spec in layer_buffers(cfg, moe).items():  # no draws: the parameters' values are unchanged
             setattr(self, name, Buffer(jnp.full((layers, *spec.shape), spec.init, jnp.float32),
-                                       logical_axes=("layers", *spec.axes)))
+                                       logical_axes=(axis, *spec.axes)))
         self.cfg = cfg
 
     def stacked(self) -> dict[str, Array]:
@@ -134,17 +141,19 @@ class MTP(nnx.Module):
     (HF `shared_head.norm`). The blocks are layers of the model's kind (MoE when the model has experts: DeepSeek-V3's
     MTP layer is an MoE layer), run by the same `block` function under the same `Parallel` context.
 
-    enorm, hnorm, head_norm [D, d]; eh_proj [D, 2d, d]; blocks: `Blocks(layers=D)`. The blocks' MoE statistics are
-    not reported (their correction bias, if any, keeps its value; no aux loss)."""
+    enorm, hnorm, head_norm [D, d]; eh_proj [D, 2d, d]; blocks: `Blocks(layers=D)`, all on the `mtp_layers` axis
+    (no mesh axis splits it: under a pipeline every stage holds the modules and runs them on the rows whose last
+    hidden states it holds, beside the head). The blocks' MoE statistics are not reported (their correction bias,
+    if any, keeps its value; no aux loss)."""
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
         n, D = cfg.mtp_depth, cfg.d_model
         ones = Param((D,), ("norm",), "ones", decay=False)
-        self.enorm = _param(rngs, ones, cfg, layers=n)
-        self.hnorm = _param(rngs, ones, cfg, layers=n)
-        self.eh_proj = _param(rngs, Param((2 * D, D), (None, "embed"), "normal"), cfg, layers=n)
-        self.head_norm = _param(rngs, ones, cfg, layers=n)
-        self.blocks = Blocks(cfg, rngs=rngs, layers=n)
+        self.enorm = _param(rngs, ones, cfg, layers=n, axis="mtp_layers")
+        self.hnorm = _param(rngs, ones, cfg, layers=n, axis="mtp_layers")
+        self.eh_proj = _param(rngs, Param((2 * D, D), (None, "embed"), "normal"), cfg, layers=n, axis="mtp_layers")
+        self.head_norm = _param(rngs, ones, cfg, layers=n, axis="mtp_layers")
+        self.blocks = Blocks(cfg, rngs=rngs, layers=n, axis="mtp_layers")
         self.cfg = cfg
 
     def depth(self, k: int) -> tuple[dict[str, Array], dict[str, Array]]:
@@ -381,7 +390,7 @@ def stats_total(stats: dict[str, Array]) -> dict[str, Array]:
 
 def run_layers(stacks: Stacks, x: Array, positions: Array, mask: Array | None, cfg: ModelConfig, *,
                remat: str = "none", par: Parallel = SINGLE_DEVICE, stats: bool = False,
-               cache: dict[str, Array] | None = None):
+               cache: dict[str, Array] | None = None, first_layer: int = 0):
     """Apply the layers of `stacks` in model order; `remat` checkpoints each layer. → x, or (x, the MoE layers'
     statistics, one row per MoE layer in model order: each leaf [L_moe, …]) with `stats` (an empty dict when no
     layer is an MoE layer; see `moe`; `stats_total` sums them).
@@ -394,9 +403,10 @@ def run_layers(stacks: Stacks, x: Array, positions: Array, mask: Array | None, c
     decode step.
 
     stacks: {stack name: {param: [n_s, …]}} — every layer of the model (`Transformer.stacks`), or a pipeline chunk's
-    share, whose dense / MoE pattern is the model's first Σ n_s layers' (the config checks that every chunk has the
-    same). The run is cut into `layer_groups`, each a `jax.lax.scan` over its periods with each stack's slice viewed
-    as [count, per-period, …]; `cfg.scan_unroll` periods per iteration.
+    share, whose dense / MoE pattern is that of the model's Σ n_s layers from `first_layer` on (the config checks
+    that every chunk has the same; a pipeline's chunks start after the `prefix_layers`, which run beside the
+    embedding: `first_layer` = cfg.prefix_layers). The run is cut into `layer_groups`, each a `jax.lax.scan` over
+    its periods with each stack's slice viewed as [count, per-period, …]; `cfg.scan_unroll` periods per iteration.
 
     Each group runs through the context (`par.scan_layers`: one period per scan step, each layer checkpointed under
     `remat`), and is the whole run where the context asks for one (`par.one_group`: a pipeline chunk under a
@@ -410,10 +420,10 @@ def run_layers(stacks: Stacks, x: Array, positions: Array, mask: Array | None, c
     `scan_unroll` copies of the layer, whatever the depth. (Under sequence parallelism the plan sets it to 1:
     see `jaxpar.plan.make_plan`.)"""
     sizes = {name: jax.tree.leaves(params)[0].shape[0] for name, params in stacks.items()}
-    pattern = cfg.layer_pattern[:sum(sizes.values())]
+    pattern = cfg.layer_pattern[first_layer:first_layer + sum(sizes.values())]
     if {name: pattern.count(name) for name in sizes} != sizes:
-        raise ValueError(f"stacks of {sizes} layers are not the first {len(pattern)} layers of the model "
-                         f"({dict(zip(*np.unique(pattern, return_counts=True)))} of each kind)")
+        raise ValueError(f"stacks of {sizes} layers are not the model's {len(pattern)} layers from layer "
+                         f"{first_layer} on ({dict(zip(*np.unique(pattern, return_counts=True)))} of each kind)")
     if cache is not None and par.tape is not None:
         raise ValueError("a KV cache is for decoding, which runs no pipeline tape")
     groups = layer_groups(pattern, single=par.one_group)
@@ -461,7 +471,7 @@ def run_layers(stacks: Stacks, x: Array, positions: Array, mask: Array | None, c
             """One period (`par.scan_layers`): `par` is the period's context (the pipeline tape's, under a schedule
             table), not run_layers' own."""
             layers, i = xs if cache is not None else (xs, None)  # the cache's layers: the group's period i's
-            at = None if i is None else first + i * len(period)
+            at = None if i is None else first_layer + first + i * len(period)
             carry, period_stats = run_period(period, layers, carry, par, layer_remat, at)
             return carry, period_stats if stats else None
 
@@ -541,7 +551,8 @@ class Transformer(nnx.Module):
         stacks = cfg.layer_stacks
         self.blocks = Blocks(cfg, rngs=rngs, layers=len(stacks["blocks"]))
         if "dense_blocks" in stacks:  # a mixed dense / MoE model: its dense layers
-            self.dense_blocks = Blocks(cfg, rngs=rngs, moe=False, layers=len(stacks["dense_blocks"]))
+            self.dense_blocks = Blocks(cfg, rngs=rngs, moe=False, layers=len(stacks["dense_blocks"]),
+                                       axis="prefix_layers" if cfg.prefix_layers else "layers")
         self.final_norm = _param(rngs, Param((D,), ("norm",), "ones", decay=False), cfg)
         if fam.norm == "layer":
             self.final_norm_b = _param(rngs, Param((D,), ("norm",), "zeros", decay=False), cfg)
@@ -554,7 +565,7 @@ class Transformer(nnx.Module):
 
     def __call__(self, tokens: Array, *, positions: Array | None = None, segment_ids: Array | None = None,
                  remat: str = "none", par: Parallel = SINGLE_DEVICE, stats: bool = False,
-                 mtp_tokens: Array | None = None):
+                 mtp_tokens: Array | None = None, hidden: bool = False):
         """tokens int [B, T]; positions [B, T] (default 0..T-1); segment_ids [B, T]: attend only within a segment.
 
         Returns float32 logits [B, T, V_local]: the whole (padded) vocab on one device, this rank's vocab shard under
@@ -562,7 +573,8 @@ class Transformer(nnx.Module):
         statistics summed over the rows, one row per MoE layer [L_moe, …] — `moe`, `run_layers`).
 
         mtp_tokens int [n, B, T] (n = cfg.mtp_depth; `mtp_targets`): depth k's input tokens t_{i+k} at position i;
-        the result then gains a last entry, the MTP modules' float32 logits [n, B, T, V_local] (`MTP`).
+        the result then gains an entry, the MTP modules' float32 logits [n, B, T, V_local] (`MTP`). hidden: a last
+        entry, the last hidden states [B, T(/t), D] float32 before the final norm (what the MTP modules read).
         """
         B, T = tokens.shape
         if positions is None:
@@ -573,6 +585,8 @@ class Transformer(nnx.Module):
         out = (self.logits(x, par), layer_stats) if stats else (self.logits(x, par),)
         if mtp_tokens is not None:
             out = (*out, self.mtp_logits(x, mtp_tokens, positions, mask, remat=remat, par=par))
+        if hidden:
+            out = (*out, x)
         return out if len(out) > 1 else out[0]
 
     def mtp_logits(self, h: Array, mtp_tokens: Array, positions: Array, mask: Array | None, *, remat: str = "none",

@@ -92,11 +92,13 @@ class Plan:
     def layer_order(self) -> np.ndarray | None:
         """order[n] = the model layer at position n of a stack of all L layers in memory (None: model order) — a
         dense or all-MoE model's `blocks`; `stack_order` for a stack of any length."""
-        return self.stack_order(self.model.n_layers)
+        return self.stack_order(self.model.pipelined_layers)
 
     def stack_order(self, n: int) -> np.ndarray | None:
         """order[i] = the entry of a stack of n layers (in model order) at position i of the stacked axis in memory
-        (None: model order). The pipeline stores each stack stage-major (`Pipeline.stack_order`)."""
+        (None: model order). The pipeline stores each stack on the `layers` logical axis stage-major
+        (`Pipeline.stack_order`); the stacks a pipeline runs outside its stages (`prefix_layers`, `mtp_layers`:
+        jaxpar.model.Blocks) stay in model order, and `permute_layers` leaves them alone."""
         return None if self.pipeline is None else self.pipeline.stack_order(n)
 
     @property
@@ -197,7 +199,8 @@ def make_plan(model: ModelConfig, parallel: ParallelConfig | None = None, device
                                 overlap=parallel.overlap == "collective_matmul")
     pipeline = None
     if degrees[PIPE] > 1:
-        pipeline = Pipeline(degrees[PIPE], parallel.repeats, parallel.microbatches, model.n_layers,
+        # the layers the stages split: all but a dense prefix, which runs beside the embedding (`prefix_layers`)
+        pipeline = Pipeline(degrees[PIPE], parallel.repeats, parallel.microbatches, model.pipelined_layers,
                             parallel.schedule)
     runs = resolve_attention(model, mesh.devices.flat[0])
     if tensor is not None and tensor.sequence:

@@ -135,12 +135,18 @@ def pad_vocab(params: nnx.State, padded_vocab: int) -> nnx.State:
     return jax.tree.map(resize, params, is_leaf=_is_variable)
 
 
+def layer_axis(v: nnx.Variable) -> str | None:
+    """The logical name of a variable's leading axis (`layers` for a stack a pipeline splits; `prefix_layers`,
+    `mtp_layers` for the stacks it runs outside its stages: jaxpar.model.Blocks), None for an empty shape."""
+    return _axes_of(v)[0] if v.shape else None
+
+
 def permute_layers(params: nnx.State, order: Callable[[int], Any]) -> nnx.State:
     """Reorder the stacked layer axis (the leading `layers` logical axis) of every parameter that has one: position i
     of the result holds `params`' entry order(n)[i], n the length of the parameter's stack."""
 
     def permute(v):
-        if _axes_of(v)[:1] != ("layers",):
+        if layer_axis(v) != "layers":
             return v
         return v.replace(v[...][jnp.asarray(order(v.shape[0]))])
 

@@ -192,13 +192,16 @@ def test_the_update_rule_on_hand_made_loads():
 
 
 # ---------------------------------------------------------------------------------------------------------------------
-# The model: a whole DeepSeek-V3-style model — latent attention (a query latent, odd sizes) and DeepSeek-V3 routing
-# (8 experts in 4 groups, 2 groups a token, top 2, sigmoid, a non-zero bias) with a shared expert.
+# The model: a whole DeepSeek-V3-style model — latent attention (a query latent, odd sizes), a dense first layer, then
+# four MoE layers with DeepSeek-V3 routing (8 experts in 4 groups, 2 groups a token, top 2, sigmoid, a non-zero bias)
+# and a shared expert, and an MTP module (an MoE layer of its own). Under a pipeline the dense layer runs beside the
+# embedding and the MTP module beside the head (ModelConfig.prefix_layers, MTP), the stages split the MoE layers.
 
 ROUTING = dict(n_experts=8, top_k=2, d_ff=10, shared_d_ff=10, scoring="sigmoid", n_group=4, topk_group=2,
                routed_scale=2.5, correction_bias=True, aux_loss_coef=0.1)
-MODEL = dict(family="deepseek", d_model=24, n_heads=4, n_layers=4, vocab_size=64, q_lora_rank=10, kv_lora_rank=7,
-             qk_rope_head_dim=4, qk_nope_head_dim=6, v_head_dim=5, rope_interleave=True)
+MODEL = dict(family="deepseek", d_model=24, n_heads=4, n_layers=5, vocab_size=64, q_lora_rank=10, kv_lora_rank=7,
+             qk_rope_head_dim=4, qk_nope_head_dim=6, v_head_dim=5, d_ff=14, rope_interleave=True, mtp_depth=1)
+MTP_WEIGHT = 0.3
 PARITY_LAYOUTS = {  # name: ParallelConfig fields (data fills the 8 devices)
     "(data, expert, tensor) = (2, 2, 2) SP, 2 micro-steps": dict(expert=2, tensor=2, sequence_parallel=True),
     "(data, pipe, expert, tensor) = (1, 2, 2, 2) circular": dict(pipe=2, expert=2, tensor=2, microbatches=4,
@@ -212,34 +215,40 @@ PARITY_LAYOUTS = {  # name: ParallelConfig fields (data fills the 8 devices)
 def reference():
     """One device: the model state (weights and a non-zero bias), a batch, and the step's loss, gradients and
     per-layer statistics."""
-    cfg = ModelConfig(**MODEL, moe=MoEConfig(**ROUTING))
+    cfg = ModelConfig(**MODEL, moe=MoEConfig(**ROUTING, dense_layers=(0,)))
+    assert cfg.prefix_layers == 1 and cfg.moe_layer_count == 4
     graphdef, state = nnx.split(Transformer(cfg, rngs=nnx.Rngs(0)), MODEL_STATE)
     bias = np.random.default_rng(8).normal(0, 0.05, (4, 8)).astype(np.float32)
     state["blocks"]["e_score_correction_bias"] = state["blocks"]["e_score_correction_bias"].replace(jnp.asarray(bias))
     batch = jnp.asarray(np.random.default_rng(5).integers(0, 64, (16, 13)), jnp.int32)
-    loss, grads, sums = jax.jit(loss_and_grads(graphdef, stats=True))(state, batch)
+    loss, grads, sums = jax.jit(loss_and_grads(graphdef, stats=True, mtp_weight=MTP_WEIGHT))(state, batch)
     zero = jax.tree.map(lambda v: v, state)
     zero["blocks"]["e_score_correction_bias"] = zero["blocks"]["e_score_correction_bias"].replace(jnp.zeros((4, 8)))
-    unbiased = jax.jit(loss_and_grads(graphdef, stats=True))(zero, batch)[2]["load"]
+    unbiased = jax.jit(loss_and_grads(graphdef, stats=True, mtp_weight=MTP_WEIGHT))(zero, batch)[2]["load"]
     assert (np.asarray(unbiased) != np.asarray(sums["load"])).any()  # the bias changes the routing
     return cfg, state, batch, loss, grads, sums
 
 
 @pytest.mark.parametrize("layout", list(PARITY_LAYOUTS))
 def test_model_with_a_bias_matches_one_device(reference, layout):
-    """The whole DeepSeek model (latent attention, a shared expert, V3 routing) with a non-zero bias (it changes
-    which experts): the loss and every weight's gradient — the replicated latent projections' included — equal one
-    device's (fp32 rtol 1e-5), the step's per-layer loads — what the bias update reads — equal exactly (summed over
-    data, expert, the pipeline's microbatches, gradient accumulation's micro-steps and SP's tensor shards), and no
-    gradient reaches the bias. (Context parallelism is refused for MoE models by the config.)"""
+    """The whole DeepSeek model (latent attention, a dense first layer, a shared expert, V3 routing, an MTP module)
+    with a non-zero bias (it changes which experts): the loss and every weight's gradient — the replicated latent
+    projections', the dense prefix's and the MTP module's included — equal one device's (fp32 rtol 1e-5), the
+    step's per-layer loads — what the bias update reads — equal exactly (summed over data, expert, the pipeline's
+    microbatches, gradient accumulation's micro-steps and SP's tensor shards), so do the MTP module's valid-position
+    counts (its cross-entropy sums to rtol 1e-5), and no gradient reaches the bias. (Context parallelism is refused
+    for MoE models by the config.)"""
     cfg, state, batch, want_loss, want_grads, want_sums = reference
     accum = 2 if "micro-steps" in layout else 1  # gradient accumulation sums the micro-steps' loads
     loss, grads, sums = on_layout(cfg, state, batch, ParallelConfig(**PARITY_LAYOUTS[layout]), stats=True,
-                                  grad_accum=accum)
+                                  grad_accum=accum, mtp_weight=MTP_WEIGHT)
     np.testing.assert_allclose(loss, want_loss, rtol=1e-5)
+    assert np.abs(np.asarray(trainable(want_grads)["mtp"]["eh_proj"][...])).max() > 0  # the MTP module trains
     assert_grads_match(trainable(grads), trainable(want_grads))
     np.testing.assert_array_equal(buffers_of(grads)["blocks"]["e_score_correction_bias"][...], 0.0)
     np.testing.assert_array_equal(sums["load"], want_sums["load"])
+    np.testing.assert_array_equal(sums["mtp"]["count"], want_sums["mtp"]["count"])
+    np.testing.assert_allclose(sums["mtp"]["ce"], want_sums["mtp"]["ce"], rtol=1e-5)
     assert int(np.asarray(sums["load"]).sum()) == 4 * 16 * 12 * 2  # every layer: every token's two experts
 
 

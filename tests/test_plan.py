@@ -34,11 +34,12 @@ def test_rules_are_derived_from_the_table():
     assert len(rules) == len(axes.RULES)  # each logical name once
     assert sharding.RULES is axes.RULES  # the one table the sharding helpers apply
     # Every old rule holds, with the new axes added where they split: batch also over expert, seq over context.
-    # and MLA's latents (q_lora, kv_lora) replicated.
+    # and MLA's latents (q_lora, kv_lora) replicated, as are the stacks a pipeline runs outside its stages.
     want = dict(OLD_RULES, batch=("data", "pipe", "expert"), seq="context", experts="expert", q_lora=None,
-                kv_lora=None)
+                kv_lora=None, prefix_layers=None, mtp_layers=None)
     assert rules == want
-    assert [name for name, mesh_axes in axes.RULES if mesh_axes is None] == ["embed", "head_dim", "norm", "q_lora", "kv_lora"]
+    assert [name for name, mesh_axes in axes.RULES if mesh_axes is None] == [
+        "embed", "head_dim", "norm", "q_lora", "kv_lora", "prefix_layers", "mtp_layers"]
     assert axes.BATCH_AXES == ("data", "pipe", "expert")
     assert axes.GRAD_AXES == ("data", "expert")
 

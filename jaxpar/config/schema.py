@@ -397,6 +397,22 @@ class ModelConfig:
                 "dense_blocks": tuple(i for i, k in enumerate(kinds) if not k)}
 
     @property
+    def prefix_layers(self) -> int:
+        """How many leading layers form a prefix of another kind, which a pipeline runs outside its stages, beside
+        the embedding: DeepSeek's first `first_k_dense_replace` dense layers before MoE layers only (k > 0 dense
+        layers, then n_layers − k MoE layers). Their stack (`dense_blocks`) is stacked on the `prefix_layers`
+        logical axis, which no mesh axis splits. 0 for any other pattern (a uniform model; dense layers
+        interleaved with MoE ones, which a pipeline cuts into chunks of one pattern)."""
+        kinds = self.layer_kinds
+        k = kinds.index(True) if True in kinds else 0
+        return k if k and all(kinds[k:]) else 0
+
+    @property
+    def pipelined_layers(self) -> int:
+        """The layers a pipeline splits into chunks: all but the `prefix_layers`."""
+        return self.n_layers - self.prefix_layers
+
+    @property
     def layer_pattern(self) -> tuple[str, ...]:
         """Per model layer, the name of the stack that holds it (`layer_stacks`)."""
         where = {i: name for name, layers in self.layer_stacks.items() for i in layers}
@@ -621,12 +637,14 @@ def check_layout(m: ModelConfig, p: ParallelConfig) -> None:
     attention_kind(m).check(m, p.tensor)  # its heads (or latent dims) against the tensor degree
     check_divides("model.d_ff", m.d_ff, "parallel.tensor", p.tensor, "the MLP hidden dim is split over tensor")
     stages = p.pipe * p.repeats
-    if m.mtp_depth and p.pipe > 1:
-        raise ConfigError("parallel.pipe", p.pipe, f"model.mtp_depth = {m.mtp_depth}: the multi-token prediction "
-                          "modules are not placed on the pipeline's last stage in this release",
-                          "set parallel.pipe=1 (data, tensor, expert and sequence parallelism run MTP), or "
-                          "model.mtp_depth=0")
-    if m.n_layers % stages:
+    L, k = m.pipelined_layers, m.prefix_layers  # (stages = 1 without a pipeline: ParallelConfig's rule)
+    if L % stages and k:  # DeepSeek's dense first layers run beside the embedding: the pipeline splits the rest
+        raise ConfigError("model.n_layers", m.n_layers, f"the first {k} (dense) layers run outside the pipeline, "
+                          f"beside the embedding, and the other {L} (MoE) layers must be divisible by "
+                          f"parallel.pipe * parallel.repeats = {p.pipe}*{p.repeats} = {stages}",
+                          f"use n_layers {k} + a multiple of {stages} (e.g. {k + stages * max(1, L // stages)}), "
+                          f"or pipe*repeats among {divisors(L)}")
+    if L % stages:
         raise ConfigError("model.n_layers", m.n_layers,
                           f"must be divisible by parallel.pipe * parallel.repeats = {p.pipe}*{p.repeats} = {stages}",
                           f"use n_layers a multiple of {stages}, or pipe*repeats among {divisors(m.n_layers)}")
@@ -650,7 +668,8 @@ def _check_moe(m: ModelConfig, p: ParallelConfig) -> None:
         check_divides("moe.shared_d_ff", moe.shared_d_ff, "parallel.tensor", p.tensor, "the shared expert's "
                        "hidden dim is split over tensor")
     chunks = p.pipe * p.repeats
-    if p.pipe > 1 and m.n_layers % chunks == 0 and not same_chunks(m.layer_kinds, chunks):
+    piped = m.layer_kinds[m.prefix_layers:]  # a dense prefix runs beside the embedding (`prefix_layers`)
+    if p.pipe > 1 and len(piped) % chunks == 0 and not same_chunks(piped, chunks):
         fits = [c for c in divisors(m.n_layers) if c > 1 and same_chunks(m.layer_kinds, c)]
         raise ConfigError("parallel.repeats" if p.repeats > 1 else "parallel.pipe", p.repeats if p.repeats > 1
                           else p.pipe, f"the pipeline cuts the {m.n_layers} layers into pipe*repeats = {chunks} "

@@ -73,7 +73,7 @@ from jaxpar.interop.safetensors_files import (INDEX, SINGLE, HFError, Safetensor
                                              model_dir, write_shards)
 from jaxpar.model import abstract_model, buffers_of, initial_buffers, merge_state, trainable
 from jaxpar.plan import Plan
-from jaxpar.sharding import vocab_dims
+from jaxpar.sharding import layer_axis, vocab_dims
 from jaxpar.store import checkpoint
 from jaxpar.store.lock import Staged, check_new_output, check_outside
 
@@ -318,11 +318,16 @@ def load_params(path: str | pathlib.Path, cfg: ModelConfig, abstract: nnx.State,
     used: set[str] = set()
     _check_shapes(files, cfg, like, rules, vocab_axes, path)  # every header against config.json, before any data
 
+    # the stacks a pipeline stores in its own order: those on the `layers` logical axis (not DeepSeek's dense
+    # prefix or the MTP modules, which every stage holds in model order: jaxpar.model.Blocks)
+    piped = {".".join(str(k.key) for k in key) for key, v in jax.tree_util.tree_flatten_with_path(
+        abstract, is_leaf=lambda x: isinstance(x, nnx.Variable))[0] if layer_axis(v) == "layers"}
+
     def load(key_path, var):
         param = ".".join(str(k.key) for k in key_path)
         rule = _rule_of(rules, param, cfg, path)
         # stored entry i of the stack → the model layer it holds
-        layers = _stored_layers(rule, var, layout, cfg, path) if rule.stacked else None
+        layers = _stored_layers(rule, var, layout if param in piped else Plan(), cfg, path) if rule.stacked else None
         if isinstance(rule, ExpertRule):
             return jax.make_array_from_callback(tuple(var.shape), sharding_of(key_path),
                                                 _expert_shards(rule, var, files, layers, used, path))

@@ -61,8 +61,10 @@ MESH_AXES: tuple[MeshAxis, ...] = (
 )
 
 # Logical axes no mesh axis splits. q_lora / kv_lora: multi-head latent attention's latent widths (its down-projections
-# and their norms are held whole by every tensor rank: jaxpar.model.mla_attention).
-REPLICATED: tuple[str, ...] = ("embed", "head_dim", "norm", "q_lora", "kv_lora")
+# and their norms are held whole by every tensor rank: jaxpar.model.mla_attention). prefix_layers / mtp_layers: the
+# stacked axes of layers a pipeline runs outside its stages — DeepSeek's leading dense layers beside the embedding,
+# the MTP modules beside the head — which every stage holds whole (jaxpar.model.Blocks).
+REPLICATED: tuple[str, ...] = ("embed", "head_dim", "norm", "q_lora", "kv_lora", "prefix_layers", "mtp_layers")
 
 AXES: tuple[str, ...] = tuple(a.name for a in MESH_AXES)  # mesh axis names, outermost first
 DATA, PIPE, EXPERT, CONTEXT, TENSOR = AXES

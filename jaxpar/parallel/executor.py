@@ -180,19 +180,22 @@ def execute(program: Program, chunk_fn: Callable, layers, rest, tokens: Array, t
     layers' aux losses) attaches it to y with `add_to_objective`.
     layers: pytree, leaves [v, …]: this stage's chunks in increasing chunk order (`Program.local`).
     rest: the parameters outside the chunks (embedding, final norm, head), held whole by every stage.
-    tokens, targets: int [m, mb, T]: every microbatch's inputs and next-token targets.
-    embed_fn(rest, tokens [mb, T]) → x [mb, …];  head_loss_fn(rest, y [mb, …], targets [mb, T]) → mean loss.
+    tokens: int [m, mb, T]: every microbatch's inputs; targets [m, mb, …]: what the head scores each against (the
+    step passes the token rows [m, mb, T+1], which the MTP modules read beyond the next-token targets).
+    embed_fn(rest, tokens [mb, T]) → x [mb, …];  head_loss_fn(rest, y [mb, …], targets [mb, …]) → (mean loss,
+    sums: a pytree the head reports, {} for none — summed over the microbatches, not differentiated). A head that
+    adds terms of its own to the objective (the MTP loss) attaches them to the loss with `add_to_objective`.
     operand(w, role): a matmul weight as the contraction of its role reads it (jaxpar.matmul: the role's policy's
     `Einsum.operand`; the role is the one the model named for the weight, which the tape records).
     constants: None, or a pytree with leaves [v, …] like `layers` that the chunks read but are not differentiated
     for (the layers' buffers: jaxpar.model.Buffer); chunk_fn gets the chunk's (None without constants), and no
     gradient is computed or returned for them.
 
-    Returns (loss, layer_grads, rest_grads, stats), this stage's share: loss = Σ_j loss_j / m over the microbatches
-    whose last chunk it holds; the complete gradients of its chunks; the gradients of `rest` from the microbatches it
-    embedded or finished; its chunks' statistics summed over every F (each microbatch once per chunk), per chunk
-    like the gradients (each leaf [v, …], row r the chunk `layers` holds in row r). Summed over `axis`, loss and
-    rest_grads are the step's.
+    Returns (loss, layer_grads, rest_grads, stats, head_sums), this stage's share: loss = Σ_j loss_j / m over the
+    microbatches whose last chunk it holds; the complete gradients of its chunks; the gradients of `rest` from the
+    microbatches it embedded or finished; its chunks' statistics summed over every F (each microbatch once per
+    chunk), per chunk like the gradients (each leaf [v, …], row r the chunk `layers` holds in row r); the head's
+    sums over the microbatches it finished. Summed over `axis`, loss, rest_grads and head_sums are the step's.
 
     Each tick every stage runs one branch of a `lax.switch` on its action — idle, F, B or W — so an idle tick
     computes nothing. The chunk runs under a tape (`jaxpar.parallel.weightgrad`), which splits its backward in two:
@@ -229,16 +232,17 @@ def execute(program: Program, chunk_fn: Callable, layers, rest, tokens: Array, t
     zeros = chunk.zeros
     chunk_a, stash_ref, tape_ref, dys_ref = chunk.params_ref, chunk.stash_ref, chunk.tape_ref, chunk.dys_ref
     stats_ref, y0 = chunk.stats_ref, chunk.y0
-    loss_ref = head_loss_fn(rest, y0, targets[0])
+    loss_ref, head_ref = head_loss_fn(rest, y0, targets[0])
     msg_ref = vary(jnp.zeros_like(y0), tuple(varying_axes(x0) | varying_axes(y0) | {axis}))  # inbox, messages
 
     def typed_rest(tree):  # gradients of `rest`, typed as the branches' common output
         return jax.tree.map(like, tree, rest)
 
     def nothing():
-        """A branch's outputs, all zero: (stash, tape, dys, message, chunk grads, rest grads, loss, statistics)."""
+        """A branch's outputs, all zero: (stash, tape, dys, message, chunk grads, rest grads, loss, statistics,
+        head sums)."""
         return (zeros(stash_ref), zeros(tape_ref), zeros(dys_ref), zeros(msg_ref), zeros(chunk_a), zeros(rest),
-                zeros(loss_ref), zeros(stats_ref))
+                zeros(loss_ref), zeros(stats_ref), zeros(head_ref))
 
     def forward(g, params_r, consts_r, inbox):
         j = g["micro"]
@@ -247,21 +251,25 @@ def execute(program: Program, chunk_fn: Callable, layers, rest, tokens: Array, t
         y, vjp_fn, inputs, stats, stash = chunk.forward(params_r, x, consts_r)
 
         def head(y):
-            loss, (d_rest, dy) = jax.value_and_grad(
-                lambda r_, y_: head_loss_fn(r_, y_, targets[j]) / m, argnums=(0, 1))(rest, y)
-            return like(loss, loss_ref), typed_rest(d_rest), like(dy, msg_ref)
+            def scaled(r_, y_):
+                loss, sums = head_loss_fn(r_, y_, targets[j])
+                return loss / m, sums
+
+            (loss, sums), (d_rest, dy) = jax.value_and_grad(scaled, argnums=(0, 1), has_aux=True)(rest, y)
+            return (like(loss, loss_ref), typed_rest(d_rest), like(dy, msg_ref),
+                    jax.tree.map(like, sums, head_ref))
 
         def no_head(y):
-            return like(jnp.zeros((), loss_ref.dtype), loss_ref), zeros(rest), like(y, msg_ref)
+            return like(jnp.zeros((), loss_ref.dtype), loss_ref), zeros(rest), like(y, msg_ref), zeros(head_ref)
 
-        loss, d_rest, msg = jax.lax.cond(g["last"] == 1, head, no_head, y)
-        _, _, dys, _, d_chunk, _, _, _ = nothing()
+        loss, d_rest, msg, sums = jax.lax.cond(g["last"] == 1, head, no_head, y)
+        _, _, dys, _, d_chunk, _, _, _, _ = nothing()
         return (stash, [like(a, r) for a, r in zip(jax.tree.leaves(inputs), tape_ref)], dys, msg, d_chunk, d_rest,
-                loss, jax.tree.map(like, stats, stats_ref))
+                loss, jax.tree.map(like, stats, stats_ref), sums)
 
     def input_grads(g, params_r, consts_r, inbox, stash_buf):
         """B: from the stash and the output gradient in the inbox."""
-        stash, tape, _, _, d_chunk, _, loss, stats = nothing()
+        stash, tape, _, _, d_chunk, _, loss, stats, sums = nothing()
         d_others, dx, d_probes = chunk.rebuild(params_r, [b[g["stash"]] for b in stash_buf],
                                                consts_r)(inbox[g["x_slot"]])
         dys = [like(d, r) for d, r in zip(jax.tree.leaves(d_probes), dys_ref)]
@@ -273,11 +281,11 @@ def execute(program: Program, chunk_fn: Callable, layers, rest, tokens: Array, t
             return typed_rest(vjp_e(like(dx, x0))[0])
 
         d_rest = jax.lax.cond(g["first"] == 1, embed_grad, lambda dx: zeros(rest), dx)
-        return stash, tape, dys, like(dx, msg_ref), d_chunk, d_rest, loss, stats
+        return stash, tape, dys, like(dx, msg_ref), d_chunk, d_rest, loss, stats, sums
 
     def weight_grads(g, params_r, consts_r, tape_buf, dys_buf):
         """W: Σ xᵀ·dy over the chunk's matmuls, each group replayed on its stashed input."""
-        stash, tape, dys, msg, d_chunk, d_rest, loss, stats = nothing()
+        stash, tape, dys, msg, d_chunk, d_rest, loss, stats, sums = nothing()
         others = chunk.part(params_r, False)
 
         def replay(weights):
@@ -288,7 +296,7 @@ def execute(program: Program, chunk_fn: Callable, layers, rest, tokens: Array, t
         _, vjp_w = jax.vjp(replay, chunk.part(params_r, True))
         (d_weights,) = vjp_w(jax.tree.unflatten(chunk.dys_def, [b[g["dys"]] for b in dys_buf]))
         d_chunk = jax.tree.map(like, chunk.join(d_weights, chunk.part(d_chunk, False)), chunk_a)
-        return stash, tape, dys, msg, d_chunk, d_rest, loss, stats
+        return stash, tape, dys, msg, d_chunk, d_rest, loss, stats, sums
 
     sends = program.sends()
     to_next = [(i, (i + 1) % p) for i in range(p)]
@@ -298,7 +306,7 @@ def execute(program: Program, chunk_fn: Callable, layers, rest, tokens: Array, t
         return [b.at[write].set(x) for b, x in zip(bufs, values)]
 
     def tick(carry, row):
-        inbox, stash_buf, tape_buf, dys_buf, down, up, grads, d_rest_sum, loss_sum, stats_sum = carry
+        inbox, stash_buf, tape_buf, dys_buf, down, up, grads, d_rest_sum, loss_sum, stats_sum, head_sum = carry
         g = {k: v[s] for k, v in row.items()}
         if sends["down"]:
             inbox = inbox.at[g["recv_down"]].set(down)
@@ -311,7 +319,7 @@ def execute(program: Program, chunk_fn: Callable, layers, rest, tokens: Array, t
             lambda: input_grads(g, params_r, consts_r, inbox, stash_buf),
             lambda: weight_grads(g, params_r, consts_r, tape_buf, dys_buf),
         ]
-        stash, tape, dys, msg, d_chunk, d_rest, loss, stats = jax.lax.switch(
+        stash, tape, dys, msg, d_chunk, d_rest, loss, stats, sums = jax.lax.switch(
             g["kind"], [lambda _, b=b: b() for b in branches], None)
         # Slots that are not this tick's target are the scratch slot (the last): the writes need no select.
         stash_buf = keep(stash_buf, stash, jnp.where(g["kind"] == DO_F, g["stash"], program.n_stash))
@@ -326,7 +334,9 @@ def execute(program: Program, chunk_fn: Callable, layers, rest, tokens: Array, t
             down = jax.lax.ppermute(msg, axis, to_next)
         if sends["up"]:
             up = jax.lax.ppermute(msg, axis, to_prev)
-        return (inbox, stash_buf, tape_buf, dys_buf, down, up, grads, d_rest_sum, loss_sum + loss, stats_sum), None
+        head_sum = jax.tree.map(jnp.add, head_sum, sums)
+        return (inbox, stash_buf, tape_buf, dys_buf, down, up, grads, d_rest_sum, loss_sum + loss, stats_sum,
+                head_sum), None
 
     def buffer(refs, n):
         return [jnp.broadcast_to(zeros(r), (n + 1, *r.shape)) for r in refs]
@@ -335,7 +345,7 @@ def execute(program: Program, chunk_fn: Callable, layers, rest, tokens: Array, t
              buffer(tape_ref, program.n_tape), buffer(dys_ref, program.n_dys), zeros(msg_ref), zeros(msg_ref),
              zeros(layers), zeros(rest), zeros(loss_ref),
              jax.tree.map(lambda r: jnp.broadcast_to(zeros(r), (jax.tree.leaves(layers)[0].shape[0], *r.shape)),
-                          stats_ref))
+                          stats_ref), zeros(head_ref))
     rows = {k: jnp.asarray(v) for k, v in program.arrays().items()}
-    (_, _, _, _, _, _, grads, d_rest, loss, stats), _ = jax.lax.scan(tick, carry, rows)
-    return loss, grads, d_rest, stats
+    (_, _, _, _, _, _, grads, d_rest, loss, stats, head_sums), _ = jax.lax.scan(tick, carry, rows)
+    return loss, grads, d_rest, stats, head_sums

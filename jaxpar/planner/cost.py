@@ -130,7 +130,7 @@ def axis_bytes(config: Config) -> dict[str, float]:
             out["pipe"] = expected.pipeline_bytes(config)["permute_bytes"]
         else:
             table = schedule.build(p.schedule, p.pipe, p.repeats, p.microbatches)
-            sends = pipeline.Pipeline(p.pipe, p.repeats, p.microbatches, config.model.n_layers,
+            sends = pipeline.Pipeline(p.pipe, p.repeats, p.microbatches, config.model.pipelined_layers,
                                       p.schedule).program.sends()
             out["pipe"] = expected.schedule_permute_bytes(config, table.n_ticks,
                                                           (sends["down"] > 0) + (sends["up"] > 0))

@@ -66,15 +66,22 @@ def _dims(config: Config, padded_vocab: int) -> dict:
              L=m.n_layers, t=p.tensor, sp=p.sequence_parallel, A=t.grad_accum,
              beta=4 if m.dtype == "float32" else 2)
     if p.pipe > 1:
-        k = m.n_layers // (p.pipe * p.repeats)
+        k = m.pipelined_layers // (p.pipe * p.repeats)
         mb = b // p.microbatches
         n = pipeline.iterations(p.pipe, p.repeats, p.microbatches)
         d.update(rows=b // p.pipe, layer_execs=n * k * t.grad_accum, tokens_per_exec=mb // t.grad_accum * d["s"],
                  mb=mb // t.grad_accum, iterations=n * t.grad_accum)
+        # a dense prefix (DeepSeek's first layers) runs beside the embedding on the stage's own b/p rows: per
+        # prefix layer A·(m/p) executions of mb/A rows
+        d["layer_execs"] += m.prefix_layers * t.grad_accum * (p.microbatches // p.pipe)
     else:
         d.update(rows=b, layer_execs=m.n_layers * t.grad_accum, tokens_per_exec=b // t.grad_accum * d["s"])
-    # the MoE layers' share of them (every pipeline chunk holds the same dense / MoE layers: the config checks it)
-    d["moe_layer_execs"] = d["layer_execs"] * m.moe_layer_count // m.n_layers
+    # the MoE layers' share of them (every pipeline chunk holds the same dense / MoE layers: the config checks it;
+    # a dense prefix runs outside the pipeline)
+    if p.pipe > 1:
+        d["moe_layer_execs"] = n * k * t.grad_accum * sum(m.layer_kinds[m.prefix_layers:][:k]) // k
+    else:
+        d["moe_layer_execs"] = d["layer_execs"] * m.moe_layer_count // m.n_layers
     return d
 
 
@@ -148,7 +155,7 @@ def tensor_replicated_floats(model) -> tuple[float, int]:
     for _, v in leaves:
         axes = tuple(v.get_metadata().get("logical_axes") or ())
         if not set(axes) & set(tensor_split):
-            if axes[:1] == ("layers",):  # (a mean over the layers when two stacks hold different parameters)
+            if axes[:1] in (("layers",), ("prefix_layers",)):  # (a mean over the layers when two stacks differ)
                 per_layer += math.prod(v.shape) / model.n_layers
             else:
                 outside += math.prod(v.shape)

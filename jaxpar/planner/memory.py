@@ -510,12 +510,16 @@ class TableChunk:
 
 @functools.lru_cache(maxsize=256)
 def table_chunk(model: ModelConfig, seq: int, remat: str, k: int) -> TableChunk:
-    """What the table executor holds a slot for one chunk of the model's first k layers and one sequence of `seq`
-    tokens — read off the executor's own `executor.Chunk` (its MEASURE and RECORD traces), so a slot's contents
-    follow the code: what autodiff of the tape-run chunk keeps (under `remat`), less the parameters, the zero probes
-    and the constants the executor takes again in B. A tape or dys entry is tagged as the group input or output it
-    holds in the MEASURE trace."""
-    cfg = dataclasses.replace(model, n_layers=k)
+    """What the table executor holds a slot for one chunk of k of the model's pipelined layers (its first k, or the
+    first k after a dense prefix: `ModelConfig.prefix_layers`) and one sequence of `seq` tokens — read off the
+    executor's own `executor.Chunk` (its MEASURE and RECORD traces), so a slot's contents follow the code: what
+    autodiff of the tape-run chunk keeps (under `remat`), less the parameters, the zero probes and the constants
+    the executor takes again in B. A tape or dys entry is tagged as the group input or output it holds in the
+    MEASURE trace."""
+    moe = model.moe
+    if model.prefix_layers:  # the chunks hold the MoE layers after DeepSeek's dense prefix (which runs beside them)
+        moe = dataclasses.replace(moe, dense_layers=(), sparse_step=1)
+    cfg = dataclasses.replace(model, n_layers=k, moe=moe, mtp_depth=0)
     graphdef, params = abstract_model(cfg)
     leaves, tree = jax.tree.flatten(params)
 
@@ -678,8 +682,8 @@ def activation_bytes(config: Config, backend: str = "gpu") -> dict[str, float]:
     saved = None  # the activations kept for the backward (a table's slots: counted where the table is read)
     if p.pipe > 1:
         mb = b // p.microbatches // A
-        k = m.n_layers // (p.pipe * p.repeats)
-        kinds = m.layer_kinds[:k]
+        k = m.pipelined_layers // (p.pipe * p.repeats)  # a dense prefix runs beside the embedding
+        kinds = m.layer_kinds[m.prefix_layers:][:k]
         layer_rows, outside_rows = mb, b // p.pipe // A
         looped = True
         if p.schedule == "circular":
@@ -699,7 +703,7 @@ def activation_bytes(config: Config, backend: str = "gpu") -> dict[str, float]:
             # branch's stash and tape, B's dys, the message — with the chunk's and `rest`'s gradients (every
             # branch returns them all, zeros where it computes none), written into the buffers after it; and for
             # v > 1 the tick takes its chunk's parameters out of the stage's [v, …] (a dynamic slice).
-            prog = pipeline.Pipeline(p.pipe, p.repeats, p.microbatches, m.n_layers, p.schedule).program
+            prog = pipeline.Pipeline(p.pipe, p.repeats, p.microbatches, m.pipelined_layers, p.schedule).program
             chunk = table_chunk(local, s, p.remat, k)
             stash = k * mb * _scaled(chunk.stash, config, s, routed)
             # The tape and dys as the groups see them, the rank's s/c tokens under context parallelism; under SP
@@ -743,6 +747,15 @@ def activation_bytes(config: Config, backend: str = "gpu") -> dict[str, float]:
         saved = layers * layer_rows * sum(per_kind[k] for k in kinds)
     first = traced[kinds[0]]
     outside = outside_rows * _scaled(first.outside, config, s)
+    if p.pipe > 1 and p.schedule == "circular" and m.prefix_layers:
+        # DeepSeek's dense prefix, beside the embedding on the stage's own rows: autodiff keeps its residuals (a
+        # table's B recomputes them from the tokens, in the embedding's vjp)
+        outside += m.prefix_layers * outside_rows * _scaled(residuals(local, s, p.remat, False).layer, config, s)
+    if m.mtp_depth:
+        # each MTP module beside the head: an embedding, a layer of the model's kind, the head and its loss again
+        # (counted as the outside's residuals and a layer's; a table's F runs them on one microbatch)
+        mtp_layer = residuals(local, s, p.remat, m.moe.enabled).layer
+        outside += m.mtp_depth * outside_rows * (_scaled(first.outside, config, s) + _scaled(mtp_layer, config, s))
     ring = p.context > 1 and p.context_impl == "ring"
     # The causal mask broadcast to the scores' shape, [rows, K, G, s, s] as bool and float32 (the tangent of the
     # masking `where`; a constant of the trace): a loop reads it as an input, held once (`Residuals.constant`), and

@@ -61,7 +61,7 @@ def describe(config: Config) -> str:
 def _degrees(config: Config, devices: int, devices_per_host: int, fixed: set[str]) -> Iterator[dict[str, int]]:
     m, p = config.model, config.parallel
     choices = {
-        "pipe": divisors(m.n_layers),
+        "pipe": divisors(m.pipelined_layers),  # a dense prefix runs beside the embedding
         "expert": divisors(m.moe.n_experts) if m.moe.enabled else [1],
         "context": [c for c in (1, 2, 4, 8, 16, 32, 64) if c == 1 or not m.moe.enabled],
         "tensor": [t for t in divisors(m.n_heads) if t <= devices_per_host],
@@ -87,7 +87,7 @@ def layouts(config: Config, devices: int, devices_per_host: int, fixed: Iterable
         accums = [train.grad_accum] if "grad_accum" in fixed else [a for a in (1, 2, 4, 8) if rows % a == 0]
         pipes = [("circular", 1, 1)]
         if deg["pipe"] > 1:
-            L = config.model.n_layers
+            L = config.model.pipelined_layers
             pipes = [(s, v, mb) for s in keep("schedule", list(SCHEDULES))
                      for v in keep("repeats", divisors(L // deg["pipe"]))
                      for mb in keep("microbatches", [deg["pipe"] * k for k in (1, 2, 4, 8)])]

@@ -31,7 +31,7 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh, PartitionSpec as P
 
-from jaxpar.model import (attention_mask, buffers_of, default_positions, forward_buffers, merge_state, moe_objective,
+from jaxpar.model import (buffers_of, default_positions, forward_buffers, merge_state, moe_objective,
                           mtp_targets, run_layers, stats_total, trainable)
 from jaxpar.parallel import circular, executor, schedule as tables
 from jaxpar.parallel.axes import DATA, EXPERT, PIPE
@@ -50,8 +50,8 @@ def next_token_loss(graphdef: nnx.GraphDef, params: nnx.State, batch: jax.Array,
                     mtp_weight: float = 0.0):
     """Mean cross-entropy (float32, nats/token) of predicting batch[:, 1:] from batch[:, :-1]. batch int [B, T+1].
 
-    With `pipe`, these are this stage's rows and the layers run through the circular pipeline. Under context
-    parallelism each rank scores its part of every row's tokens (`sequence_share`).
+    With `pipe`, these are this stage's rows and the layers run through the circular pipeline (`pipeline_loss`).
+    Under context parallelism each rank scores its part of every row's tokens (`sequence_share`).
 
     objective: return (what training minimises — the loss plus the MoE layers' weighted load-balancing and z-losses,
     jaxpar.model.moe_objective — , (the loss, the MoE statistics summed over these rows, per MoE layer [L_moe, …] —
@@ -63,25 +63,34 @@ def next_token_loss(graphdef: nnx.GraphDef, params: nnx.State, batch: jax.Array,
     mtp_loss is exact at any layout."""
     model = nnx.merge(graphdef, params)
     mtp = objective and model.cfg.mtp_depth > 0
-    if pipe is not None:  # (the config refuses MTP with a pipeline)
-        loss, stats = pipeline_loss(model, batch, pipe, remat, par)
+    if pipe is not None:
+        loss, stats, extra = pipeline_loss(model, batch, pipe, remat, par, mtp=mtp)
     else:
         tokens, targets, positions = sequence_share(batch, par)
-        mtp_kw = {}
-        if mtp:  # the MTP modules' inputs, targets and valid positions, each [n, B, T(/c)]
-            mtp_in, mtp_out, valid = (jnp.stack([par.context_shard(x) for x in a])
-                                      for a in mtp_targets(batch, model.cfg.mtp_depth))
-            mtp_kw = dict(mtp_tokens=mtp_in)
-        # logits [B, T(/c), V_local], then the MTP modules' [n, B, T(/c), V_local] with mtp_tokens
-        logits, stats, *mtp_logits = model(tokens, positions=positions, remat=remat, par=par, stats=True, **mtp_kw)
+        # logits [B, T(/c), V_local], then the last hidden states [B, T(/c), D] (what the MTP modules read)
+        logits, stats, h = model(tokens, positions=positions, remat=remat, par=par, stats=True, hidden=True)
         loss = par.cross_entropy(logits, targets).mean()
+        extra = mtp_objective(model, h, batch, positions, remat, par) if mtp else None
     if not objective:
         return loss
     value = loss + moe_objective(stats, model.cfg, batch.shape[0])
     if mtp:
-        extra, sums = mtp_loss(mtp_logits[0], mtp_out, valid, batch.shape[1] - 1, par)
-        value, stats = value + mtp_weight * extra, {**stats, "mtp": sums}
+        value, stats = value + mtp_weight * extra[0], {**stats, "mtp": extra[1]}
     return value, (loss, stats)
+
+
+def mtp_objective(model, h: jax.Array, rows: jax.Array, positions: jax.Array, remat: str, par: Parallel
+                  ) -> tuple[jax.Array, dict]:
+    """The MTP modules on the main model's last hidden states h [R, T(/t or /c), D] (before the final norm) of
+    token rows rows int [R, T+1] at positions [R, T(/c)] → `mtp_loss`'s (1/n Σ_k mean cross-entropy of depth k,
+    its sums). Wherever the rows' last hidden states are: the whole step's on one device, a stage's finished
+    microbatches under a pipeline (beside the head)."""
+    # the MTP modules' inputs, targets and valid positions, each [n, R, T(/c)]
+    mtp_in, mtp_out, valid = (jnp.stack([par.context_shard(x) for x in a])
+                              for a in mtp_targets(rows, model.cfg.mtp_depth))
+    # mask None: causal (within the model's window), the kernels' own, as the main model's layers run here
+    logits = model.mtp_logits(h, mtp_in, positions, None, remat=remat, par=par)  # [n, R, T(/c), V_local]
+    return mtp_loss(logits, mtp_out, valid, rows.shape[1] - 1, par)
 
 
 def mtp_loss(logits: jax.Array, targets: jax.Array, valid: jax.Array, T: int, par: Parallel = SINGLE_DEVICE
@@ -129,50 +138,70 @@ def in_model_order(stats: dict, pipe: Pipeline) -> dict:
     return jax.tree.map(place, stats)
 
 
-def pipeline_loss(model, batch: jax.Array, pipe: Pipeline, remat: str, par: Parallel) -> tuple[jax.Array, dict]:
-    """Embed this stage's rows, run the layers through the circular pipeline, then head and loss on the microbatches
-    the stage holds at the end (paired with their targets, which are all-gathered over `pipe`). → (loss, the MoE
-    statistics of this stage's layers over all m microbatches (`in_model_order`) — m·mb = p·R rows, p times the stage's own R: the
-    caller's objective divides by R, and the pipeline step's 1/p scale makes it p·R)."""
+def pipeline_loss(model, batch: jax.Array, pipe: Pipeline, remat: str, par: Parallel, mtp: bool = False
+                  ) -> tuple[jax.Array, dict, tuple | None]:
+    """Embed this stage's rows (and run a dense prefix on them: `ModelConfig.prefix_layers`), run the other layers
+    through the circular pipeline, then head and loss on the microbatches the stage holds at the end (paired with
+    their token rows, which are all-gathered over `pipe`). → (loss, the MoE statistics of this stage's layers over
+    all m microbatches (`in_model_order`) — m·mb = p·R rows, p times the stage's own R: the caller's objective
+    divides by R, and the pipeline step's 1/p scale makes it p·R —, and with `mtp` the MTP modules' `mtp_objective`
+    on the held microbatches, else None).
+
+    The prefix and the MTP modules run where embedding and head do, each stage on its own R rows — no stage idles
+    while another runs them, and their parameters, which every stage holds whole, get the pipeline step's psum
+    over `pipe` as the embedding's and the head's do."""
     p, v, m = pipe.stages, pipe.repeats, pipe.microbatches
     q = m // p
-    tokens, targets, row_positions = sequence_share(batch, par)  # [R, T(/c)], R = q·mb rows of this stage
+    cfg = model.cfg
+    tokens, _, row_positions = sequence_share(batch, par)  # [R, T(/c)], R = q·mb rows of this stage
     R, T = tokens.shape
     mb = R // q
     positions = row_positions[:mb]  # every row has the same positions
+    stacks = model.stacks()
     x = model.embed_tokens(tokens, row_positions, par)  # [R, T(/t), D]
+    if cfg.prefix_layers:  # DeepSeek's dense first layers, beside the embedding (their stats: none, dense)
+        x = run_layers({"dense_blocks": stacks.pop("dense_blocks")}, x, row_positions, None, cfg, remat=remat,
+                       par=par)
     io = x.reshape(q, mb, *x.shape[1:])
-    per_pass = jax.tree.map(lambda a: a.reshape(v, a.shape[0] // v, *a.shape[1:]), model.stacks())
-    mask = attention_mask(T, None)
-    stage = lambda layers, h: run_layers(layers, h, positions, mask, model.cfg, remat=remat, par=par,  # noqa: E731
-                                         stats=True)
+    per_pass = jax.tree.map(lambda a: a.reshape(v, a.shape[0] // v, *a.shape[1:]), stacks)
+    stage = lambda layers, h: run_layers(layers, h, positions, None, cfg, remat=remat, par=par,  # noqa: E731
+                                         stats=True, first_layer=cfg.prefix_layers)
     out, stats = circular.circular(stage, per_pass, io, stages=p, repeats=v, microbatches=m, stats=True)
     stats = in_model_order(stats, pipe)
-    logits = model.logits(out.reshape(R, *out.shape[2:]), par)  # [R, T, V_local]
+    h = out.reshape(R, *out.shape[2:])  # [R, T(/t), D]: the held microbatches' last hidden states
+    logits = model.logits(h, par)  # [R, T, V_local]
     held = jnp.asarray(circular.output_order(p, v, m))[jax.lax.axis_index(PIPE)]  # [q] starting slots s·q + c
-    all_targets = jax.lax.all_gather(targets.reshape(q, mb, T), PIPE)  # [p, q, mb, T]
-    return par.cross_entropy(logits, all_targets[held // q, held % q].reshape(R, T)).mean(), stats
+    all_rows = jax.lax.all_gather(batch.reshape(q, mb, batch.shape[1]), PIPE)  # [p, q, mb, T+1]
+    rows = all_rows[held // q, held % q].reshape(R, batch.shape[1])  # the held microbatches' token rows
+    _, targets, _ = sequence_share(rows, par)
+    extra = mtp_objective(model, h, rows, row_positions, remat, par) if mtp else None
+    return par.cross_entropy(logits, targets).mean(), stats, extra
 
 
 def scheduled_loss_and_grads(graphdef: nnx.GraphDef, params: nnx.State, batch: jax.Array, pipe: Pipeline,
-                             remat: str, par: Parallel) -> tuple[jax.Array, nnx.State, dict]:
+                             remat: str, par: Parallel, mtp_weight: float = 0.0
+                             ) -> tuple[jax.Array, nnx.State, dict]:
     """This stage's share of (loss, gradients, its layers' MoE statistics over every row) under a schedule table
     (`executor.execute`): the table, not autodiff of a loop, decides when each microbatch's backward runs and what
     stays alive.
 
     Every stage gathers the step's token rows over `pipe` (4 bytes a token): microbatch j is rows j·mb … of them,
-    embedded by the stage that holds chunk 0 and scored by the one that holds the last chunk. The loss and the
-    gradients of the parameters outside the layers come back as shares to be summed over `pipe`, as the circular
-    path's do."""
+    embedded (and run through a dense prefix: `ModelConfig.prefix_layers`) by the stage that holds chunk 0 and
+    scored — with the MTP modules, weight mtp_weight, when the model has them — by the one that holds the last
+    chunk. The loss and the gradients of the parameters outside the chunks come back as shares to be summed over
+    `pipe`, as the circular path's do; the MTP modules' sums join the statistics ("mtp")."""
     v, m = pipe.repeats, pipe.microbatches
-    tokens, targets, positions = sequence_share(jax.lax.all_gather(batch, PIPE, tiled=True), par)  # every stage's
+    rows = jax.lax.all_gather(batch, PIPE, tiled=True)  # [N, T+1]: every stage's rows
+    tokens, _, positions = sequence_share(rows, par)
     N, T = tokens.shape  # rows (T: this rank's share of the tokens under context parallelism)
     mb = N // m
     positions = positions[:mb]
-    mask = attention_mask(T, None)
     cfg = nnx.merge(graphdef, params).cfg
-    stack_names = tuple(cfg.layer_stacks)
-    blocks, rest = nnx.split_state(params, nnx.Any(*map(nnx.PathContains, stack_names)), ...)  # the layers | rest
+    mtp = cfg.mtp_depth > 0
+    # the stacks the chunks hold: those on the `layers` axis (a dense prefix joins the embedding, in `rest`)
+    stack_names = tuple(name for name in cfg.layer_stacks if not (cfg.prefix_layers and name == "dense_blocks"))
+    in_chunks = lambda path, _: path[0] in stack_names  # noqa: E731  (top-level: never mtp/blocks)
+    blocks, rest = nnx.split_state(params, in_chunks, ...)  # the layers | the rest
     # The layers' weights (differentiated) | their buffers: constants of the executor, which computes no gradient
     # for them (zeros stand in for theirs below, where the state's tree wants one)
     weights, buffers = trainable(blocks), buffers_of(blocks)
@@ -185,7 +214,8 @@ def scheduled_loss_and_grads(graphdef: nnx.GraphDef, params: nnx.State, batch: j
         stacked = {stack: {**{name: var[...] for name, var in chunk[stack].items() if isinstance(var, nnx.Param)},
                            **forward_buffers(dict(consts[stack].items()) if stack in consts else {}, cfg)}
                    for stack in stack_names}
-        y, stats = run_layers(stacked, x, positions, mask, cfg, remat=remat, par=par.with_tape(tape), stats=True)
+        y, stats = run_layers(stacked, x, positions, None, cfg, remat=remat, par=par.with_tape(tape), stats=True,
+                              first_layer=cfg.prefix_layers)
         # F of an MoE chunk (a tape's MEASURE and REPLAY report no statistics: `Tape.scan`): its layers' aux losses
         # over this microbatch join the objective like its loss
         if stats:
@@ -193,17 +223,29 @@ def scheduled_loss_and_grads(graphdef: nnx.GraphDef, params: nnx.State, batch: j
         return y, stats  # the statistics are summed over the F ticks (logged, not differentiated)
 
     def embed_fn(r: nnx.State, tokens: jax.Array) -> jax.Array:
-        return nnx.merge(graphdef, r, blocks).embed_tokens(tokens, positions, par)
+        model = nnx.merge(graphdef, r, blocks)
+        x = model.embed_tokens(tokens, positions, par)
+        if cfg.prefix_layers:
+            x = run_layers({"dense_blocks": model.dense_blocks.stacked()}, x, positions, None, cfg, remat=remat,
+                           par=par)
+        return x
 
-    def head_loss_fn(r: nnx.State, y: jax.Array, targets: jax.Array) -> jax.Array:
-        return par.cross_entropy(nnx.merge(graphdef, r, blocks).logits(y, par), targets).mean()
+    def head_loss_fn(r: nnx.State, y: jax.Array, rows: jax.Array) -> tuple[jax.Array, dict]:
+        model = nnx.merge(graphdef, r, blocks)
+        loss = par.cross_entropy(model.logits(y, par), sequence_share(rows, par)[1]).mean()
+        if not mtp:
+            return loss, {}
+        extra, sums = mtp_objective(model, y, rows, positions, remat, par)
+        # the MTP loss joins the objective (weight λ, per microbatch 1/m as the loss) but not the loss reported
+        return executor.add_to_objective(loss, extra, mtp_weight / m), {"mtp": sums}
 
-    loss, layer_grads, rest_grads, stats = executor.execute(
-        pipe.program, chunk_fn, layers, rest, tokens.reshape(m, mb, T), targets.reshape(m, mb, T), embed_fn,
-        head_loss_fn, axis=PIPE, operand=lambda w, role: par.policy(role).operand(w, cfg.dtype), constants=constants)
+    loss, layer_grads, rest_grads, stats, head_sums = executor.execute(
+        pipe.program, chunk_fn, layers, rest, tokens.reshape(m, mb, T), rows.reshape(m, mb, rows.shape[1]),
+        embed_fn, head_loss_fn, axis=PIPE, operand=lambda w, role: par.policy(role).operand(w, cfg.dtype),
+        constants=constants)
     block_grads = jax.tree.map(lambda a: a.reshape(a.shape[0] * a.shape[1], *a.shape[2:]), layer_grads)
     no_grads = jax.tree.map(jnp.zeros_like, buffers)  # the buffers' places in the gradients' tree (dropped: trainable)
-    return loss, merge_state(rest_grads, block_grads, no_grads), in_model_order(stats, pipe)
+    return loss, merge_state(rest_grads, block_grads, no_grads), {**in_model_order(stats, pipe), **head_sums}
 
 
 def loss_and_grads(graphdef: nnx.GraphDef, *, grad_accum: int = 1, remat: str = "none",
@@ -259,7 +301,8 @@ def loss_and_grads(graphdef: nnx.GraphDef, *, grad_accum: int = 1, remat: str = 
         return loss, grads, sums
 
     if pipe is not None and pipe.schedule != "circular":
-        grad_fn = functools.partial(scheduled_loss_and_grads, graphdef, pipe=pipe, remat=remat, par=par)
+        grad_fn = functools.partial(scheduled_loss_and_grads, graphdef, pipe=pipe, remat=remat, par=par,
+                                    mtp_weight=mtp_weight)
 
     batch_axes = tuple(grad_axes) + ((PIPE,) if pipe is not None else ())
 
