@@ -390,7 +390,7 @@ def stats_total(stats: dict[str, Array]) -> dict[str, Array]:
 
 def run_layers(stacks: Stacks, x: Array, positions: Array, mask: Array | None, cfg: ModelConfig, *,
                remat: str = "none", par: Parallel = SINGLE_DEVICE, stats: bool = False,
-               cache: dict[str, Array] | None = None, first_layer: int = 0):
+               cache: dict[str, Array] | None = None, first_layer: int = 0, pages: Array | None = None):
     """Apply the layers of `stacks` in model order; `remat` checkpoints each layer. → x, or (x, the MoE layers'
     statistics, one row per MoE layer in model order: each leaf [L_moe, …]) with `stats` (an empty dict when no
     layer is an MoE layer; see `moe`; `stats_total` sums them).
@@ -400,7 +400,10 @@ def run_layers(stacks: Stacks, x: Array, positions: Array, mask: Array | None, c
     positions[b, 0]+T-1 of each array's entry l and attends over all S slots under `mask`; the written arrays follow
     x in the result. The cache rides in the scan's carry and each layer writes only its new slots (`write_rows`, in
     place): scanning it as inputs/outputs instead would copy every layer's whole cache out and back in on every
-    decode step.
+    decode step. With `pages` int32 [B, n] (a paged cache, `PagedKVCache`) the arrays are page pools
+    [L, P, page, *slot] instead: slot i of row b lives in page pages[b, i // page] at offset i % page
+    (`write_pages`), and the attention reads row b's n pages in order as its [S = n·page] slots (`read_pages`) —
+    the same view a contiguous cache gives it, so no attention kind knows pages exist.
 
     stacks: {stack name: {param: [n_s, …]}} — every layer of the model (`Transformer.stacks`), or a pipeline chunk's
     share, whose dense / MoE pattern is that of the model's Σ n_s layers from `first_layer` on (the config checks
@@ -440,10 +443,14 @@ def run_layers(stacks: Stacks, x: Array, positions: Array, mask: Array | None, c
         def store(new):  # {name: the new tokens' [B, T, *slot]} → (the cache with them, layer `at`'s [B, S, *slot])
             if new.keys() != arrays.keys():
                 raise ValueError(f"the attention wrote cache arrays {sorted(new)}; its kind declares {sorted(arrays)}")
-            written = {name: write_rows(arrays[name], a, start, at) for name, a in new.items()}
-            # Read back after the write: the next layer's write then depends on this read, so XLA can update the
-            # carried cache in place (a read the write does not wait for would make it copy the whole cache first).
-            return written, {name: a[at] for name, a in written.items()}
+            if pages is None:
+                written = {name: write_rows(arrays[name], a, start, at) for name, a in new.items()}
+                # Read back after the write: the next layer's write then depends on this read, so XLA can update the
+                # carried cache in place (a read the write does not wait for would make it copy the whole cache
+                # first).
+                return written, {name: a[at] for name, a in written.items()}
+            written = {name: write_pages(arrays[name], a, start, at, pages) for name, a in new.items()}
+            return written, {name: read_pages(a, at, pages) for name, a in written.items()}
 
         x, written, layer_stats = block(layer, x, positions, mask, cfg, par, kv_cache=store)
         return (x, written), layer_stats
@@ -506,6 +513,25 @@ def write_rows(cache: Array, new: Array, start: Array, layer: Array | int) -> Ar
                            mode=jax.lax.GatherScatterMode.FILL_OR_DROP)
 
 
+def write_pages(pool: Array, new: Array, start: Array, layer: Array | int, pages: Array) -> Array:
+    """A page pool [L, P, page, …] with row b's new [B, T, …] written at its positions start[b] … start[b]+T-1 of
+    model layer `layer`: position i goes to page pages[b, i // page], offset i % page (pages int32 [B, n], the rows'
+    block tables). Positions past a row's n pages are dropped (a chunk's padding beyond the pages it owns)."""
+    page = pool.shape[2]
+    slots = start[:, None] + jnp.arange(new.shape[1], dtype=jnp.int32)  # [B, T]
+    entry = slots // page
+    where = jnp.take_along_axis(pages, jnp.minimum(entry, pages.shape[1] - 1), axis=1)  # [B, T]: the page
+    where = jnp.where(entry < pages.shape[1], where, pool.shape[1])  # out of range: dropped
+    return pool.at[layer, where, slots % page].set(new.astype(pool.dtype), mode="drop")
+
+
+def read_pages(pool: Array, layer: Array | int, pages: Array) -> Array:
+    """Row b's pages pages[b, 0 … n-1] of model layer `layer`, in order: [B, n·page, …] — the row's positions
+    0 … n·page-1, as a contiguous cache's row holds them. Only the rows' own pages are read."""
+    got = pool[layer][pages]  # [B, n, page, …]
+    return got.reshape(got.shape[0], got.shape[1] * got.shape[2], *got.shape[3:])
+
+
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class KVCache:
@@ -530,6 +556,49 @@ class KVCache:
         arrays = {name: jnp.zeros((cfg.n_layers, batch, slots, *a.shape), cfg.dtype)
                   for name, a in attention_kind(cfg).cache(cfg, tensor).items()}
         return cls(arrays, jnp.zeros((batch,), jnp.int32))
+
+    @property
+    def slots(self) -> int:
+        """S: the positions a row can hold."""
+        return jax.tree.leaves(self.arrays)[0].shape[2]
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class PagedKVCache:
+    """The decoding state of B rows in a pool of fixed-size pages (vLLM's PagedAttention layout): each layer's pool
+    as the model's attention kind lays out a slot (`AttentionKind.cache`), each row's block table, and each row's
+    length. A serving engine (`jaxpar.serve`) owns which page is whose; the model only reads and writes through the
+    block tables.
+
+    arrays   {name: [L, P, page, *slot]} in the compute dtype: page p holds `page` consecutive positions of the
+             one sequence it belongs to (or of a prompt prefix several sequences share);
+    pages    [B, n] int32: row b's positions i·page … (i+1)·page-1 live in page pages[b, i]. Entries past what a
+             row holds may name any page (the engine points them at a page no sequence owns): positions past the
+             row's length are never attended to, and a write to them only lands where the row's later tokens will
+             overwrite it or no one reads;
+    lengths  [B] int32, as `KVCache.lengths`.
+
+    A row's n·page positions are its slots, S — the view attention gets (`read_pages`) is the contiguous cache's, so
+    the logits are a contiguous cache's of S slots."""
+
+    arrays: dict[str, Array]
+    pages: Array
+    lengths: Array
+
+    @classmethod
+    def empty(cls, cfg: ModelConfig, batch: int, n_pages: int, page_size: int, pages_per_row: int,
+              tensor: int = 1) -> "PagedKVCache":
+        """A zero pool of n_pages pages of page_size positions, and `batch` empty rows of pages_per_row pages each
+        (all pointing at page 0), as one of `tensor` tensor-parallel ranks holds them."""
+        arrays = {name: jnp.zeros((cfg.n_layers, n_pages, page_size, *a.shape), cfg.dtype)
+                  for name, a in attention_kind(cfg).cache(cfg, tensor).items()}
+        return cls(arrays, jnp.zeros((batch, pages_per_row), jnp.int32), jnp.zeros((batch,), jnp.int32))
+
+    @property
+    def slots(self) -> int:
+        """S = pages per row × page size: the positions a row can hold."""
+        return self.pages.shape[1] * jax.tree.leaves(self.arrays)[0].shape[2]
 
 
 class Transformer(nnx.Module):
@@ -607,8 +676,9 @@ class Transformer(nnx.Module):
             out.append(self.logits(h, par, scale=own["head_norm"]))
         return jnp.stack(out)
 
-    def decode(self, tokens: Array, cache: KVCache, par: Parallel = SINGLE_DEVICE, *, positions: Array | None = None,
-               counts: Array | None = None, hidden: bool = False) -> tuple[Array, KVCache]:
+    def decode(self, tokens: Array, cache: KVCache | PagedKVCache, par: Parallel = SINGLE_DEVICE, *,
+               positions: Array | None = None, counts: Array | None = None, hidden: bool = False
+               ) -> tuple[Array, KVCache | PagedKVCache]:
         """Run the next T tokens of every row against `cache` (prefill: the right-padded prompts; decode: T = 1).
 
         Row b's tokens int [B, T] sit at positions[b] … positions[b]+T-1 (default `cache.lengths`: after what the
@@ -622,7 +692,7 @@ class Transformer(nnx.Module):
         the last hidden states [B, T(/t), D] float32 before the final norm (`MTP`'s h⁰). Each step's matmuls
         cost O(T), independent of how full the cache is; attention reads the whole cache, masked.
         """
-        T, S = tokens.shape[1], jax.tree.leaves(cache.arrays)[0].shape[2]
+        T, S = tokens.shape[1], cache.slots
         start = cache.lengths if positions is None else jnp.asarray(positions, jnp.int32)  # [B]
         pos = start[:, None] + jnp.arange(T, dtype=jnp.int32)  # [B, T]: the new tokens' positions, and slots
         q, k = pos[:, :, None], jnp.arange(S, dtype=jnp.int32)[None, None, :]  # query / key positions
@@ -630,11 +700,13 @@ class Transformer(nnx.Module):
         if self.cfg.sliding_window:
             mask &= q - k < self.cfg.sliding_window
         x = self.embed_tokens(tokens, pos, par)
-        x, arrays = run_layers(self.stacks(), x, pos, mask[:, None], self.cfg, par=par, cache=cache.arrays)
+        x, arrays = run_layers(self.stacks(), x, pos, mask[:, None], self.cfg, par=par, cache=cache.arrays,
+                               pages=getattr(cache, "pages", None))
         lengths = start + (T if counts is None else jnp.asarray(counts, jnp.int32))
+        cache = dataclasses.replace(cache, arrays=arrays, lengths=lengths)
         if hidden:  # the last hidden states too (before the final norm): what the MTP modules read
-            return self.logits(x, par), KVCache(arrays, lengths), x
-        return self.logits(x, par), KVCache(arrays, lengths)
+            return self.logits(x, par), cache, x
+        return self.logits(x, par), cache
 
     def stacks(self) -> Stacks:
         """The layer stacks' parameters by stack name (`ModelConfig.layer_stacks`), each [n, …]."""
