@@ -77,6 +77,25 @@ class GenerateError(JaxparError, ValueError):
     kind = "generate error"
 
 
+class RequestError(JaxparError, ValueError):
+    """A serving request that cannot run (`jaxpar.serve`): `status` is the HTTP status a server answers it with —
+    400 a malformed or meaningless request, 413 a prompt longer than the model's context, 422 a parameter out of
+    range."""
+
+    kind = "request error"
+
+    def __init__(self, message: str, status: int = 400):
+        self.status = status
+        super().__init__(message)
+
+
+class Overloaded(JaxparError):
+    """The serving engine's queue is full (back-pressure: retry later; a server answers 429)."""
+
+    kind = "overloaded"
+    status = 429
+
+
 class InputNotFound(JaxparError, FileNotFoundError):
     """A path given on the command line or to the API does not exist or is not what it should be."""
 
