@@ -12,6 +12,8 @@
     jaxpar convert  --from DIR | --from-hf HF_DIR   --to DIR2 | --to-hf HF_DIR2   [--step N] [--dtype bfloat16]
                     [--drop-mtp]
     jaxpar launch   --processes N [--devices-per-process K] -- jaxpar train ...
+    jaxpar serve    --model DIR|HF_DIR [--tensor T] [--host 127.0.0.1 --port 8000] [--api-key KEY]
+                    [--quantize int8|int4] [--max-batch B] [--page-size S] [--prefill-chunk C] [--max-queue Q]
 
 `train` also takes the multi-process flags `--coordinator HOST:PORT --num-processes N --process-id K
 [--local-device-ids 0,1] [--peer-timeout S]` (or SLURM / Open MPI / JAXPAR_* variables; see jaxpar/distributed.py).
@@ -118,6 +120,23 @@ def _generate(args, overrides: list[str]) -> int:
                               seed=args.seed, temperature=temperature, top_k=args.top_k, top_p=args.top_p):
         print(args.prompt + text)
         print("-" * 40)
+    return 0
+
+
+def _serve(args, overrides: list[str]) -> int:
+    if overrides:
+        raise UsageError(f"--config.{overrides[0]}: serve takes no config overrides (the model's config comes "
+                         "from its directory; the flags choose the layout and the engine's sizes)")
+    if not 0 < args.port < 65536:
+        raise UsageError(f"--port {args.port}: must lie in [1, 65535]")
+    from jaxpar.serve.engine import EngineConfig
+    from jaxpar.serve.server import serve
+
+    EngineConfig(max_batch=args.max_batch, page_size=args.page_size, prefill_chunk=args.prefill_chunk,
+                 max_queue=args.max_queue)  # its checks, before the model loads
+    serve(args.model, host=args.host, port=args.port, tensor=args.tensor, api_key=args.api_key,
+          quantize=args.quantize, max_batch=args.max_batch, page_size=args.page_size,
+          prefill_chunk=args.prefill_chunk, max_queue=args.max_queue, name=args.name)
     return 0
 
 
@@ -310,6 +329,20 @@ def build_parser() -> argparse.ArgumentParser:
                           "stored)")
     gen.add_argument("--group-size", type=int, default=None, help="int4: inputs per scale (default 128)")
     gen.set_defaults(run=_generate)
+    srv = sub.add_parser("serve", help="serve a workdir or a Hugging Face model directory over an OpenAI-compatible "
+                                       "HTTP API (continuous batching, a paged KV cache, streaming, /metrics)")
+    srv.add_argument("--model", required=True, help="a jaxpar workdir or a Hugging Face model directory")
+    srv.add_argument("--tensor", type=int, default=1, help="tensor-parallel degree (GSPMD partitions the engine)")
+    srv.add_argument("--host", default="127.0.0.1", help="address to listen on (default: loopback only)")
+    srv.add_argument("--port", type=int, default=8000)
+    srv.add_argument("--api-key", default=None, help="require `Authorization: Bearer KEY` on /v1/ routes")
+    srv.add_argument("--quantize", choices=("int8", "int4"), default=None, help="weight-only quantization at load")
+    srv.add_argument("--max-batch", type=int, default=8, help="requests decoding at once")
+    srv.add_argument("--page-size", type=int, default=16, help="KV-cache positions a page holds")
+    srv.add_argument("--prefill-chunk", type=int, default=64, help="prompt tokens a request prefills per step")
+    srv.add_argument("--max-queue", type=int, default=256, help="waiting requests before 429 Too Many Requests")
+    srv.add_argument("--name", default=None, help="the model id /v1/models reports (default: the directory name)")
+    srv.set_defaults(run=_serve)
     ana = sub.add_parser("analyze", help="compile the train step and compare collectives, FLOPs and memory with "
                                          "the analytic formulas")
     ana.add_argument("--config", required=True)

@@ -215,6 +215,14 @@ def _gen_api(path, **kwargs):
     return call
 
 
+def _serve_api(path, **kwargs):
+    def call(c: Paths, tmp: pathlib.Path):
+        from jaxpar.serve.server import serve
+
+        return serve(str(path(c)), port=8765, **kwargs)
+    return call
+
+
 def _hf_import(kind):
     def call(c: Paths, tmp: pathlib.Path):
         from jaxpar.interop import hf
@@ -439,6 +447,16 @@ CASES = [
     Case("train-init-from-hf-config-list", TRAIN + "--init-from-hf {hf_config_list}", "config.json"),
     Case("train-unknown-flag", TRAIN + "--bogus", "unrecognized arguments"),
     Case("train-no-config-flag", "train --workdir {tmp}/w", "--config"),
+    # serve (the checks before the model loads; a running server's bad requests: tests/test_serve_http.py)
+    Case("serve-missing-model", "serve --model {tmp}/nothing --port 8765", "does not exist",
+         _serve_api(lambda c: c.root / "nothing")),
+    Case("serve-port-out-of-range", "serve --model {workdir} --port 70000", "--port"),
+    Case("serve-max-batch-zero", "serve --model {workdir} --max-batch 0", "max_batch",
+         lambda c, t: __import__("jaxpar.serve.engine", fromlist=["EngineConfig"]).EngineConfig(max_batch=0)),
+    Case("serve-page-size-negative", "serve --model {workdir} --page-size -4", "page_size"),
+    Case("serve-tensor-vs-heads", "serve --model {workdir} --tensor 3", "parallel.tensor",
+         _serve_api(lambda c: c.workdir, tensor=3)),
+    Case("serve-config-override", "serve --model {workdir} --config.train.steps=3", "no config overrides"),
     # generate
     Case("generate-missing-workdir", "generate --workdir {tmp}/nothing --max-new-tokens 4", "does not exist",
          _gen_api(lambda c: c.root / "nothing")),

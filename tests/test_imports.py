@@ -36,7 +36,8 @@ LAYERS = (
     ("store",),                                           # what a workdir holds: checkpoints, checksums, lock
     ("interop",),                                         # Hugging Face directories ↔ workdirs
     ("infer", "train"),                                   # generation and training: neither needs the other
-    ("analysis",),                                        # compiles the training step to account for it
+    ("analysis", "serve"),                                # compiles the training step to account for it; the
+                                                          # serving engine and its HTTP server (over infer)
     ("cli",),                                             # thin entry points over all of the above
 )
 LAYER = {name: n for n, names in enumerate(LAYERS) for name in names}
