@@ -6,7 +6,7 @@ uvicorn, with Server-Sent Events from sse-starlette and Prometheus metrics from 
     POST /v1/completions       prompt (a string or a list of them), max_tokens, temperature, top_p, top_k, n,
                                stop, seed, stream
     POST /v1/chat/completions  messages rendered with the tokenizer's chat template (tokenizer_config.json's, as
-                               Hugging Face renders it); 404 where the model has none
+                               Hugging Face renders it: jaxpar.infer.chat); 404 where the model has none
     GET  /metrics              Prometheus: running / waiting requests, KV pages in use, prefix-cache hits, time to
                                first token and inter-token latency histograms, generated tokens and tokens/s
 
@@ -32,7 +32,8 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from jaxpar.errors import JaxparError, Overloaded, RequestError
+from jaxpar.errors import GenerateError, JaxparError, Overloaded, RequestError
+from jaxpar.infer.chat import chat_template_of, render_chat
 from jaxpar.serve.engine import Engine, Request, SamplingParams
 
 
@@ -54,16 +55,22 @@ class Sampling(BaseModel):
 
 
 class Completion(Sampling):
+    """/v1/completions: a prompt, or a list of prompts (each gets n choices)."""
+
     prompt: str | list[str]
 
 
 class Message(BaseModel):
+    """One chat message; fields besides role and content pass through to the chat template."""
+
     model_config = ConfigDict(extra="allow")
     role: str
     content: str
 
 
 class Chat(Sampling):
+    """/v1/chat/completions: the conversation so far."""
+
     messages: list[Message]
 
 
@@ -90,20 +97,24 @@ class EngineThread:
                     self.engine.step()
 
     def submit(self, prompt: list[int], params: SamplingParams, on_token, on_finish) -> Request:
+        """`Engine.submit`, and wake the loop."""
         with self.lock:
             r = self.engine.submit(prompt, params, on_token=on_token, on_finish=on_finish)
             self.lock.notify()
             return r
 
     def abort(self, request: Request) -> None:
+        """`Engine.abort`: the request's row and pages are free when this returns."""
         with self.lock:
             self.engine.abort(request)
 
     def stats(self) -> dict[str, float]:
+        """`Engine.stats`, read between steps."""
         with self.lock:
             return self.engine.stats()
 
     def close(self) -> None:
+        """Stop the loop after the step it is in."""
         with self.lock:
             self._stop = True
             self.lock.notify()
@@ -158,28 +169,9 @@ class Metrics:
             self.recent.popleft()
 
     def rate(self) -> float:
+        """Tokens generated per second over the last `window` seconds."""
         now = time.perf_counter()
         return sum(1 for t in list(self.recent) if t >= now - self.window) / self.window
-
-
-def render_chat(template: str, messages: list[dict], special: dict[str, Any]) -> str:
-    """A chat as Hugging Face's tokenizer renders it (`apply_chat_template`, add_generation_prompt=True): the Jinja
-    template in a sandbox, trim_blocks and lstrip_blocks on, `raise_exception` defined, the special tokens as
-    variables."""
-    from jinja2.exceptions import TemplateError
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
-
-    def raise_exception(message):
-        raise TemplateError(message)
-
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
-    env.globals["raise_exception"] = raise_exception
-    env.filters["tojson"] = lambda x, indent=None, ensure_ascii=False, separators=None, sort_keys=False: json.dumps(
-        x, indent=indent, ensure_ascii=ensure_ascii, separators=separators, sort_keys=sort_keys)
-    try:
-        return env.from_string(template).render(messages=messages, add_generation_prompt=True, **special)
-    except TemplateError as e:
-        raise RequestError(f"the chat template refused the messages: {e}", 400) from e
 
 
 def build_app(engine: EngineThread, tokenizer, *, model_name: str, api_key: str | None = None,
@@ -379,7 +371,10 @@ def build_app(engine: EngineThread, tokenizer, *, model_name: str, api_key: str 
     async def chat(body: Chat):
         if chat_template is None:
             return error(404, "this model's tokenizer has no chat template: use /v1/completions")
-        text = render_chat(chat_template, [m.model_dump() for m in body.messages], special_tokens or {})
+        try:
+            text = render_chat(chat_template, [m.model_dump() for m in body.messages], special_tokens or {})
+        except GenerateError as e:
+            raise RequestError(str(e), 400) from None
         return await respond([encode(text)], body, chat=True)
 
     return app
@@ -403,7 +398,7 @@ def serve(path: str, *, host: str = "127.0.0.1", port: int = 8000, tensor: int =
     engine = Engine(loaded.model, EngineConfig(max_batch=max_batch, page_size=page_size, prefill_chunk=prefill_chunk,
                                                max_queue=max_queue),
                     eos_token_id=loaded.eos_token_id, detokenize=loaded.tokenizer.decode)
-    template, special = chat_template_of(pathlib.Path(path))
+    template, special = chat_template_of(path)
     thread = EngineThread(engine, loaded.mesh)
     app = build_app(thread, loaded.tokenizer, model_name=name or pathlib.Path(path).resolve().name, api_key=api_key,
                     chat_template=template, special_tokens=special)
@@ -411,20 +406,3 @@ def serve(path: str, *, host: str = "127.0.0.1", port: int = 8000, tensor: int =
         uvicorn.run(app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=60)
     finally:
         thread.close()
-
-
-def chat_template_of(path) -> tuple[str | None, dict[str, Any]]:
-    """tokenizer_config.json's chat template (a string, or the "default" of a list of named ones) and its special
-    tokens as template variables (bos_token, eos_token, …), or (None, {})."""
-    file = path / "tokenizer_config.json"
-    if not file.is_file():
-        return None, {}
-    config = json.loads(file.read_text())
-    template = config.get("chat_template")
-    if isinstance(template, list):
-        template = next((t["template"] for t in template if t.get("name") == "default"), None)
-    special = {}
-    for key in ("bos_token", "eos_token", "pad_token", "unk_token"):
-        value = config.get(key)
-        special[key] = value.get("content") if isinstance(value, dict) else value
-    return template, special
