@@ -152,3 +152,13 @@ def test_bench_helpers():
             {"section": "sec", "case": "case", "measured": "10 ms", "reference": "", "ratio": None, "note": ""}]
     lines = format_table(rows).splitlines()
     assert len(lines) == 4 and lines[2].index("1 ms") == lines[3].index("10 ms")
+
+
+def test_serve_benchmark_quick_run(capsys):
+    """bench/serve.py --quick: both modes run the same six requests and give the same tokens (it raises if not);
+    the table has a row per mode."""
+    from bench import serve
+
+    assert serve.main(["--quick"]) == 0
+    out = capsys.readouterr().out
+    assert out.count(" continuous ") == 2 and out.count(" static ") == 2 and "contiguous cache" in out
