@@ -143,3 +143,19 @@ def test_tensor_parallel_gives_the_same_tokens(model, alone):
         placed = nnx.merge(*lay_out(CFG, nnx.state(model), plan))  # the vocab padded to a multiple of t
         with jax.set_mesh(plan.mesh):
             assert run_workload(Engine(placed, SMALL), WORKLOAD) == alone, t
+
+
+@pytest.mark.parametrize("quantize", ["int8", "int4"])
+def test_quantized_models_serve_as_they_generate(quantize):
+    """A model loaded with int8 / int4 weights (the llama HF fixture): the engine's greedy tokens equal
+    `generate`'s on the same quantized model, for prompts of three lengths side by side."""
+    import pathlib
+
+    from jaxpar.infer.text import load
+
+    loaded = load(pathlib.Path(__file__).parent / "fixtures" / "hf" / "llama", quantize=quantize, explicit=False)
+    prompts = [[5, 9, 200, 17], [1, 2, 3, 250, 17, 17, 4, 8, 19, 100, 7], [42]]
+    engine = Engine(loaded.model, SMALL)
+    got = engine.generate(prompts, SamplingParams(max_tokens=8, ignore_eos=True))
+    want = decode.generate(loaded.model, prompts, max_new_tokens=8, return_prompt=False, mesh=loaded.mesh)
+    assert got == np.asarray(want).tolist()
