@@ -332,7 +332,7 @@ def build_parser() -> argparse.ArgumentParser:
     srv = sub.add_parser("serve", help="serve a workdir or a Hugging Face model directory over an OpenAI-compatible "
                                        "HTTP API (continuous batching, a paged KV cache, streaming, /metrics)")
     srv.add_argument("--model", required=True, help="a jaxpar workdir or a Hugging Face model directory")
-    srv.add_argument("--tensor", type=int, default=1, help="tensor-parallel degree (GSPMD partitions the engine)")
+    srv.add_argument("--tensor", type=int, default=1, help="tensor-parallel degree (explicit collectives, as training)")
     srv.add_argument("--host", default="127.0.0.1", help="address to listen on (default: loopback only)")
     srv.add_argument("--port", type=int, default=8000)
     srv.add_argument("--api-key", default=None, help="require `Authorization: Bearer KEY` on /v1/ routes")

@@ -159,3 +159,18 @@ def test_quantized_models_serve_as_they_generate(quantize):
     got = engine.generate(prompts, SamplingParams(max_tokens=8, ignore_eos=True))
     want = decode.generate(loaded.model, prompts, max_new_tokens=8, return_prompt=False, mesh=loaded.mesh)
     assert got == np.asarray(want).tolist()
+
+
+@pytest.mark.parametrize("tensor", [2, 4])
+def test_explicit_tensor_parallel_gives_the_same_tokens(tensor, alone):
+    """The engine inside an explicit plan's shard_map (each tensor rank its heads' share of every page, its vocab
+    shard's logits): the workload's tokens equal tensor 1's."""
+    from _parity import lay_out
+    from jaxpar.config import ParallelConfig
+    from jaxpar.plan import make_plan
+
+    model = Transformer(CFG, rngs=nnx.Rngs(0))
+    plan = make_plan(CFG, ParallelConfig(tensor=tensor), jax.devices()[:tensor])
+    placed = nnx.merge(*lay_out(CFG, nnx.state(model), plan))
+    with jax.set_mesh(plan.mesh):
+        assert run_workload(Engine(placed, SMALL, plan=plan), WORKLOAD) == alone

@@ -2,7 +2,7 @@
 completions and chat (a copy of the Hugging Face llama fixture given a ChatML template), streaming whose pieces add
 up to the whole text, greedy text equal to `jaxpar generate`'s, 32 concurrent clients with zero errors, a client that
 disconnects mid-stream (its request aborted, its pages freed, the server serving on), Prometheus metrics, the status
-of each kind of bad request, and SIGTERM draining the requests in flight. Back-pressure (429) and the API key run
+of each kind of bad request, tensor 2 giving tensor 1's text, and SIGTERM draining the requests in flight. Back-pressure (429) and the API key run
 in-process, on a one-row engine with a one-request queue."""
 
 import concurrent.futures
@@ -139,8 +139,15 @@ def test_bad_requests_get_their_status_and_the_server_goes_on(server, body, stat
     assert httpx.get(url + "/health").status_code == 200
 
 
-def test_sigterm_drains_the_requests_in_flight():
-    proc, url = start(FIXTURE)
+def test_tensor_parallel_server_and_sigterm_draining():
+    """`--tensor 2` (the engine in the explicit plan's shard_map): the greedy text is tensor 1's; then SIGTERM with
+    a request in flight — it finishes, and the server exits."""
+    from jaxpar.infer.text import generate_text, load
+
+    proc, url = start(FIXTURE, "--tensor", "2")
+    got = httpx.post(url + "/v1/completions", json={"prompt": PROMPT, "max_tokens": 12, "temperature": 0},
+                     timeout=120).json()["choices"][0]["text"]
+    assert got == generate_text(load(FIXTURE), [PROMPT], max_new_tokens=12, temperature=0.0)[0]
     results = []
     thread = threading.Thread(target=lambda: results.append(httpx.post(
         url + "/v1/completions", json={"prompt": PROMPT, "max_tokens": 40, "temperature": 0}, timeout=120)))

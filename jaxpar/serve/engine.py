@@ -39,7 +39,9 @@ import numpy as np
 from flax import nnx
 
 from jaxpar.errors import Overloaded, RequestError
+from jaxpar.families import attention_kind
 from jaxpar.model import PagedKVCache
+from jaxpar.parallel.context import SINGLE_DEVICE
 from jaxpar.serve.pages import JUNK, PagePool, page_hashes
 
 
@@ -147,12 +149,16 @@ class Engine:
     """Continuous batching of generation requests on one model (module docstring).
 
     model: an NNX Transformer, its parameters on one device or sharded (GSPMD partitions the programs).
+    plan: an explicit inference plan (`jaxpar.infer.text.load`'s, tensor > 1): the programs then run inside its
+    shard_map with the training step's collectives (`LoadedModel.plan`): each tensor rank holds its heads' share of
+    every page (the attention kind's `CacheArray.split`), runs its column and row shards, and returns its vocab
+    shard's logits, put together for the host's sampler.
     eos_token_id: stop tokens every request gets (unless ignore_eos). detokenize(ids) → text, for stop strings.
     """
 
     def __init__(self, model: nnx.Module, config: EngineConfig = EngineConfig(), *,
                  eos_token_id: Sequence[int] = (), detokenize: Callable[[list[int]], str] | None = None,
-                 seed: int = 0):
+                 seed: int = 0, plan=None):
         cfg = model.cfg
         self.model_config, self.config = cfg, config
         c = config
@@ -173,17 +179,36 @@ class Engine:
         self.steps = self.generated = 0
         graphdef, state = nnx.split(model)
         self._state = state
-        cache = PagedKVCache.empty(cfg, 1, n_pages, c.page_size, self.pages_per_row)
-        self._arrays = cache.arrays
+        explicit = plan is not None and plan.sharded and plan.parallel.tensor is not None
+        t = plan.degrees["tensor"] if explicit else 1
+        # one token a row or a chunk of a prompt: no sequence split (chunks need not divide by t), no ring
+        par = SINGLE_DEVICE if not explicit else dataclasses.replace(
+            plan.parallel, tensor=dataclasses.replace(plan.parallel.tensor, sequence=False, overlap=False))
+        kinds = attention_kind(cfg).cache(cfg, t)
 
         def run(state, tokens, positions, arrays, pages, last):
             """tokens [R, T] at positions [R] … through the rows' block tables pages [R, n] → (float32 logits
-            [R, V] at each row's index `last` [R], the pools with the tokens' slots written)."""
+            [R, V(/t)] at each row's index `last` [R], the pools with the tokens' slots written)."""
             m = nnx.merge(graphdef, state)
-            logits, out = m.decode(tokens, PagedKVCache(arrays, pages, positions), positions=positions)
-            at = jnp.take_along_axis(logits, last[:, None, None], axis=1)[:, 0, :self.vocab]
+            logits, out = m.decode(tokens, PagedKVCache(arrays, pages, positions), par, positions=positions)
+            at = jnp.take_along_axis(logits, last[:, None, None], axis=1)[:, 0]
             return at.astype(jnp.float32), out.arrays
 
+        shape = lambda a: tuple(n * t if i == a.split else n for i, n in enumerate(a.shape))  # noqa: E731
+        pools = {name: jnp.zeros((cfg.n_layers, n_pages, c.page_size, *shape(a)), cfg.dtype)
+                 for name, a in kinds.items()}
+        if explicit:
+            from jax.sharding import NamedSharding, PartitionSpec as P
+
+            from jaxpar.infer.decode import _param_specs
+
+            axis = plan.parallel.tensor.axis
+            specs = {name: P(None, None, None, *(axis if i == a.split else None for i in range(len(a.shape))))
+                     for name, a in kinds.items()}
+            pools = {name: jax.device_put(a, NamedSharding(plan.mesh, specs[name])) for name, a in pools.items()}
+            run = jax.shard_map(run, mesh=plan.mesh, in_specs=(_param_specs(state, plan), P(), P(), specs, P(), P()),
+                                out_specs=(P(None, axis), specs), check_vma=True)
+        self._arrays = pools
         self._run = jax.jit(run, donate_argnums=3)
 
     # ------------------------------------------------------------------------------------------------ requests
@@ -350,7 +375,7 @@ class Engine:
     def _call(self, tokens, positions, table, last) -> np.ndarray:
         logits, self._arrays = self._run(self._state, jnp.asarray(tokens), jnp.asarray(positions), self._arrays,
                                          jnp.asarray(table), jnp.asarray(last))
-        return np.asarray(logits)
+        return np.asarray(logits)[:, :self.vocab]  # (a tensor-parallel model's vocab is padded)
 
     def _emit(self, r: Request, logits: np.ndarray) -> list[tuple[Request, int]]:
         """Sample r's next token from its logits [V], record it, and finish r if it should stop."""

@@ -392,12 +392,12 @@ def serve(path: str, *, host: str = "127.0.0.1", port: int = 8000, tensor: int =
     from jaxpar.infer.text import load
     from jaxpar.serve.engine import EngineConfig
 
-    loaded = load(path, tensor=tensor, explicit=False, quantize=quantize)
+    loaded = load(path, tensor=tensor, quantize=quantize)  # explicit: at tensor > 1 the engine runs its shard_map
     if loaded.tokenizer is None:
         raise RequestError(f"{path}: no tokenizer to serve text with", 400)
     engine = Engine(loaded.model, EngineConfig(max_batch=max_batch, page_size=page_size, prefill_chunk=prefill_chunk,
                                                max_queue=max_queue),
-                    eos_token_id=loaded.eos_token_id, detokenize=loaded.tokenizer.decode)
+                    eos_token_id=loaded.eos_token_id, detokenize=loaded.tokenizer.decode, plan=loaded.plan)
     template, special = chat_template_of(path)
     thread = EngineThread(engine, loaded.mesh)
     app = build_app(thread, loaded.tokenizer, model_name=name or pathlib.Path(path).resolve().name, api_key=api_key,
