@@ -108,7 +108,9 @@ READER = textwrap.dedent("""
         return raced[-1]
 
     checkpoint._superseded = superseded
-    while not any((workdir / "checkpoints").glob("[0-9]*")):
+    # a finalized step: orbax writes "<step>.orbax-checkpoint-tmp-…" first, and renames it to "<step>" when done (a
+    # reader started at the tmp directory finds no checkpoint yet — the race this test is about is the cleanup's)
+    while not any(p.name.isdigit() for p in (workdir / "checkpoints").glob("[0-9]*")):
         time.sleep(0.05)
     ok, errors, steps = 0, [], set()
     while not done.exists():

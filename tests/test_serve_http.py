@@ -2,8 +2,8 @@
 completions and chat (a copy of the Hugging Face llama fixture given a ChatML template), streaming whose pieces add
 up to the whole text, greedy text equal to `jaxpar generate`'s, 32 concurrent clients with zero errors, a client that
 disconnects mid-stream (its request aborted, its pages freed, the server serving on), Prometheus metrics, the status
-of each kind of bad request, tensor 2 giving tensor 1's text, and SIGTERM draining the requests in flight. Back-pressure (429) and the API key run
-in-process, on a one-row engine with a one-request queue."""
+of each kind of bad request, tensor 2 giving tensor 1's text, and SIGTERM draining the requests in flight.
+Back-pressure (429) and the API key run in-process, on a one-row engine with a one-request queue."""
 
 import concurrent.futures
 import json
@@ -24,7 +24,8 @@ from jaxpar.launch import free_port
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 FIXTURE = ROOT / "tests" / "fixtures" / "hf" / "llama"
 CHATML = ("{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + "
-          "'<|im_end|>' + '\\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
+          "'<|im_end|>' + '\\n' }}{% endfor %}{% if add_generation_prompt %}"
+          "{{ '<|im_start|>assistant\\n' }}{% endif %}")
 PROMPT = "def fibonacci(n):"
 
 

@@ -1,6 +1,6 @@
-"""`jaxpar.infer.pipeline("text-generation", model=…)` returns what transformers' pipeline returns, for a prompt, a list
-of prompts, num_return_sequences, return_full_text and chat messages (the llama HF fixture given a ChatML template),
-with greedy text equal to `generate_text`'s; what it does not implement is refused by name."""
+"""`jaxpar.infer.pipeline("text-generation", model=…)` returns what transformers' pipeline returns, for a prompt, a
+list of prompts, num_return_sequences, return_full_text and chat messages (the llama HF fixture given a ChatML
+template), with greedy text equal to `generate_text`'s; what it does not implement is refused by name."""
 
 import json
 import shutil

@@ -1,7 +1,7 @@
-"""A continuous-batching engine over the paged KV cache: requests join and leave the running batch at every step.
+"""A continuous-batching engine over the paged KV cache: requests join and leave the running batch at any step.
 
     submit ─► waiting (bounded: `Overloaded` when full) ─admit─► a row of the batch, its prefix pages matched
-           ─► prefill, one chunk a step ─► decode, one token a step ─► finished: pages released, the row free
+           ─► prefill, a chunk a step ─► decode, a token a step ─► finished: pages released, the row free
 
 Each `step` runs at most two device programs, each compiled once for its fixed shapes:
 
