@@ -48,12 +48,18 @@ def start(model_dir, *flags) -> tuple[subprocess.Popen, str]:
     raise AssertionError("jaxpar serve did not come up in 300 s")
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
+def chatml_copy(tmp_path_factory) -> pathlib.Path:
+    """A copy of the llama HF fixture whose tokenizer_config.json has the ChatML template."""
     model_dir = tmp_path_factory.mktemp("chatml") / "llama"
     shutil.copytree(FIXTURE, model_dir)
     config = json.loads((model_dir / "tokenizer_config.json").read_text())
     (model_dir / "tokenizer_config.json").write_text(json.dumps(dict(config, chat_template=CHATML)))
+    return model_dir
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    model_dir = chatml_copy(tmp_path_factory)
     proc, url = start(model_dir)
     yield url, model_dir
     proc.terminate()

@@ -2,9 +2,6 @@
 list of prompts, num_return_sequences, return_full_text and chat messages (the llama HF fixture given a ChatML
 template), with greedy text equal to `generate_text`'s; what it does not implement is refused by name."""
 
-import json
-import shutil
-
 import pytest
 
 import jaxpar.infer
@@ -12,16 +9,12 @@ from jaxpar.errors import GenerateError
 from jaxpar.infer.chat import render_chat
 from jaxpar.infer.text import generate_text
 
-from test_serve_http import CHATML, FIXTURE, PROMPT
+from test_serve_http import CHATML, PROMPT, chatml_copy
 
 
 @pytest.fixture(scope="module")
 def pipe(tmp_path_factory):
-    model_dir = tmp_path_factory.mktemp("chat") / "llama"
-    shutil.copytree(FIXTURE, model_dir)
-    config = json.loads((model_dir / "tokenizer_config.json").read_text())
-    (model_dir / "tokenizer_config.json").write_text(json.dumps(dict(config, chat_template=CHATML)))
-    return jaxpar.infer.pipeline("text-generation", model=model_dir)
+    return jaxpar.infer.pipeline("text-generation", model=chatml_copy(tmp_path_factory))
 
 
 def test_structures_and_greedy_text(pipe):

@@ -303,10 +303,9 @@ class Engine:
             hit = self.pool.match(hashes)
             if self.pool.available - self.reserved < r.need - len(hit):
                 self.pool.release(hit)
-                self.pool.hits -= len(hit)
-                self.pool.queries -= len(hashes)
                 return
             self.waiting.popleft()
+            self.pool.hits, self.pool.queries = self.pool.hits + len(hit), self.pool.queries + len(hashes)
             r.pages, r.cached = hit, len(hit) * c.page_size
             r.done = r.cached
             r.hashes = hashes

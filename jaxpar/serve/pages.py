@@ -41,7 +41,7 @@ class PagePool:
         self.cached: dict[bytes, int] = {}  # hash → page, for every page whose contents are kept
         self.hash_of: dict[int, bytes] = {}
         self.evictable: collections.OrderedDict[int, None] = collections.OrderedDict()  # LRU first
-        self.hits = self.queries = 0  # pages found / looked for by `match`
+        self.hits = self.queries = 0  # prompt pages found / looked for (counted by the engine at admission)
 
     @property
     def available(self) -> int:
@@ -55,7 +55,7 @@ class PagePool:
 
     def match(self, hashes: Sequence[bytes]) -> list[int]:
         """The cached pages of the longest run of `hashes` from the first (a prompt's full pages), each now held
-        once more (an evictable one leaves the LRU). Counted in hits / queries."""
+        once more (an evictable one leaves the LRU)."""
         got = []
         if self.prefix_caching:
             for h in hashes:
@@ -63,8 +63,6 @@ class PagePool:
                 if page is None:
                     break
                 got.append(page)
-        self.queries += len(hashes)
-        self.hits += len(got)
         for page in got:
             self._hold(page)
         return got
