@@ -2,19 +2,23 @@
 is left out — `jaxpar serve` adds a JSON encode and an SSE write per token): continuous batching against static
 batching of the same requests, with the same rows, pages, chunk size and programs.
 
-Workloads (seeded): *mixed* — prompt and output lengths drawn log-uniform over [8, 160] tokens each (what static
-batching is bad at: a batch waits for its longest member); *uniform* — every prompt 64 tokens and every output 64,
-the control where static batching should tie. Arrivals: all at once (saturation), and open-loop Poisson at several
-rates (requests submitted at their arrival times whatever the engine is doing). Greedy with `ignore_eos`, so every
-request emits exactly its drawn output length in both modes, and the tokens are asserted identical between the
-two modes (batch invariance makes that exact). The model is configs/tiny.py's at random weights (a workdir's when
-given: the speed is the same); both programs are compiled and warmed up before timing.
+Workloads (seeded), lengths drawn log-uniform: *mixed* — chat-like, prompts of 8–64 tokens and outputs of 8–192
+(what static batching is bad at: a batch waits for its longest member); *mixed-long* — prompts and outputs both
+8–120 (prefill-heavy: a prefill call costs about a decode step on this machine, so there is less to gain); *uniform*
+— every prompt 64 tokens and every output 64, the control where static batching should tie. Arrivals: all at once
+(saturation), and open-loop Poisson at several rates (requests submitted at their arrival times whatever the engine
+is doing). Greedy with `ignore_eos`, so every request emits exactly its drawn output length in both modes, and the
+tokens are asserted identical between the two modes (batch invariance makes that exact). The model is
+configs/tiny.py's at random weights (a workdir's when given: the speed is the same); both programs are compiled and
+warmed up before timing.
 
-Reported per run: request and output-token throughput, p50/p99 time to first token (TTFT), time per output token
-after the first (TPOT) and end-to-end latency, and the peak of KV pages in use against a contiguous cache sized for
-max_batch rows of max_seq_len positions.
+Reported per run: request and output-token throughput, the decode and prefill program calls (the decode calls'
+ratio between the modes is what a scheduler can gain at most when prefill is free), p50/p99 time to first token
+(TTFT), time per output token after the first (TPOT) and end-to-end latency, and the peak of KV pages in use against
+a contiguous cache sized for max_batch rows of max_seq_len positions.
 
-    PYTHONPATH=. python bench/serve.py [--quick] [--requests N] [--repeats 3] [--out bench/results/serve.json]
+    PYTHONPATH=. python bench/serve.py [--quick] [--rows 16] [--requests 256] [--poisson-requests 64]
+        [--repeats 3] [--out bench/results/serve.json]
 
 Each run repeats `--repeats` times, the two modes interleaved; a row is the run of median throughput, and the ratio
 the median of the repetitions' ratios with their range.
@@ -39,15 +43,17 @@ from jaxpar.model import Transformer  # noqa: E402
 from jaxpar.serve import Engine, EngineConfig, SamplingParams  # noqa: E402
 
 
-def workload(kind: str, n: int, seed: int, lo: int = 8, hi: int = 160) -> list[tuple[list[int], int]]:
-    """n (prompt ids, output length) pairs: 'mixed' log-uniform lengths in [lo, hi], 'uniform' 64 and 64."""
+WORKLOADS = {"mixed": ((8, 64), (8, 192)), "mixed-long": ((8, 120), (8, 120)), "uniform": ((64, 64), (64, 64))}
+
+
+def workload(kind: str, n: int, seed: int, scale: float = 1.0) -> list[tuple[list[int], int]]:
+    """n (prompt ids, output length) pairs of WORKLOADS[kind]: (prompt, output) length ranges, drawn log-uniform
+    (a range of one length: that length); `scale` shrinks every length (the quick run)."""
     rng = np.random.default_rng(seed)
+    ranges = [(max(1, round(lo * scale)), max(1, round(hi * scale))) for lo, hi in WORKLOADS[kind]]
     out = []
     for _ in range(n):
-        if kind == "uniform":
-            p, o = 64, 64
-        else:
-            p, o = (int(round(np.exp(rng.uniform(np.log(lo), np.log(hi))))) for _ in range(2))
+        p, o = (int(round(np.exp(rng.uniform(np.log(lo), np.log(hi))))) for lo, hi in ranges)
         out.append((rng.integers(1, 256, p).tolist(), o))
     return out
 
@@ -58,6 +64,7 @@ def run(engine: Engine, requests, rate: float, seed: int) -> dict:
     gaps = np.zeros(len(requests)) if np.isinf(rate) else rng.exponential(1 / rate, len(requests))
     arrivals = np.cumsum(gaps) - gaps[0]
     peak = 0
+    calls = engine.prefill_calls, engine.decode_calls
     start = time.perf_counter()
     submitted, handles = 0, []
     while submitted < len(requests) or engine.has_work:
@@ -83,6 +90,7 @@ def run(engine: Engine, requests, rate: float, seed: int) -> dict:
         return {"p50": float(np.percentile(a, 50)), "p99": float(np.percentile(a, 99))}
 
     return {"wall_s": wall, "requests_per_s": len(handles) / wall, "output_tokens_per_s": tokens / wall,
+            "decode_calls": engine.decode_calls - calls[1], "prefill_calls": engine.prefill_calls - calls[0],
             "ttft_s": pct(ttft), "tpot_s": pct(tpot), "e2e_s": pct(e2e), "peak_pages": peak,
             "tokens": [h.tokens for h in handles]}
 
@@ -90,8 +98,10 @@ def run(engine: Engine, requests, rate: float, seed: int) -> dict:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="a few small requests (the test's smoke run)")
-    parser.add_argument("--requests", type=int, default=64)
-    parser.add_argument("--rates", default="4,8,16", help="Poisson arrival rates, requests/s")
+    parser.add_argument("--rows", type=int, default=16, help="the engine's max_batch")
+    parser.add_argument("--requests", type=int, default=256, help="requests a saturation run")
+    parser.add_argument("--poisson-requests", type=int, default=64, help="requests a Poisson run")
+    parser.add_argument("--rates", default="8,16,32", help="Poisson arrival rates of the mixed workload, requests/s")
     parser.add_argument("--repeats", type=int, default=3, help="interleaved repetitions of each run (medians)")
     parser.add_argument("--workdir", default=None, help="a jaxpar workdir's model instead of random weights")
     parser.add_argument("--out", default=None)
@@ -103,21 +113,21 @@ def main(argv=None) -> int:
         model = load(args.workdir, tensor=1).model
     else:
         model = Transformer(config.model, rngs=nnx.Rngs(0))
-    hi = 24 if args.quick else 120
-    n = 6 if args.quick else args.requests
-    engine_config = EngineConfig(max_batch=4 if args.quick else 8, page_size=16, prefill_chunk=32, prefill_rows=2)
+    engine_config = EngineConfig(max_batch=4 if args.quick else args.rows, page_size=16, prefill_chunk=32,
+                                 prefill_rows=2)
     engines = {mode: Engine(model, EngineConfig(**{**engine_config.__dict__, "static": mode == "static"}))
                for mode in ("continuous", "static")}
     for engine in engines.values():  # compile and warm both programs up
         engine.generate([[1] * 40], SamplingParams(max_tokens=3, ignore_eos=True))
     contiguous = engine_config.max_batch * engines["static"].pages_per_row
-    rates = [float("inf")] + ([] if args.quick else [float(r) for r in args.rates.split(",")])
-    plans = [("mixed", rate) for rate in rates] + [("uniform", float("inf"))]
+    rates = [] if args.quick else [float(r) for r in args.rates.split(",")]
+    plans = [("mixed", float("inf")), ("mixed-long", float("inf")), ("uniform", float("inf"))]
+    plans = plans[::2] if args.quick else plans + [("mixed", rate) for rate in rates]
     results = []
     for kind, rate in plans:
-        requests = workload(kind, n, seed=0, hi=hi) if kind == "mixed" else [
-            (p[:hi // 2], min(o, hi // 2)) for p, o in workload(kind, n, seed=0)]
-        row = {"workload": kind, "rate": "all at once" if np.isinf(rate) else rate}
+        n = 6 if args.quick else args.requests if np.isinf(rate) else args.poisson_requests
+        requests = workload(kind, n, seed=0, scale=0.2 if args.quick else 1.0)
+        row = {"workload": kind, "rate": "all at once" if np.isinf(rate) else rate, "requests": n}
         reps = {mode: [] for mode in engines}
         for _ in range(1 if args.quick else args.repeats):  # continuous, static, continuous, static, …
             for mode, engine in engines.items():
@@ -132,22 +142,25 @@ def main(argv=None) -> int:
         row["throughput_ratio"] = float(np.median(ratios))
         row["throughput_ratio_range"] = [float(min(ratios)), float(max(ratios))]
         results.append(row)
-    print(f"model: configs/tiny.py ({'a workdir' if args.workdir else 'random weights'}), {n} requests a run, "
-          f"max_batch {engine_config.max_batch}, pages of {engine_config.page_size}, chunk "
+    print(f"model: configs/tiny.py ({'a workdir' if args.workdir else 'random weights'}), max_batch "
+          f"{engine_config.max_batch}, pages of {engine_config.page_size}, prefill {engine_config.prefill_rows} rows "
+          f"of "
           f"{engine_config.prefill_chunk}; a contiguous cache for these rows holds {contiguous} pages")
-    print(f"{'workload':8} {'rate':>11} {'mode':10} {'req/s':>6} {'tok/s':>7} {'TTFT p50/p99 s':>15} "
-          f"{'TPOT p50/p99 ms':>16} {'E2E p50/p99 s':>14} {'pages':>5}  cont/static")
+    print(f"{'workload':10} {'rate':>11} {'reqs':>4} {'mode':10} {'req/s':>6} {'tok/s':>7} {'TTFT p50/p99 s':>15} "
+          f"{'TPOT p50/p99 ms':>16} {'E2E p50/p99 s':>14} {'pages':>5} {'calls d/p':>9}  cont/static")
     for row in results:
         for mode in ("continuous", "static"):
             r = row[mode]
-            print(f"{row['workload']:8} {str(row['rate']):>11} {mode:10} {r['requests_per_s']:6.2f} "
-                  f"{r['output_tokens_per_s']:7.1f} {r['ttft_s']['p50']:7.2f}/{r['ttft_s']['p99']:<7.2f} "
+            print(f"{row['workload']:10} {str(row['rate']):>11} {row['requests']:4d} {mode:10} "
+                  f"{r['requests_per_s']:6.2f} {r['output_tokens_per_s']:7.1f} "
+                  f"{r['ttft_s']['p50']:7.2f}/{r['ttft_s']['p99']:<7.2f} "
                   f"{1e3 * r['tpot_s']['p50']:7.1f}/{1e3 * r['tpot_s']['p99']:<8.1f} "
-                  f"{r['e2e_s']['p50']:6.2f}/{r['e2e_s']['p99']:<7.2f} {r['peak_pages']:5d}"
+                  f"{r['e2e_s']['p50']:6.2f}/{r['e2e_s']['p99']:<7.2f} {r['peak_pages']:5d} "
+                  f"{r['decode_calls']:4d}/{r['prefill_calls']:<4d}"
                   + (f"  {row['throughput_ratio']:.2f}x ({row['throughput_ratio_range'][0]:.2f}–"
                      f"{row['throughput_ratio_range'][1]:.2f})" if mode == "static" else ""))
     if args.out:
-        pathlib.Path(args.out).write_text(json.dumps({"engine": engine_config.__dict__, "requests": n,
+        pathlib.Path(args.out).write_text(json.dumps({"engine": engine_config.__dict__, "workloads": WORKLOADS,
                                                       "contiguous_pages": contiguous, "runs": results}, indent=1))
     return 0
 

@@ -46,13 +46,15 @@ def run_workload(engine, workload, params=lambda i, n: SamplingParams(max_tokens
 
 @pytest.fixture(scope="module")
 def alone(model):
-    """Each request of the workload alone in the engine (one after another, no prefix caching)."""
-    engine = Engine(model, EngineConfig(**{**SMALL.__dict__, "prefix_caching": False}))
+    """Each request of the workload alone in the engine (one after another, no prefix caching), its prompt's chunks
+    of 8 one a call (one prefill row; the engines under test split a prompt over two rows of one call)."""
+    engine = Engine(model, EngineConfig(**{**SMALL.__dict__, "prefix_caching": False, "prefill_rows": 1}))
     return [engine.generate([prompt], SamplingParams(max_tokens=n))[0] for prompt, n, _ in WORKLOAD]
 
 
 def test_batch_invariance_and_greedy_parity(model, alone):
-    """Among the others — joining at steps 0, 3, 6, prefilled in chunks of 8 two at a time, decoded in whichever
+    """Among the others — joining at steps 0, 3, 6, prefilled in a budget of two chunks of 8 a call (a prompt's
+    next two chunks side by side, or the end of one and the start of the next), decoded in whichever
     of the 4 rows is free, three of them reading a shared prefix from the cache — every request's greedy tokens are
     its tokens alone, and `decode.generate`'s."""
     engine = Engine(model, SMALL)

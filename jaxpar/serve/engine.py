@@ -5,8 +5,10 @@
 
 Each `step` runs at most two device programs, each compiled once for its fixed shapes:
 
-    prefill  [prefill_rows, prefill_chunk] tokens: the next chunk of up to prefill_rows prompts (chunked prefill —
-             a long prompt takes several steps, interleaved with the running decodes, instead of stalling them);
+    prefill  [prefill_rows, prefill_chunk] tokens: a budget of prefill_rows chunks, filled with the prompts' next
+             chunks in admission order (one prompt may take several rows of one call; chunked prefill — a prompt
+             longer than the budget takes several steps, interleaved with the running decodes, instead of stalling
+             them);
     decode   [max_batch, 1] tokens: one token for every row in the decode phase.
 
 Both read and write the cache through the rows' block tables (`jaxpar.model.PagedKVCache`); the host owns the
@@ -52,8 +54,9 @@ class EngineConfig:
     max_batch      rows decoding at once (the decode program's batch)
     page_size      positions a page holds
     n_pages        pages in the pool, the junk page included (0: enough for max_batch rows of max_seq_len)
-    prefill_chunk  prompt tokens a row prefills per step
-    prefill_rows   prompts prefilled side by side per step
+    prefill_chunk  prompt tokens a row of the prefill program holds
+    prefill_rows   rows of the prefill program: prefill_rows · prefill_chunk prompt tokens a step at most, one
+                   prompt's consecutive chunks or several prompts' side by side
     max_queue      requests waiting for a row before `submit` refuses (back-pressure)
     max_seq_len    positions a sequence may reach, prompt and output (0: the model's max_seq_len)
     prefix_caching keep full prompt pages for reuse
@@ -176,7 +179,7 @@ class Engine:
         self.waiting: collections.deque[Request] = collections.deque()
         self.rows: list[Request | None] = [None] * c.max_batch
         self.reserved = 0  # pages admitted requests will still allocate
-        self.steps = self.generated = 0
+        self.steps = self.generated = self.prefill_calls = self.decode_calls = 0
         graphdef, state = nnx.split(model)
         self._state = state
         explicit = plan is not None and plan.sharded and plan.parallel.tensor is not None
@@ -277,16 +280,19 @@ class Engine:
     # ---------------------------------------------------------------------------------------------------- steps
 
     def step(self) -> list[tuple[Request, int]]:
-        """Admit what fits, run one prefill chunk of up to prefill_rows prompts and one decode token of every
-        decoding row → the (request, token) pairs this step produced."""
+        """Admit what fits, run one prefill call (up to prefill_rows chunks of the prefilling prompts) and one decode
+        token of every decoding row → the (request, token) pairs this step produced."""
         self._admit()
         decoding = [r for r in self.rows if r is not None and r.state == DECODE]
-        prefilling = [r for r in self.rows if r is not None and r.state == PREFILL][:self.config.prefill_rows]
+        prefilling = sorted((r for r in self.rows if r is not None and r.state == PREFILL),
+                            key=lambda r: r.submitted)[:self.config.prefill_rows]  # first come, first served
         events: list[tuple[Request, int]] = []
         if prefilling:
             events += self._prefill(prefilling)
+            self.prefill_calls += 1
         if decoding:
             events += self._decode(decoding)
+            self.decode_calls += 1
         self.steps += 1
         return events
 
@@ -331,23 +337,35 @@ class Engine:
         return table
 
     def _prefill(self, batch: list[Request]) -> list[tuple[Request, int]]:
+        """One prefill call: its prefill_rows rows of prefill_chunk tokens are a token budget, filled in admission
+        order — a prompt takes consecutive chunks in as many rows as it needs (a 70-token prompt at chunk 32 fills
+        three rows of one call, not three calls), then the next prompt. The rows of one prompt share its block
+        table: each layer writes every row's keys before any row reads (`write_pages` then `read_pages`), so a
+        later chunk's queries see the earlier chunks of the same call at their positions, as if they had run in
+        earlier steps — the tokens are the same either way (batch invariance)."""
         c = self.config
         R, C = c.prefill_rows, c.prefill_chunk
         tokens = np.zeros((R, C), np.int32)
         positions = np.zeros((R,), np.int32)
         last = np.zeros((R,), np.int32)
-        rows: list[Request | None] = list(batch) + [None] * (R - len(batch))
-        counts = []
-        for i, r in enumerate(batch):
-            count = min(C, len(r.prompt) - r.done)
-            self._grow(r, r.done + count)
-            tokens[i, :count] = r.prompt[r.done:r.done + count]
-            positions[i], last[i] = r.done, count - 1
-            counts.append(count)
+        rows: list[Request | None] = [None] * R
+        ends = []  # (request, the row holding its last token of this call, its prompt positions after the call)
+        i = 0
+        for r in batch:
+            at = r.done
+            while i < R and at < len(r.prompt):
+                count = min(C, len(r.prompt) - at)
+                tokens[i, :count] = r.prompt[at:at + count]
+                positions[i], last[i], rows[i] = at, count - 1, r
+                at += count
+                i += 1
+            if at > r.done:
+                self._grow(r, at)
+                ends.append((r, i - 1, at))
         logits = self._call(tokens, positions, self._table(rows), last)
         events = []
-        for i, (r, count) in enumerate(zip(batch, counts)):
-            r.done += count
+        for r, i, at in ends:
+            r.done = at
             full = r.done // c.page_size  # the prompt's full pages so far: kept for later prompts
             for j in range(r.cached // c.page_size, min(full, len(r.hashes))):
                 self.pool.register(r.pages[j], r.hashes[j])
@@ -416,10 +434,12 @@ class Engine:
 
     def stats(self) -> dict[str, float]:
         """Gauges and counters for a metrics endpoint: running and waiting requests, KV pages in use (and the
-        pool), prefix-cache page hits and lookups, tokens generated, steps run."""
+        pool), prefix-cache page hits and lookups, tokens generated, steps run and the prefill and decode programs'
+        calls among them."""
         return {"running": len(self.running), "waiting": len(self.waiting), "pages_used": self.pool.used,
                 "pages_total": self.pool.n_pages - 1, "prefix_hits": self.pool.hits,
-                "prefix_queries": self.pool.queries, "generated_tokens": self.generated, "steps": self.steps}
+                "prefix_queries": self.pool.queries, "generated_tokens": self.generated, "steps": self.steps,
+                "prefill_calls": self.prefill_calls, "decode_calls": self.decode_calls}
 
 
 def sample(logits: np.ndarray, p: SamplingParams, rng: np.random.Generator) -> int:

@@ -151,7 +151,9 @@ class Metrics:
                 for name, key, doc in (("jaxpar_prefix_cache_hits", "prefix_hits", "prompt pages found in the "
                                         "prefix cache"),
                                        ("jaxpar_prefix_cache_queries", "prefix_queries", "prompt pages looked up"),
-                                       ("jaxpar_generation_tokens", "generated_tokens", "tokens generated")):
+                                       ("jaxpar_generation_tokens", "generated_tokens", "tokens generated"),
+                                       ("jaxpar_prefill_calls", "prefill_calls", "prefill program calls"),
+                                       ("jaxpar_decode_calls", "decode_calls", "decode program calls")):
                     yield CounterMetricFamily(name, doc, value=s[key])
 
         self.registry.register(FromEngine())
