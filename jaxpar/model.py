@@ -762,7 +762,7 @@ def block(p: dict[str, Array], x: Array, positions: Array, mask: Array | None, c
 
 def norm(x: Array, scale: Array, bias: Array | None, cfg: ModelConfig) -> Array:
     """The family's norm in float32 → compute dtype: RMSNorm ('rms'), or LayerNorm ('layer': centred first, and a
-    bias). x [B, T, D]."""
+    bias), over x's last dim: x [B, T, D] (or [B, T, H, E] per head: the q/k norm)."""
     x = x.astype(jnp.float32)
     if family(cfg).norm == "layer":
         x = x - x.mean(-1, keepdims=True)
@@ -792,6 +792,8 @@ def gqa_attention(p: dict[str, Array], h: Array, positions: Array, mask: Array |
     if "bq" in p:  # gpt2, and the llama family with qkv_bias (Qwen2)
         bk, bv = par.kv_weight(p["bk"]), par.kv_weight(p["bv"])
         q, k, v = q + p["bq"].astype(dt), k + bk.astype(dt), v + bv.astype(dt)
+    if "q_norm" in p:  # Qwen3: RMSNorm over each head's E dims, before RoPE (head_dim is never split: any layout)
+        q, k = norm(q, par.replicated(p["q_norm"]), None, cfg), norm(k, par.replicated(p["k_norm"]), None, cfg)
     if family(cfg).positions == "rope":
         inv_freq = rope_frequencies(q.shape[-1], cfg)
         q, k = rope(q, positions, inv_freq), rope(k, positions, inv_freq)

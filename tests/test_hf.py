@@ -3,8 +3,10 @@
 tests/fixtures/hf/<family>/ hold tiny random models saved by transformers (safetensors + config.json), their logits
 for fixed inputs and their greedy continuations (tests/fixtures/hf/make_hf_fixtures.py): Llama (GQA, llama3 RoPE
 scaling, theta 5e4, sharded index), Mistral (sliding window 16 < generated length), Qwen2 (MQA, q/k/v biases, tied,
-theta 1e6) and GPT-2 (fused c_attn, tied). Parity: logits within fp32 max-abs 1e-4 on 1 device and at tensor 2, 4;
-greedy tokens equal transformers' and jaxpar's own cache-free decoding.
+theta 1e6), GPT-2 (fused c_attn, tied) and Qwen3 (the q/k norm, head_dim 24 ≠ 64/4, sliding window 8 on every
+layer through use_sliding_window / max_window_layers 0) and Phi-3 (fused qkv_proj with GQA's unequal parts and
+gate_up_proj, sliding window 16). Parity: logits within fp32 max-abs 1e-4 on 1 device and at
+tensor 2, 4; greedy tokens equal transformers' and jaxpar's own cache-free decoding.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ from jaxpar.infer.text import generate_text, load
 from jaxpar.interop import hf
 
 FIXTURES = pathlib.Path(__file__).parent / "fixtures" / "hf"
-FAMILIES = ("llama", "mistral", "qwen2", "gpt2")
+FAMILIES = ("llama", "mistral", "qwen2", "gpt2", "qwen3", "phi3")
 
 
 def reference(name: str) -> dict:
@@ -50,7 +52,11 @@ def test_config_maps_the_family_features(name):
     expected = {"llama": dict(n_kv_heads=2, rope_scaling="llama3", rope_theta=50000.0, tie_embeddings=False),
                 "mistral": dict(n_kv_heads=2, sliding_window=16, rope_theta=1e6),
                 "qwen2": dict(n_kv_heads=1, qkv_bias=True, tie_embeddings=True, rope_theta=1e6),
-                "gpt2": dict(family="gpt2", tie_embeddings=True)}[name]
+                "gpt2": dict(family="gpt2", tie_embeddings=True),
+                "qwen3": dict(n_kv_heads=2, head_dim=24, qk_norm=True, qkv_bias=False, sliding_window=8,
+                              tie_embeddings=False),
+                "phi3": dict(n_heads=8, n_kv_heads=2, head_dim=8, d_ff=80, sliding_window=16, rope_theta=1e4,
+                             qk_norm=False, tie_embeddings=False)}[name]
     assert {k: getattr(cfg, k) for k in expected} == expected
 
 
@@ -70,7 +76,7 @@ def test_logits_match_transformers(name, tensor):
 
 
 @pytest.mark.parametrize("name,data,tensor", [(name, 1, 1) for name in FAMILIES] + [
-    (name, data, tensor) for name in ("llama", "gpt2") for data, tensor in ((2, 2), (1, 4))])
+    (name, data, tensor) for name in ("llama", "gpt2", "qwen3") for data, tensor in ((2, 2), (1, 4))])
 def test_greedy_generation_matches_transformers(name, data, tensor):
     """32 greedy tokens for two prompts of different lengths in one (left-padded) batch equal transformers'
     greedy output, at every layout."""
@@ -398,6 +404,14 @@ BAD_CONFIGS = [  # (fixture, edit of config.json's dict (or its replacement), th
                                            r"num_attention_heads = 4"),
     ("llama", _set(num_key_value_heads=0), r"config\.json: num_key_value_heads = 0: must be > 0"),
     ("llama", _set(head_dim=15), r"config\.json: head_dim = 15: must be even for RoPE"),
+    ("phi3", _set(rope_parameters={"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.75}),
+     r"config\.json: partial_rotary_factor = 0\.75: rotates only part of each head"),
+    ("phi3", _set(rope_parameters={"rope_type": "longrope", "rope_theta": 1e4}),
+     r"config\.json: rope_parameters\.rope_type = 'longrope' is not supported"),
+    ("qwen3", _set(attention_bias=True), r"config\.json: attention_bias = True: biases q, k, v and o_proj in "
+                                         r"Qwen3, and jaxpar's llama family has no o_proj bias"),
+    ("qwen3", _set(layer_types=["full_attention", "sliding_attention"]), r"config\.json: a sliding window on "
+                                                                          r"layers \[1\] only"),
     ("llama", _set(rms_norm_eps=0), r"config\.json: rms_norm_eps = 0\.0: must be > 0"),
     ("llama", _set(rms_norm_eps=float("nan")), r"config\.json: rms_norm_eps = nan: must be a finite number"),
     ("llama", _set(tie_word_embeddings="false"), r"config\.json: tie_word_embeddings = 'false': must be true or "

@@ -125,7 +125,7 @@ def expected_tensors(config: dict) -> dict[str, tuple[int, ...]]:
                         p + "mlp.c_proj.weight": (F, D), p + "mlp.c_proj.bias": (D,)})
         tied = config.get("tie_word_embeddings", True)
     else:
-        assert arch in ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM"), arch
+        assert arch in ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"), arch
         D, F, H = config["hidden_size"], config["intermediate_size"], config["num_attention_heads"]
         K = config.get("num_key_value_heads") or H
         E = config.get("head_dim") or D // H
@@ -140,6 +140,8 @@ def expected_tensors(config: dict) -> dict[str, tuple[int, ...]]:
             if arch == "Qwen2ForCausalLM":  # q/k/v biases; o_proj has none
                 out.update({p + "self_attn.q_proj.bias": (H * E,), p + "self_attn.k_proj.bias": (K * E,),
                             p + "self_attn.v_proj.bias": (K * E,)})
+            if arch == "Qwen3ForCausalLM":  # the q/k norm: one scale [E] each, shared by the heads
+                out.update({p + "self_attn.q_norm.weight": (E,), p + "self_attn.k_norm.weight": (E,)})
         tied = config.get("tie_word_embeddings", False)
     if not tied:
         out["lm_head.weight"] = (V, D)
@@ -196,11 +198,11 @@ def rope_inv_freq(config: dict, E: int) -> np.ndarray:
 
 
 def llama_windows(config: dict) -> list[int | None]:
-    """The sliding window of each layer (None: full causal), by the Mistral and Qwen2 config rules."""
+    """The sliding window of each layer (None: full causal), by the Mistral and Qwen2 / Qwen3 config rules."""
     L, arch = config["num_hidden_layers"], config["architectures"][0]
     if arch == "MistralForCausalLM":
         return [config.get("sliding_window")] * L
-    if arch == "Qwen2ForCausalLM" and config.get("use_sliding_window"):
+    if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM") and config.get("use_sliding_window"):
         kinds = config.get("layer_types") or [
             "sliding_attention" if i >= config.get("max_window_layers", 0) else "full_attention" for i in range(L)]
         return [config["sliding_window"] if kind == "sliding_attention" else None for kind in kinds]
@@ -209,7 +211,8 @@ def llama_windows(config: dict) -> list[int | None]:
 
 def llama_forward(config: dict, w: dict[str, np.ndarray], ids: np.ndarray, *, rope_pairs: str = "half",
                   windows: list[int | None] | None = None) -> np.ndarray:
-    """Logits [B, T, V] of LlamaForCausalLM / MistralForCausalLM / Qwen2ForCausalLM. `rope_pairs='interleaved'` (the
+    """Logits [B, T, V] of LlamaForCausalLM / MistralForCausalLM / Qwen2ForCausalLM / Qwen3ForCausalLM (which
+    RMS-normalises each query and key head before RoPE). `rope_pairs='interleaved'` (the
     GPT-J/Meta-checkpoint convention, wrong for HF files) and `windows` exist for the negative controls."""
     B, T = ids.shape
     D, H, eps = config["hidden_size"], config["num_attention_heads"], config["rms_norm_eps"]
@@ -241,8 +244,10 @@ def llama_forward(config: dict, w: dict[str, np.ndarray], ids: np.ndarray, *, ro
     for l in range(config["num_hidden_layers"]):
         p = f"model.layers.{l}."
         x = rms_norm(h, w[p + "input_layernorm.weight"])
-        q = rope(project(x, p + "self_attn.q_proj", H))
-        k = rope(project(x, p + "self_attn.k_proj", K))
+        q, k = project(x, p + "self_attn.q_proj", H), project(x, p + "self_attn.k_proj", K)
+        if p + "self_attn.q_norm.weight" in w:  # Qwen3
+            q, k = rms_norm(q, w[p + "self_attn.q_norm.weight"]), rms_norm(k, w[p + "self_attn.k_norm.weight"])
+        q, k = rope(q), rope(k)
         v = project(x, p + "self_attn.v_proj", K)
         k, v = np.repeat(k, H // K, axis=1), np.repeat(v, H // K, axis=1)  # repeat_kv: kv head j → heads j·H/K + …
         h = h + attend(q, k, v, windows[l]) @ w[p + "self_attn.o_proj.weight"].T
@@ -296,7 +301,7 @@ def relative_error(got: np.ndarray, want: np.ndarray) -> float:
 # 1. The checker against transformers' own files and logits
 
 
-@pytest.mark.parametrize("name", ["llama", "mistral", "qwen2", "gpt2"])
+@pytest.mark.parametrize("name", ["llama", "mistral", "qwen2", "gpt2", "qwen3"])
 def test_numpy_forward_matches_transformers(name):
     """On transformers-made fixtures: the hand parser and expected names accept them, and the NumPy forward gives
     transformers' logits (a batch of 2×13 and the 36- and 40-token greedy texts) to float32 rounding."""
@@ -408,6 +413,7 @@ VARIANTS = {  # ModelConfig → the architecture its features select
     "MistralForCausalLM": dict(n_heads=4, n_kv_heads=2, sliding_window=7, rope_theta=1e6),
     "Qwen2ForCausalLM": dict(n_heads=4, n_kv_heads=1, qkv_bias=True, tie_embeddings=True, sliding_window=7),
     "LlamaForCausalLM": dict(n_heads=2, tie_embeddings=True, rope_scaling="linear", rope_factor=2.0),
+    "Qwen3ForCausalLM": dict(n_heads=4, n_kv_heads=2, head_dim=6, qk_norm=True, sliding_window=7),
     "GPT2LMHeadModel": dict(family="gpt2", n_heads=5, tie_embeddings=False),
 }
 
@@ -428,7 +434,8 @@ def random_params(cfg: ModelConfig) -> tuple[nnx.GraphDef, nnx.State]:
 
 @pytest.mark.parametrize("arch", VARIANTS)
 def test_export_of_each_architecture_matches_jaxpar(tmp_path, arch):
-    """Sliding windows (Mistral; Qwen2 with biases, tied), a tied Llama with linear RoPE, an untied GPT-2: each
+    """Sliding windows (Mistral; Qwen2 with biases, tied; Qwen3 with the q/k norm and head_dim 6 ≠ 40/4), a tied
+    Llama with linear RoPE, an untied GPT-2: each
     exports under its architecture with a config.json that gives transformers' computation jaxpar's logits."""
     cfg = ModelConfig(vocab_size=VOCAB, d_model=40, n_layers=2, d_ff=56, max_seq_len=48, **VARIANTS[arch])
     graphdef, params = random_params(cfg)

@@ -1,4 +1,4 @@
-"""Hugging Face interop of the mixture-of-experts models, Mixtral and Qwen2-MoE, against fixtures written by
+"""Hugging Face interop of the mixture-of-experts models, Mixtral, Qwen2-MoE and Qwen3-MoE, against fixtures written by
 `transformers` itself (tests/fixtures/hf/make_hf_fixtures.py).
 
 tests/fixtures/hf/mixtral: 4 experts top-2 (always renormalised), sliding window 16, untied, one file.
@@ -7,6 +7,8 @@ biases, tied, sharded over 3 files (a layer's experts spread across them).
 tests/fixtures/hf/qwen2_moe_mixed: a mixed dense / MoE stack, 8 layers with decoder_sparse_step 2 and mlp_only_layers
 [1, 5]: MoE layers 3 and 7 (norm_topk_prob true, a gated shared expert), the other six dense (intermediate_size 96);
 untied, sharded. Its two halves hold the same kinds of layers, so it runs on a 2-stage pipeline.
+tests/fixtures/hf/qwen3_moe: 6 experts top-2 (norm_topk_prob true), no shared expert, the q/k norm, head_dim 16 with
+d_model 48 (≠ 48/4), tied, one file; transformers 5.24 saves its expert count as num_local_experts.
 tests/fixtures/hf/deepseek_v2, deepseek_v3: DeepSeek's MLA and routing (tests/test_hf_deepseek.py describes them).
 Every routing decision of the reference inputs is clear (the k-th and (k+1)-th router probabilities differ by
 > 1e-3), so a float32 port routes alike.
@@ -44,10 +46,11 @@ from jaxpar.sharding import param_shardings, param_specs
 from jaxpar.train.step import sharded_loss_and_grads
 
 FIXTURES = pathlib.Path(__file__).parent / "fixtures" / "hf"
-MOE = ("mixtral", "qwen2_moe", "qwen2_moe_mixed")
+MOE = ("mixtral", "qwen2_moe", "qwen2_moe_mixed", "qwen3_moe")
 EXPERT_TENSORS = {"mixtral": ("block_sparse_moe", ("w1", "w3", "w2")),  # (block, (gate, up, down)) of the hub layout
                   "qwen2_moe": ("mlp", ("gate_proj", "up_proj", "down_proj")),
-                  "qwen2_moe_mixed": ("mlp", ("gate_proj", "up_proj", "down_proj"))}
+                  "qwen2_moe_mixed": ("mlp", ("gate_proj", "up_proj", "down_proj")),
+                  "qwen3_moe": ("mlp", ("gate_proj", "up_proj", "down_proj"))}
 
 
 def reference(name: str) -> dict:
@@ -97,6 +100,10 @@ def test_config_maps_the_moe_features():
                                   shared_d_ff=48, shared_gate=True, sparse_step=2, dense_layers=(1, 5))
     assert (mixed.n_layers, mixed.d_ff, mixed.qkv_bias, mixed.tie_embeddings) == (8, 96, True, False)
     assert mixed.layer_stacks == {"blocks": (3, 7), "dense_blocks": (0, 1, 2, 4, 5, 6)}
+    qwen3 = model_config(FIXTURES / "qwen3_moe")  # no shared expert; the q/k norm; head_dim 16 ≠ 48/4
+    assert qwen3.moe == MoEConfig(n_experts=6, top_k=2, d_ff=32, norm_topk_prob=True, aux_loss_coef=0.001)
+    assert (qwen3.qk_norm, qwen3.qkv_bias, qwen3.head_dim, qwen3.d_model, qwen3.tie_embeddings) == (
+        True, False, 16, 48, True)
 
 
 @pytest.mark.parametrize("name", MOE)
@@ -229,7 +236,7 @@ def test_an_expert_sharded_import_reads_only_its_experts(name, fused, pipe, tmp_
 
 
 @pytest.mark.parametrize("name,tensor", [("mixtral", 1), ("qwen2_moe", 1), ("qwen2_moe_mixed", 1), ("mixtral", 4),
-                                         ("deepseek_v2", 1), ("deepseek_v3", 1),
+                                         ("qwen3_moe", 1), ("qwen3_moe", 2), ("deepseek_v2", 1), ("deepseek_v3", 1),
                                          ("deepseek_v2", 2), ("deepseek_v3", 2)])
 def test_logits_match_transformers(name, tensor):
     """One forward over four rows right-padded to one length (a causal model: padding after a row changes nothing
@@ -251,7 +258,7 @@ def test_logits_match_transformers(name, tensor):
 
 
 @pytest.mark.parametrize("name,data,tensor", [("mixtral", 1, 1), ("qwen2_moe", 1, 1), ("qwen2_moe_mixed", 1, 1),
-                                              ("qwen2_moe", 2, 2), ("deepseek_v2", 1, 1),
+                                              ("qwen2_moe", 2, 2), ("qwen3_moe", 1, 4), ("deepseek_v2", 1, 1),
                                               ("deepseek_v3", 1, 1), ("deepseek_v3", 2, 2)])
 def test_greedy_generation_matches_transformers(name, data, tensor):
     """32 greedy tokens with the KV cache, two prompts (5 and 9 tokens) in one left-padded batch, on one device and
@@ -271,7 +278,8 @@ def cross_entropy(logits: np.ndarray, ids: np.ndarray) -> float:
 
 
 @pytest.mark.parametrize("name,expert,tensor,pipe", [("mixtral", 4, 2, 1), ("qwen2_moe", 2, 2, 1),
-                                                   ("qwen2_moe_mixed", 2, 2, 2), ("deepseek_v2", 2, 2, 1),
+                                                   ("qwen2_moe_mixed", 2, 2, 2), ("qwen3_moe", 2, 2, 2),
+                                                   ("deepseek_v2", 2, 2, 1),
                                                    ("deepseek_v3", 4, 2, 1)])
 def test_loss_on_an_expert_layout_matches_transformers(name, expert, tensor, pipe):
     """Imported straight onto (data, pipe, expert, tensor) of the 8 devices and run through the training step's

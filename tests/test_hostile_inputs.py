@@ -303,6 +303,10 @@ CASES = [
         ("deepseek-moe-layers-vs-stages", "deepseek_tiny.py", ["parallel.pipe=2", "parallel.microbatches=2"],
          "model.n_layers"),
         ("mtp-loss-weight-negative", "moe_tiny.py", ["train.mtp_loss_weight=-0.3"], "train.mtp_loss_weight"),
+        # the q/k norm (model.qk_norm, Qwen3): a boolean, and GQA with RMSNorm only
+        ("qk-norm-text", "tiny.py", ["model.qk_norm=maybe"], "model.qk_norm"),
+        ("qk-norm-gpt2", "tiny.py", ["model.family=gpt2", "model.qk_norm=true"], "model.qk_norm"),
+        ("qk-norm-deepseek", "deepseek_tiny.py", ["model.qk_norm=true"], "model.qk_norm"),
     ]],
     Case("train-moe-gpt2", MOE + "--config.model.family=gpt2", "moe.n_experts",
          lambda c, t: load_config("configs/moe_tiny.py", ["model.family=gpt2"])),

@@ -15,8 +15,8 @@ from jaxpar.train import build_trainer, fit
 from _parity import assert_grads_match, exactly_zero, on_layout, single_device
 
 LLAMA = dict(vocab_size=263, d_model=20, n_layers=24, n_heads=4, n_kv_heads=2, head_dim=6, d_ff=28, max_seq_len=8,
-             init_std=0.1)
-GPT2 = dict(LLAMA, family="gpt2", n_kv_heads=4, tie_embeddings=True)
+             init_std=0.1, qk_norm=True)  # with Qwen3's q/k norm (the llama family's only per-head parameters)
+GPT2 = dict(LLAMA, family="gpt2", n_kv_heads=4, tie_embeddings=True, qk_norm=False)
 B, T = 48, 8
 
 

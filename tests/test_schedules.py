@@ -94,8 +94,8 @@ def test_schedule_config_errors(fields, match):
 # The executor against the sequential reference.
 
 LLAMA = dict(vocab_size=263, d_model=20, n_layers=24, n_heads=4, n_kv_heads=2, head_dim=6, d_ff=28, max_seq_len=8,
-             scan_unroll=1, init_std=0.1)
-GPT2 = dict(LLAMA, family="gpt2", n_kv_heads=4, tie_embeddings=True)
+             scan_unroll=1, init_std=0.1, qk_norm=True)  # with Qwen3's q/k norm
+GPT2 = dict(LLAMA, family="gpt2", n_kv_heads=4, tie_embeddings=True, qk_norm=False)
 B, T = 64, 8
 
 

@@ -23,8 +23,8 @@ from _parity import assert_grads_match, exactly_zero, single_device
 # Vocab 263 is prime: every tensor degree pads it. 8 query heads over 2 kv heads: at tensor 2 the kv heads split,
 # at tensor 4 and 8 they are replicated (K < t). seq_len 16 divides 8 for sequence parallelism; d_model 30 is odd-ish.
 MODEL = dict(vocab_size=263, d_model=30, n_layers=3, n_heads=8, n_kv_heads=2, head_dim=6, d_ff=40, max_seq_len=16,
-             init_std=0.1)
-GPT2 = dict(MODEL, family="gpt2", n_kv_heads=8, tie_embeddings=True)
+             init_std=0.1, qk_norm=True)  # Qwen3's q/k norm: its scales' gradients sum over the ranks' heads
+GPT2 = dict(MODEL, family="gpt2", n_kv_heads=8, tie_embeddings=True, qk_norm=False)
 B, T = 8, 16
 
 

@@ -198,6 +198,8 @@ class ModelConfig:
                         "LM head shared); trained with train.mtp_loss_weight, a draft for self-speculative "
                         "decoding; RMSNorm families; 0: off")
     qkv_bias: bool = _f(False, "biases on the q, k, v projections in the llama family (Qwen2); gpt2 always has them")
+    qk_norm: bool = _f(False, "RMSNorm over head_dim on every query and key head, each with its own scale "
+                       "[head_dim], after the projection and before RoPE (Qwen3); llama family")
     sliding_window: int = _f(0, "attend only to the last this-many positions, the query's own included (Mistral); "
                              "0: full causal attention")
     attention: str = _f("auto", "attention kernel via jax.nn.dot_product_attention: 'xla', 'cudnn' (flash attention "
@@ -253,6 +255,10 @@ class ModelConfig:
             check_positive(f"model.{name}", getattr(self, name))
         self._check_mla_and_yarn()
         check_positive("model.mtp_depth", self.mtp_depth, allow_zero="off")
+        if self.qk_norm and (FAMILIES[self.family].attention != "gqa" or FAMILIES[self.family].norm != "rms"):
+            raise ConfigError("model.qk_norm", True, f"normalises GQA's query and key heads with RMSNorm, and the "
+                              f"{self.family} family's attention is {FAMILIES[self.family].attention} with "
+                              f"{FAMILIES[self.family].norm} norms", "use model.family=llama, or model.qk_norm=false")
         if self.mtp_depth and FAMILIES[self.family].norm != "rms":
             raise ConfigError("model.mtp_depth", self.mtp_depth, f"multi-token prediction's modules normalise with "
                               f"RMSNorm (enorm, hnorm), and family {self.family!r} uses LayerNorm",

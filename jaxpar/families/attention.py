@@ -199,6 +199,14 @@ def attention_params(cfg, kind: AttentionKind, *, norm_bias: bool) -> dict[str, 
     return params
 
 
+def qk_norm_params(cfg) -> dict[str, Param]:
+    """The q/k norm's scales (Qwen3): q_norm, k_norm [E], one RMSNorm scale each, shared by every head (held whole
+    by every tensor rank: the heads split, head_dim never does)."""
+    E = cfg.head_dim
+    return {"q_norm": Param((E,), ("head_dim",), "ones", decay=False),
+            "k_norm": Param((E,), ("head_dim",), "ones", decay=False)}
+
+
 def qkv_bias_params(cfg) -> dict[str, Param]:
     """GQA's q, k, v projection biases (GPT-2; the llama family with qkv_bias, Qwen2): bq [H, E]; bk, bv [K, E]."""
     H, K, E = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim

@@ -135,7 +135,9 @@ class Rule:
     dense / MoE model keeps two stacks); None: entry l is layer l.
 
     to_jax: the HF tensor → the jaxpar array (one layer's, for stacked params); to_hf: the inverse. Several rules
-    may share one HF tensor (GPT-2's fused c_attn): each takes its `part` of `parts` equal slices of the last axis.
+    may share one HF tensor (GPT-2's fused c_attn, Phi-3's qkv_proj and gate_up_proj): each takes its `part` of
+    `parts` slices along `axis` — equal slices, or of `sizes` (each part's extent along `axis`: Phi-3's qkv_proj
+    rows are H·E queries, then K·E keys and K·E values). to_jax / to_hf see the rule's slice only.
     """
 
     param: str
@@ -145,10 +147,34 @@ class Rule:
     part: int = 0
     parts: int = 1
     layers: tuple[int, ...] | None = None
+    sizes: tuple[int, ...] = ()
+    axis: int = -1
 
     @property
     def stacked(self) -> bool:
         return "{l}" in self.name
+
+    def piece(self, x):
+        """This rule's slice of the (fused) HF tensor x."""
+        if self.parts == 1:
+            return x
+        if not self.sizes:
+            n = x.shape[self.axis] // self.parts
+            start, stop = self.part * n, (self.part + 1) * n
+        else:
+            start = sum(self.sizes[:self.part])
+            stop = start + self.sizes[self.part]
+        index = [slice(None)] * x.ndim
+        index[self.axis] = slice(start, stop)
+        return x[tuple(index)]
+
+    def fused_shape(self, piece: tuple[int, ...]) -> tuple[int, ...]:
+        """The whole HF tensor's shape, from the shape of this rule's slice of it."""
+        if self.parts == 1:
+            return tuple(piece)
+        shape = list(piece)
+        shape[self.axis] = sum(self.sizes) if self.sizes else piece[self.axis] * self.parts
+        return tuple(shape)
 
     def model_layers(self, n_layers: int) -> tuple[int, ...]:
         """The model layer of each entry of the stacked param, in stack order."""

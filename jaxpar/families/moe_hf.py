@@ -1,4 +1,7 @@
-"""Hugging Face mapping of the llama family's mixture-of-experts layers: Mixtral and Qwen2-MoE.
+"""Hugging Face mapping of the llama family's mixture-of-experts layers: Mixtral, Qwen2-MoE and Qwen3-MoE.
+
+Qwen3-MoE is Qwen2-MoE's mapping without the shared expert (no shared_expert_* keys or tensors) and with the
+llama family's q/k norm (`qk_norm`: self_attn.q_norm / k_norm); its names and the other keys are Qwen2-MoE's.
 
 Both are the llama layer with the SwiGLU MLP replaced by `jaxpar.families.base.moe_params` (router, stacked experts,
 optional shared expert) and compute exactly what jaxpar's MoE block does: router logits h·router in float32, softmax
@@ -65,7 +68,8 @@ import dataclasses
 from jaxpar.errors import ConfigError
 from jaxpar.families.base import Rule
 
-ARCHITECTURES = {"MixtralForCausalLM": "mixtral", "Qwen2MoeForCausalLM": "qwen2_moe"}
+ARCHITECTURES = {"MixtralForCausalLM": "mixtral", "Qwen2MoeForCausalLM": "qwen2_moe",
+                 "Qwen3MoeForCausalLM": "qwen3_moe"}
 FUSED = ".mlp.experts.gate_up_proj"  # a tensor name ending that marks transformers 5's fused expert layout
 SHARED_GATE = ".mlp.shared_expert_gate.weight"  # one every Qwen2-MoE checkpoint has (and no Mixtral one)
 
@@ -112,9 +116,14 @@ def read(keys, model_type: str) -> tuple[dict, dict]:
                  "moe.shared_d_ff": "shared_expert_intermediate_size", "moe.norm_topk_prob": "norm_topk_prob",
                  "moe.sparse_step": "decoder_sparse_step", "moe.dense_layers": "mlp_only_layers"}
         # Qwen2-MoE always builds the shared expert and its gate; at width 0 both add nothing (the module docstring).
-        shared = keys.integer("shared_expert_intermediate_size", minimum=0)
+        # Qwen3-MoE has none.
+        shared = 0 if model_type == "qwen3_moe" else keys.integer("shared_expert_intermediate_size", minimum=0)
         step, n_layers = keys.integer("decoder_sparse_step", 1), keys.integer("num_hidden_layers")
-        moe = dict(n_experts=keys.integer("num_experts"), d_ff=keys.integer("moe_intermediate_size"),
+        # transformers 5 saves Qwen3-MoE's count as num_local_experts (its attribute_map); the hub's files say
+        # num_experts
+        count = "num_local_experts" if "num_local_experts" in keys.d and "num_experts" not in keys.d else "num_experts"
+        names["moe.n_experts"] = count
+        moe = dict(n_experts=keys.integer(count), d_ff=keys.integer("moe_intermediate_size"),
                    norm_topk_prob=keys.flag("norm_topk_prob", False), shared_gate=shared > 0, shared_d_ff=shared,
                    sparse_step=step, dense_layers=_dense_layers(keys, step, n_layers))
     moe.update(top_k=keys.integer("num_experts_per_tok"), aux_loss_coef=aux)
@@ -151,10 +160,12 @@ def mixed(cfg) -> bool:
 
 
 def architecture(cfg, base: dict | None = None) -> tuple[str, str]:
-    """(HF class, model_type) an MoE cfg exports as: Mixtral when it holds the model (every layer MoE, no shared
-    expert, no q/k/v biases, top-k renormalised) and `base` (the imported config.json, if any) is no Qwen2-MoE;
-    else Qwen2-MoE, which holds every model Mixtral does."""
+    """(HF class, model_type) an MoE cfg exports as: Qwen3-MoE for the q/k norm; Mixtral when it holds the model
+    (every layer MoE, no shared expert, no q/k/v biases, top-k renormalised) and `base` (the imported config.json,
+    if any) is no Qwen2-MoE; else Qwen2-MoE, which holds every model Mixtral does."""
     moe = cfg.moe
+    if cfg.qk_norm:
+        return "Qwen3MoeForCausalLM", "qwen3_moe"
     if (moe.shared_d_ff or mixed(cfg) or cfg.qkv_bias or not moe.norm_topk_prob
             or (base or {}).get("architectures") == ["Qwen2MoeForCausalLM"]):
         return "Qwen2MoeForCausalLM", "qwen2_moe"
@@ -164,18 +175,24 @@ def architecture(cfg, base: dict | None = None) -> tuple[str, str]:
 def exportable(cfg) -> None:
     """Raise ConfigError for an MoE cfg that neither Mixtral nor Qwen2-MoE holds (see the module docstring)."""
     moe = cfg.moe
+    if cfg.qk_norm and moe.shared_d_ff:
+        raise ConfigError("moe.shared_d_ff", moe.shared_d_ff, "Qwen3-MoE, the Hugging Face MoE architecture with the "
+                          "q/k norm, has no shared expert", "export a model trained with moe.shared_d_ff=0")
     if moe.shared_d_ff and not moe.shared_gate:
         raise ConfigError("moe.shared_gate", False, "Qwen2-MoE, the Hugging Face architecture with a shared expert, "
                           "always scales it by sigmoid(x·w)", "export a model trained with moe.shared_gate=true")
 
 
 def write(cfg, out: dict, model_type: str) -> None:
-    """The MoE keys of config.json dict `out` (model_type 'mixtral' or 'qwen2_moe'; the llama keys are written by
-    the family's `write`)."""
+    """The MoE keys of config.json dict `out` (model_type 'mixtral', 'qwen2_moe' or 'qwen3_moe'; the llama keys are
+    written by the family's `write`)."""
     moe = cfg.moe
     out.update(num_experts_per_tok=moe.top_k, router_aux_loss_coef=moe.aux_loss_coef)
     if model_type == "mixtral":
         out.update(num_local_experts=moe.n_experts, intermediate_size=moe.d_ff, router_jitter_noise=0.0)
+    elif model_type == "qwen3_moe":
+        out.update(num_experts=moe.n_experts, moe_intermediate_size=moe.d_ff, norm_topk_prob=moe.norm_topk_prob,
+                   decoder_sparse_step=moe.sparse_step, mlp_only_layers=list(moe.dense_layers))
     else:
         out.update(num_experts=moe.n_experts, moe_intermediate_size=moe.d_ff, shared_expert_intermediate_size=
                    moe.shared_d_ff, norm_topk_prob=moe.norm_topk_prob, qkv_bias=cfg.qkv_bias,
@@ -188,7 +205,8 @@ def tensors(cfg, names: set[str] | None = None) -> list[Rule]:
     lay, T = "model.layers.{l}.", (lambda x: x.T, lambda x: x.T)
     layers = cfg.layer_stacks["blocks"] if mixed(cfg) else None  # None: every layer, in order
     # A model Mixtral could hold has Qwen2-MoE's names when its checkpoint was one (which always has shared_expert_gate)
-    qwen = architecture(cfg)[1] == "qwen2_moe" or any(n.endswith(SHARED_GATE) for n in names or ())
+    qwen2 = architecture(cfg)[1] == "qwen2_moe" or any(n.endswith(SHARED_GATE) for n in names or ())
+    qwen = qwen2 or cfg.qk_norm  # Qwen2-MoE's and Qwen3-MoE's names
     if names is not None and any(n.endswith(FUSED) for n in names):
         experts = lay + "mlp.experts."
         rules = [Rule("blocks.router", lay + "mlp.gate.weight", *T, layers=layers),
@@ -204,14 +222,14 @@ def tensors(cfg, names: set[str] | None = None) -> list[Rule]:
     if cfg.moe.shared_d_ff:
         rules += [Rule(f"blocks.ws_{p}", lay + f"mlp.shared_expert.{p}_proj.weight", *T, layers=layers)
                   for p in ("gate", "up", "down")]
-    elif qwen:  # Qwen2-MoE's shared expert of width 0 and its gate: no jaxpar parameter (see ZeroRule)
+    elif qwen2:  # Qwen2-MoE's shared expert of width 0 and its gate: no jaxpar parameter (see ZeroRule)
         D = cfg.d_model
         rules += [ZeroRule(f"blocks.ws_{p}", lay + f"mlp.shared_expert.{p}_proj.weight", *T, layers=layers,
                            shape=shape) for p, shape in (("gate", (0, D)), ("up", (0, D)), ("down", (D, 0)))]
     if cfg.moe.shared_gate:  # the [1, D] Linear that scores each token for the shared expert
         rules.append(Rule("blocks.ws_score", lay + SHARED_GATE[1:], lambda x: x.reshape(-1),
                           lambda x: x.reshape(1, -1), layers=layers))
-    elif qwen:
+    elif qwen2:
         rules.append(ZeroRule("blocks.ws_score", lay + SHARED_GATE[1:], lambda x: x.reshape(-1),
                               lambda x: x.reshape(1, -1), layers=layers, shape=(1, cfg.d_model)))
     return rules

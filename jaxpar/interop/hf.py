@@ -346,9 +346,7 @@ def load_params(path: str | pathlib.Path, cfg: ModelConfig, abstract: nnx.State,
                 name = rule.name.format(l=layer) if layer is not None else rule.name
                 used.add(name)
                 x = files.get(name, expected)
-                if rule.parts > 1:
-                    x = np.split(x, rule.parts, axis=-1)[rule.part]
-                x = rule.to_jax(x)
+                x = rule.to_jax(rule.piece(x))
                 if tuple(x.shape) != tuple(true_shape):  # the table and config.json disagree: a bug, not bad input
                     raise HFError(f"{path}: tensor {name!r} maps to shape {x.shape}, expected {tuple(true_shape)}")
                 if vocab_axis is not None and layer_shape[vocab_axis] != cfg.vocab_size:
@@ -437,10 +435,7 @@ def _expected_shape(rule: Rule, var, vocab_axis: int | None, cfg: ModelConfig) -
     true_shape = list(layer_shape)
     if vocab_axis is not None:
         true_shape[vocab_axis] = cfg.vocab_size
-    expected = _hf_shape(rule, tuple(true_shape))
-    if rule.parts > 1:
-        expected = (*expected[:-1], expected[-1] * rule.parts)
-    return true_shape, expected
+    return true_shape, rule.fused_shape(_hf_shape(rule, tuple(true_shape)))
 
 
 def _check_shapes(files: "SafetensorsDir", cfg: ModelConfig, like: dict, rules: dict[str, Rule],
@@ -602,7 +597,7 @@ def _write_files(params: nnx.State, cfg: ModelConfig, path: pathlib.Path, *, bas
             if rule.param in vocab_axes:  # drop the tensor-parallel vocab padding
                 x = x[(slice(None),) * vocab_axes[rule.param] + (slice(0, cfg.vocab_size),)]
             parts.append(rule.to_hf(x))
-        x = parts[0] if len(parts) == 1 else np.concatenate(parts, axis=-1)
+        x = parts[0] if len(parts) == 1 else np.concatenate(parts, axis=by_name[name][0][0].axis)
         cast = dtype and not any(rule.param in kept for rule, _, _ in by_name[name])
         return np.ascontiguousarray(x.astype(dtype) if cast else x)
 
