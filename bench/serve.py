@@ -18,7 +18,12 @@ ratio between the modes is what a scheduler can gain at most when prefill is fre
 a contiguous cache sized for max_batch rows of max_seq_len positions.
 
     PYTHONPATH=. python bench/serve.py [--quick] [--rows 16] [--requests 256] [--poisson-requests 64]
-        [--repeats 3] [--out bench/results/serve.json]
+        [--repeats 3] [--out bench/results/serve.json] [--versus-hf PYTHON]
+
+`--versus-hf PYTHON` (a Python with torch and transformers) adds Hugging Face transformers' own `generate` on the
+same model exported (`jaxpar.interop.hf.save_params`), the mixed workload all at once, in batches of `--rows`
+(`bench/hf_generate.py`: static batching as `generate` does it, left-padded, greedy, fp32, torch's threads on the
+same cores): its output tokens/s against the engine's two modes, and how many requests got the same tokens.
 
 Each run repeats `--repeats` times, the two modes interleaved; a row is the run of median throughput, and the ratio
 the median of the repetitions' ratios with their range.
@@ -95,6 +100,37 @@ def run(engine: Engine, requests, rate: float, seed: int) -> dict:
             "tokens": [h.tokens for h in handles]}
 
 
+def versus_hf(python: str, model, cfg, saturated: dict, rows: int) -> dict:
+    """transformers' generate on `model` exported, over the saturation run's requests (`saturated`, the mixed
+    workload's row of `main`), in a subprocess of `python` → its figures beside the engine's; printed as a table."""
+    import subprocess
+    import tempfile
+
+    from jaxpar.interop.hf import save_params
+
+    requests = workload("mixed", saturated["requests"], seed=0)
+    with tempfile.TemporaryDirectory() as tmp:
+        save_params(nnx.state(model), cfg, f"{tmp}/hf")
+        pathlib.Path(f"{tmp}/requests.json").write_text(json.dumps(requests))
+        subprocess.run([python, str(pathlib.Path(__file__).with_name("hf_generate.py")), "--model", f"{tmp}/hf",
+                        "--requests", f"{tmp}/requests.json", "--batch", str(rows), "--out", f"{tmp}/out.json"],
+                       check=True)
+        hf = json.loads(pathlib.Path(f"{tmp}/out.json").read_text())
+    # the engine's tokens for these requests (identical in both modes), from a fresh greedy run
+    engine = Engine(model, EngineConfig(max_batch=rows, page_size=16, prefill_chunk=32, prefill_rows=2))
+    ours = engine.generate([p for p, _ in requests], [SamplingParams(max_tokens=o, ignore_eos=True)
+                                                      for _, o in requests])
+    same = sum(a == b for a, b in zip(ours, hf.pop("tokens")))
+    out = {"hf": hf, "same_tokens": same, "requests": len(requests),
+           "continuous_vs_hf": saturated["continuous"]["output_tokens_per_s"] / hf["output_tokens_per_s"],
+           "static_vs_hf": saturated["static"]["output_tokens_per_s"] / hf["output_tokens_per_s"]}
+    print(f"transformers {hf['transformers']} generate (torch {hf['torch']}, {hf['threads']} threads, batches of "
+          f"{rows}): {hf['output_tokens_per_s']:.1f} tok/s on the mixed workload all at once; jaxpar continuous "
+          f"{out['continuous_vs_hf']:.2f}x, static {out['static_vs_hf']:.2f}x that; {same}/{len(requests)} "
+          "requests with the same greedy tokens")
+    return out
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="a few small requests (the test's smoke run)")
@@ -105,6 +141,8 @@ def main(argv=None) -> int:
     parser.add_argument("--repeats", type=int, default=3, help="interleaved repetitions of each run (medians)")
     parser.add_argument("--workdir", default=None, help="a jaxpar workdir's model instead of random weights")
     parser.add_argument("--out", default=None)
+    parser.add_argument("--versus-hf", default=None, metavar="PYTHON",
+                        help="also run transformers' generate with this Python (which has torch and transformers)")
     args = parser.parse_args(argv)
     config = load_config("configs/tiny.py")
     if args.workdir:
@@ -159,8 +197,12 @@ def main(argv=None) -> int:
                   f"{r['decode_calls']:4d}/{r['prefill_calls']:<4d}"
                   + (f"  {row['throughput_ratio']:.2f}x ({row['throughput_ratio_range'][0]:.2f}–"
                      f"{row['throughput_ratio_range'][1]:.2f})" if mode == "static" else ""))
+    versus = None
+    if args.versus_hf:
+        versus = versus_hf(args.versus_hf, model, config.model, results[0], args.rows)
     if args.out:
         pathlib.Path(args.out).write_text(json.dumps({"engine": engine_config.__dict__, "workloads": WORKLOADS,
+                                                      "versus_hf": versus,
                                                       "contiguous_pages": contiguous, "runs": results}, indent=1))
     return 0
 

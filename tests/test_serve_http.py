@@ -173,6 +173,22 @@ def test_tensor_parallel_server_and_sigterm_draining():
         httpx.get(url + "/health", timeout=2)
 
 
+def test_a_quantized_server_answers_with_the_quantized_models_text():
+    """`jaxpar serve --quantize int4` (weights quantized at load, groups of the default size): the greedy completion
+    over HTTP is the text `generate` gives the same int4 model."""
+    from jaxpar.infer.text import generate_text, load
+
+    proc, url = start(FIXTURE, "--quantize", "int4")
+    try:
+        got = httpx.post(url + "/v1/completions", json={"prompt": PROMPT, "max_tokens": 12, "temperature": 0},
+                         timeout=120).json()["choices"][0]["text"]
+        assert got == generate_text(load(FIXTURE, quantize="int4"), [PROMPT], max_new_tokens=12, temperature=0.0)[0]
+        assert got != generate_text(load(FIXTURE), [PROMPT], max_new_tokens=12, temperature=0.0)[0]  # int4 shows
+    finally:
+        proc.terminate()
+        proc.wait(timeout=60)
+
+
 def test_back_pressure_and_the_api_key_in_process():
     """A one-row engine with a one-request queue: of 6 simultaneous long requests some get 429 with a one-line
     message, the rest finish; without the key (or with a wrong one) /v1 answers 401, /health stays open."""
