@@ -804,7 +804,8 @@ def gqa_attention(p: dict[str, Array], h: Array, positions: Array, mask: Array |
     if kv_cache is not None:
         new_cache, layer = kv_cache({"k": k, "v": v})
         k, v = layer["k"], layer["v"]  # [B, S, K, E]: the layer's cache, the new slots written
-    o = checkpoint_name(par.attention(functools.partial(attend, cfg=cfg), q, k, v, mask), "context")  # [B, T, H, E]
+    kernel = functools.partial(attend, cfg=cfg, sinks=p.get("sinks"))  # sinks [H] (local heads): gpt-oss
+    o = checkpoint_name(par.attention(kernel, q, k, v, mask), "context")  # [B, T, H, E]
     out = par.row(o, p["wo"], "bthe,hed->btd", "attention")  # [B, T, D] float32 ([B, T/t, D] under SP)
     if "bo" in p:
         out = out + par.replicated(p["bo"]).astype(jnp.float32)
@@ -933,19 +934,48 @@ def rope_attention_factor(cfg: ModelConfig) -> float:
 ATTENTION = {"gqa": gqa_attention, "mla": mla_attention}
 
 
-def attend(q: Array, k: Array, v: Array, mask: Array | None, cfg: ModelConfig) -> Array:
+def attend(q: Array, k: Array, v: Array, mask: Array | None, cfg: ModelConfig, sinks: Array | None = None) -> Array:
     """softmax(q·kᵀ/√E + mask) v for GQA, through `jax.nn.dot_product_attention` (XLA or cuDNN flash attention).
 
     q [B, T, H, E]; k, v [B, S, K, E] with K dividing H (query head n reads kv head n // (H/K)); → [B, T, H, E].
     mask None: causal with T == S (query t sees keys s ≤ t), within `cfg.sliding_window` when set — the kernels
     then skip the masked blocks instead of reading a mask. Otherwise a bool [B|1, 1, T, S] mask saying which keys
     each query sees (segments, decoding). Logits and softmax run in float32 (the kernels accumulate in float32).
+
+    sinks [H] (gpt-oss's attention sinks): head n's softmax runs over its scores and one more logit, sinks[n],
+    whose weight goes to no value — o = Σ_s e^{z_s − m} v_s / (Σ_s e^{z_s − m} + e^{sink − m}), m the largest of
+    them — so a query may attend to nothing. `dot_product_attention` has no such term: `attend_with_sinks`.
     """
+    if sinks is not None:
+        return attend_with_sinks(q, k, v, mask, cfg, sinks)
     impl = "xla" if cfg.attention == "auto" else cfg.attention
     if mask is None:
         window = (cfg.sliding_window - 1, 0) if cfg.sliding_window else None  # (left, right): W keys, itself included
         return jax.nn.dot_product_attention(q, k, v, is_causal=True, local_window_size=window, implementation=impl)
     return jax.nn.dot_product_attention(q, k, v, mask=mask, implementation=impl)
+
+
+def attend_with_sinks(q: Array, k: Array, v: Array, mask: Array | None, cfg: ModelConfig, sinks: Array) -> Array:
+    """`attend` with attention sinks, written out: scores [B, K, G, T, S] in float32 (G = H/K query heads a kv head
+    serves), the mask (None: causal, within the sliding window), the softmax over the scores and the head's sink,
+    the sink's share dropped. → [B, T, H, E] in q's dtype."""
+    B, T, H, E = q.shape
+    S, K = k.shape[1], k.shape[2]
+    G = H // K
+    z = jnp.einsum("btkge,bske->bkgts", q.reshape(B, T, K, G, E), k,
+                   preferred_element_type=jnp.float32) * (E ** -0.5)
+    if mask is None:
+        i, j = jnp.arange(T)[:, None], jnp.arange(S)[None, :]
+        keep = (j <= i) & ((i - j < cfg.sliding_window) if cfg.sliding_window else True)  # [T, S]
+    else:
+        keep = mask[:, :, None]  # [B|1, 1, 1, T, S]
+    z = jnp.where(keep, z, -jnp.inf)
+    sink = jnp.broadcast_to(sinks.astype(jnp.float32).reshape(1, K, G, 1, 1), (B, K, G, T, 1))
+    m = jnp.maximum(z.max(-1, keepdims=True), sink)  # finite: the sink is, even where a row sees no key
+    w = jnp.exp(z - m)
+    probs = w / (w.sum(-1, keepdims=True) + jnp.exp(sink - m))
+    o = jnp.einsum("bkgts,bske->btkge", probs.astype(v.dtype), v, preferred_element_type=jnp.float32)
+    return o.reshape(B, T, H, E).astype(q.dtype)
 
 
 def mlp(p: dict[str, Array], h: Array, cfg: ModelConfig, par: Parallel = SINGLE_DEVICE) -> Array:

@@ -200,6 +200,9 @@ class ModelConfig:
     qkv_bias: bool = _f(False, "biases on the q, k, v projections in the llama family (Qwen2); gpt2 always has them")
     qk_norm: bool = _f(False, "RMSNorm over head_dim on every query and key head, each with its own scale "
                        "[head_dim], after the projection and before RoPE (Qwen3); llama family")
+    attention_sinks: bool = _f(False, "a learned logit per query head in each layer's softmax denominator "
+                               "(gpt-oss's sinks: attention may put weight on no key); llama family, XLA attention, "
+                               "context parallelism by all_gather")
     sliding_window: int = _f(0, "attend only to the last this-many positions, the query's own included (Mistral); "
                              "0: full causal attention")
     attention: str = _f("auto", "attention kernel via jax.nn.dot_product_attention: 'xla', 'cudnn' (flash attention "
@@ -255,6 +258,14 @@ class ModelConfig:
             check_positive(f"model.{name}", getattr(self, name))
         self._check_mla_and_yarn()
         check_positive("model.mtp_depth", self.mtp_depth, allow_zero="off")
+        if self.attention_sinks and (FAMILIES[self.family].attention != "gqa" or FAMILIES[self.family].norm != "rms"):
+            raise ConfigError("model.attention_sinks", True, f"adds a logit per query head to the llama family's GQA "
+                              f"softmax, and the {self.family} family's attention is "
+                              f"{FAMILIES[self.family].attention} with {FAMILIES[self.family].norm} norms",
+                              "use model.family=llama, or model.attention_sinks=false")
+        if self.attention_sinks and self.attention == "cudnn":
+            raise ConfigError("model.attention", "cudnn", "cuDNN's flash attention has no sink term",
+                              "set model.attention=xla (or auto, which picks xla with sinks)")
         if self.qk_norm and (FAMILIES[self.family].attention != "gqa" or FAMILIES[self.family].norm != "rms"):
             raise ConfigError("model.qk_norm", True, f"normalises GQA's query and key heads with RMSNorm, and the "
                               f"{self.family} family's attention is {FAMILIES[self.family].attention} with "
@@ -440,13 +451,15 @@ def _tiles(spec, group: int) -> bool:
 
 def resolve_attention(cfg: ModelConfig, device: Any) -> ModelConfig:
     """`cfg` with attention 'auto' replaced by the kernel for `device` (a jax device): cuDNN flash attention on an
-    NVIDIA GPU for a 16-bit compute dtype and a head width it supports (≤ 128, a multiple of 8), XLA otherwise.
+    NVIDIA GPU for a 16-bit compute dtype and a head width it supports (≤ 128, a multiple of 8) without attention
+    sinks, XLA otherwise.
     The plan calls it where the config meets its devices, so the model never probes devices; a model built directly
     from a config that still says 'auto' runs the XLA kernel."""
     if cfg.attention != "auto":
         return cfg
     nvidia = device.platform == "gpu" and "nvidia" in device.device_kind.lower()
-    fits = cfg.dtype in ("bfloat16", "float16") and cfg.head_dim <= 128 and cfg.head_dim % 8 == 0
+    fits = (cfg.dtype in ("bfloat16", "float16") and cfg.head_dim <= 128 and cfg.head_dim % 8 == 0
+            and not cfg.attention_sinks)  # cuDNN has no sink term
     return dataclasses.replace(cfg, attention="cudnn" if nvidia and fits else "xla")
 
 
@@ -641,6 +654,9 @@ def check_layout(m: ModelConfig, p: ParallelConfig) -> None:
     widths against `tensor`, the layers against the pipeline's chunks, and the mixture-of-experts rules. The
     embedding needs none: it is padded to a multiple of `tensor` (jaxpar.sharding)."""
     attention_kind(m).check(m, p.tensor)  # its heads (or latent dims) against the tensor degree
+    if m.attention_sinks and p.context > 1 and p.context_impl == "ring":
+        raise ConfigError("parallel.context_impl", "ring", "ring attention's online softmax has no sink term "
+                          "(model.attention_sinks)", "use parallel.context_impl=all_gather")
     check_divides("model.d_ff", m.d_ff, "parallel.tensor", p.tensor, "the MLP hidden dim is split over tensor")
     stages = p.pipe * p.repeats
     L, k = m.pipelined_layers, m.prefix_layers  # (stages = 1 without a pipeline: ParallelConfig's rule)

@@ -207,6 +207,12 @@ def qk_norm_params(cfg) -> dict[str, Param]:
             "k_norm": Param((E,), ("head_dim",), "ones", decay=False)}
 
 
+def sink_params(cfg) -> dict[str, Param]:
+    """Attention sinks (gpt-oss): sinks [H], one learned logit per query head that joins its softmax's denominator
+    (split over tensor with the heads)."""
+    return {"sinks": Param((cfg.n_heads,), ("heads",), "zeros", decay=False)}
+
+
 def qkv_bias_params(cfg) -> dict[str, Param]:
     """GQA's q, k, v projection biases (GPT-2; the llama family with qkv_bias, Qwen2): bq [H, E]; bk, bv [K, E]."""
     H, K, E = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim

@@ -22,18 +22,21 @@ from typing import Any
 
 from jaxpar.errors import ConfigError
 from jaxpar.families import moe_hf
-from jaxpar.families.attention import GQA, attention_params, qk_norm_params, qkv_bias_params
+from jaxpar.families.attention import GQA, attention_params, qk_norm_params, qkv_bias_params, sink_params
 from jaxpar.families.base import Family, HuggingFace, Param, Rule, mlp_params, same, swiglu_d_ff
 
 
 def layer_params(cfg, moe: bool) -> dict[str, Param]:
     """The llama layer: the shared attention with RMSNorms, a SwiGLU MLP (or, `moe`, a mixture of SwiGLU experts:
-    Mixtral, Qwen2-MoE, Qwen3-MoE), q/k/v biases only with qkv_bias, the q/k norm's scales only with qk_norm."""
+    Mixtral, Qwen2-MoE, Qwen3-MoE), q/k/v biases only with qkv_bias, the q/k norm's scales only with qk_norm,
+    the sinks [H] only with attention_sinks."""
     params = {**attention_params(cfg, GQA, norm_bias=False), **mlp_params(cfg, moe)}
     if cfg.qkv_bias:
         params.update(qkv_bias_params(cfg))
     if cfg.qk_norm:
         params.update(qk_norm_params(cfg))
+    if cfg.attention_sinks:
+        params.update(sink_params(cfg))
     return params
 
 
@@ -228,6 +231,9 @@ def exportable(cfg) -> None:
     """Llama, Mistral (window), Qwen2 (q/k/v biases, window) and Qwen3 (q/k norm, window) between them hold every
     dense llama option but q/k/v biases beside the q/k norm (Qwen3's attention_bias also biases o_proj); Mixtral,
     Qwen2-MoE and Qwen3-MoE not every MoE one (`moe_hf.exportable`)."""
+    if cfg.attention_sinks:
+        raise ConfigError("model.attention_sinks", True, "no Hugging Face architecture jaxpar exports holds attention "
+                          "sinks yet (gpt-oss's mapping is not written)", "export a model trained without them")
     if cfg.qk_norm and cfg.qkv_bias:
         raise ConfigError("model.qkv_bias", True, "Qwen3, the Hugging Face architecture with the q/k norm, biases "
                           "q, k, v and o_proj together (attention_bias) and jaxpar has no o_proj bias",
