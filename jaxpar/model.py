@@ -804,8 +804,9 @@ def gqa_attention(p: dict[str, Array], h: Array, positions: Array, mask: Array |
     if kv_cache is not None:
         new_cache, layer = kv_cache({"k": k, "v": v})
         k, v = layer["k"], layer["v"]  # [B, S, K, E]: the layer's cache, the new slots written
-    kernel = functools.partial(attend, cfg=cfg, sinks=p.get("sinks"))  # sinks [H] (local heads): gpt-oss
-    o = checkpoint_name(par.attention(kernel, q, k, v, mask), "context")  # [B, T, H, E]
+    # sinks [H] (the local heads; gpt-oss): the kernel's, or ring attention's, extra softmax logit per head
+    o = checkpoint_name(par.attention(functools.partial(attend, cfg=cfg), q, k, v, mask, sinks=p.get("sinks")),
+                        "context")  # [B, T, H, E]
     out = par.row(o, p["wo"], "bthe,hed->btd", "attention")  # [B, T, D] float32 ([B, T/t, D] under SP)
     if "bo" in p:
         out = out + par.replicated(p["bo"]).astype(jnp.float32)

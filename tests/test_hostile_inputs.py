@@ -307,12 +307,10 @@ CASES = [
         ("qk-norm-text", "tiny.py", ["model.qk_norm=maybe"], "model.qk_norm"),
         ("qk-norm-gpt2", "tiny.py", ["model.family=gpt2", "model.qk_norm=true"], "model.qk_norm"),
         ("qk-norm-deepseek", "deepseek_tiny.py", ["model.qk_norm=true"], "model.qk_norm"),
-        # attention sinks (model.attention_sinks, gpt-oss): a boolean, llama's GQA only, no ring attention
+        # attention sinks (model.attention_sinks, gpt-oss): a boolean, llama's GQA only
         ("sinks-text", "tiny.py", ["model.attention_sinks=often"], "model.attention_sinks"),
         ("sinks-gpt2", "tiny.py", ["model.family=gpt2", "model.attention_sinks=true"], "model.attention_sinks"),
-        ("sinks-ring", "tiny.py", ["model.attention_sinks=true", "parallel.context=2", "parallel.context_impl=ring",
-                                   "parallel.pipe=1", "parallel.repeats=1", "parallel.microbatches=1"],
-         "parallel.context_impl"),
+
     ]],
     Case("train-moe-gpt2", MOE + "--config.model.family=gpt2", "moe.n_experts",
          lambda c, t: load_config("configs/moe_tiny.py", ["model.family=gpt2"])),

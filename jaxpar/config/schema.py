@@ -201,8 +201,7 @@ class ModelConfig:
     qk_norm: bool = _f(False, "RMSNorm over head_dim on every query and key head, each with its own scale "
                        "[head_dim], after the projection and before RoPE (Qwen3); llama family")
     attention_sinks: bool = _f(False, "a learned logit per query head in each layer's softmax denominator "
-                               "(gpt-oss's sinks: attention may put weight on no key); llama family, XLA attention, "
-                               "context parallelism by all_gather")
+                               "(gpt-oss's sinks: attention may put weight on no key); llama family, XLA attention")
     sliding_window: int = _f(0, "attend only to the last this-many positions, the query's own included (Mistral); "
                              "0: full causal attention")
     attention: str = _f("auto", "attention kernel via jax.nn.dot_product_attention: 'xla', 'cudnn' (flash attention "
@@ -654,9 +653,6 @@ def check_layout(m: ModelConfig, p: ParallelConfig) -> None:
     widths against `tensor`, the layers against the pipeline's chunks, and the mixture-of-experts rules. The
     embedding needs none: it is padded to a multiple of `tensor` (jaxpar.sharding)."""
     attention_kind(m).check(m, p.tensor)  # its heads (or latent dims) against the tensor degree
-    if m.attention_sinks and p.context > 1 and p.context_impl == "ring":
-        raise ConfigError("parallel.context_impl", "ring", "ring attention's online softmax has no sink term "
-                          "(model.attention_sinks)", "use parallel.context_impl=all_gather")
     check_divides("model.d_ff", m.d_ff, "parallel.tensor", p.tensor, "the MLP hidden dim is split over tensor")
     stages = p.pipe * p.repeats
     L, k = m.pipelined_layers, m.prefix_layers  # (stages = 1 without a pipeline: ParallelConfig's rule)

@@ -86,19 +86,24 @@ class ContextParallel:
         table = jnp.asarray(zigzag(x.shape[1], self.degree))
         return jnp.take(x, table[jax.lax.axis_index(self.axis)], axis=1)
 
-    def attention(self, kernel: Callable[[Array, Array, Array, Array | None], Array], q: Array, k: Array, v: Array,
-                  mask: Array | None) -> Array:
-        """Local queries q [B, S/c, H, E] over the whole sequence's keys: k, v [B, S/c, K, E] are this rank's."""
+    def attention(self, kernel: Callable[..., Array], q: Array, k: Array, v: Array, mask: Array | None,
+                  sinks: Array | None = None) -> Array:
+        """Local queries q [B, S/c, H, E] over the whole sequence's keys: k, v [B, S/c, K, E] are this rank's.
+        sinks [H] (attention sinks) or None: the all-gather path hands them to the kernel, the ring adds them to
+        its softmax after the last block."""
         if mask is not None:
             raise ValueError("context parallelism writes the causal mask from global positions; a mask of the "
                              "caller's (packed segments, a KV cache) is not supported with parallel.context > 1")
         if self.impl == "ring":
-            return ring_attention(q, k, v, self.axis, self.degree, self.window)
+            if sinks is not None:  # typed like the queries: its cotangent is then summed over the ranks' queries
+                sinks = _typed(sinks, q, k, v)
+            return ring_attention(q, k, v, sinks, self.axis, self.degree, self.window)
         k_all = jax.lax.all_gather(k, self.axis, axis=1, tiled=True)  # [B, S, K, E], rank r's tokens at r·S/c …
         v_all = jax.lax.all_gather(v, self.axis, axis=1, tiled=True)
         q_pos, table, _ = _positions(q.shape[1], self.axis, self.degree)
         keep = _keep(q_pos, table.reshape(-1), self.window)  # [S/c, S]: keys in the gathered order
-        return kernel(q, k_all, v_all, keep[None, None])
+        keep = keep[None, None]
+        return kernel(q, k_all, v_all, keep) if sinks is None else kernel(q, k_all, v_all, keep, sinks=sinks)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -141,11 +146,14 @@ def _ring(x, axis: str, c: int):
     return jax.lax.ppermute(x, axis, [(r, (r + 1) % c) for r in range(c)])
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
-def ring_attention(q: Array, k: Array, v: Array, axis: str, c: int, window: int) -> Array:
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
+def ring_attention(q: Array, k: Array, v: Array, sinks: Array | None, axis: str, c: int, window: int) -> Array:
     """softmax(q·kᵀ/√E under the causal zigzag mask) v over the whole sequence, K/V passed around the ring.
-    q [B, T, H, E], k, v [B, T, K, E] (this rank's T = S/c tokens, zigzag order) → [B, T, H, E] in q's dtype."""
-    return _ring_forward(q, k, v, axis, c, window)[0]
+    q [B, T, H, E], k, v [B, T, K, E] (this rank's T = S/c tokens, zigzag order) → [B, T, H, E] in q's dtype.
+    sinks [H] or None: attention sinks — each head's softmax also counts e^{sink}, which no value receives. It joins
+    the running (m, l) after the last block, so lse includes it: the backward's probabilities then exclude the
+    sink's share by themselves, and d sink = −Σ_t p_sink(t)·Δ(t) (Δ = Σ dO·O, the sink's value being zero)."""
+    return _ring_forward(q, k, v, sinks, axis, c, window)[0]
 
 
 def _positions(T: int, axis: str, c: int):
@@ -155,7 +163,7 @@ def _positions(T: int, axis: str, c: int):
     return table[r], table, r
 
 
-def _ring_forward(q, k, v, axis, c, window):
+def _ring_forward(q, k, v, sinks, axis, c, window):
     B, T, H, E = q.shape
     K = k.shape[2]
     qg = q.reshape(B, T, K, H // K, E)
@@ -180,16 +188,22 @@ def _ring_forward(q, k, v, axis, c, window):
         l, m = l * a + l_i * b, m_new
         if i < c - 1:
             kv = _ring(kv, axis, c)
+    if sinks is not None:  # one more logit per head: rescale (o, l) to the new max and add e^{sink} to l
+        s = jnp.broadcast_to(sinks.astype(jnp.float32).reshape(1, K, H // K, 1), m.shape)
+        m_new = jnp.maximum(m, s)
+        a = jnp.exp(m - m_new)
+        o, l, m = o * jnp.moveaxis(a, 3, 1)[..., None], l * a + jnp.exp(s - m_new), m_new
     out = (o / jnp.moveaxis(l, 3, 1)[..., None]).reshape(B, T, H, E)
     return out.astype(q.dtype), (q, k, v, out, m + jnp.log(l))
 
 
-def _ring_fwd(q, k, v, axis, c, window):
-    return _ring_forward(q, k, v, axis, c, window)
+def _ring_fwd(q, k, v, sinks, axis, c, window):
+    out, residuals = _ring_forward(q, k, v, sinks, axis, c, window)
+    return out, (*residuals, sinks)
 
 
 def _ring_bwd(axis, c, window, residuals, d_out):
-    q, k, v, out, lse = residuals
+    q, k, v, out, lse, sinks = residuals
     B, T, H, E = q.shape
     K = k.shape[2]
     G = H // K
@@ -225,7 +239,11 @@ def _ring_bwd(axis, c, window, residuals, d_out):
         carry = (*_ring(carry[:2], axis, c), *_ring(carry[2:], axis, c)) if i < c - 1 else \
             (carry[0], carry[1], *_ring(carry[2:], axis, c))
     dk, dv = carry[2], carry[3]
-    return dq.reshape(q.shape).astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
+    d_sinks = None
+    if sinks is not None:  # the sink's probability per query times its score gradient, 0 − Δ
+        p_sink = jnp.exp(sinks.astype(jnp.float32).reshape(1, K, G, 1) - lse)  # [B, K, G, T]
+        d_sinks = (-(p_sink * delta).sum((0, 3))).reshape(H).astype(sinks.dtype)
+    return dq.reshape(q.shape).astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), d_sinks
 
 
 ring_attention.defvjp(_ring_fwd, _ring_bwd)
