@@ -94,12 +94,13 @@ assert alone == [r.tokens for r in requests]
 # %% [markdown]
 # ## 3. Continuous vs static batching under load
 #
-# The same requests (prompt and output lengths log-uniform in [8, 120]) arrive as a Poisson process at increasing
-# rates, and finally all at once. Both modes use the same engine — rows, pages, programs; static batching only waits
-# for its whole batch before admitting the next. A short live sweep first (24 requests a point, one repetition):
+# The same requests (`bench/serve.py`'s mixed-long workload: prompt and output lengths log-uniform in [8, 120]) arrive
+# as a Poisson process at increasing rates, and finally all at once. Both modes use the same engine — rows, pages,
+# programs; static batching only waits for its whole batch before admitting the next. A short live sweep first
+# (24 requests a point, one repetition):
 
 # %%
-workload = bench_serve.workload("mixed", 24, seed=0, hi=120)
+workload = bench_serve.workload("mixed-long", 24, seed=0)
 modes = {m: Engine(model, EngineConfig(max_batch=8, page_size=16, prefill_chunk=32, static=m == "static"))
          for m in ("continuous", "static")}
 for e in modes.values():  # compile both programs first
@@ -121,14 +122,15 @@ ax2.legend(fontsize=8)
 plt.tight_layout()
 
 # %% [markdown]
-# The recorded benchmark (`bench/serve.py`: 64 requests a point, 3 interleaved repetitions) — below saturation both
-# modes keep up with the arrivals and continuous batching's gain is latency; at saturation it is throughput.
+# The recorded benchmark (`bench/serve.py`: 16 rows; 256 requests a saturation point, 64 a Poisson point; 3 interleaved
+# repetitions) — below saturation both modes keep up with the arrivals and continuous batching's gain is latency; at
+# saturation it is throughput (about 2× on the chat-like mixed workload, `bench/RESULTS.md`).
 
 # %%
 recorded = json.loads(pathlib.Path("bench/results/serve.json").read_text())
 for run in recorded["runs"]:
     c, s = run["continuous"], run["static"]
-    print(f"{run['workload']:8} {str(run['rate']):>11}: continuous {c['output_tokens_per_s']:7.1f} tok/s, TTFT p99 "
+    print(f"{run['workload']:10} {str(run['rate']):>11}: continuous {c['output_tokens_per_s']:7.1f} tok/s, TTFT p99 "
           f"{c['ttft_s']['p99']:.2f} s | static {s['output_tokens_per_s']:7.1f} tok/s, TTFT p99 "
           f"{s['ttft_s']['p99']:.2f} s | ratio {run['throughput_ratio']:.2f}x")
 
