@@ -100,15 +100,15 @@ def run(engine: Engine, requests, rate: float, seed: int) -> dict:
             "tokens": [h.tokens for h in handles]}
 
 
-def versus_hf(python: str, model, cfg, saturated: dict, rows: int) -> dict:
+def versus_hf(python: str, model, cfg, saturated: dict, requests: list, rows: int) -> dict:
     """transformers' generate on `model` exported, over the saturation run's requests (`saturated`, the mixed
-    workload's row of `main`), in a subprocess of `python` → its figures beside the engine's; printed as a table."""
+    workload's row of `main`, with the engine's tokens; `requests` its requests), in a subprocess of `python` → its figures beside the
+    engine's, printed."""
     import subprocess
     import tempfile
 
     from jaxpar.interop.hf import save_params
 
-    requests = workload("mixed", saturated["requests"], seed=0)
     with tempfile.TemporaryDirectory() as tmp:
         save_params(nnx.state(model), cfg, f"{tmp}/hf")
         pathlib.Path(f"{tmp}/requests.json").write_text(json.dumps(requests))
@@ -116,11 +116,7 @@ def versus_hf(python: str, model, cfg, saturated: dict, rows: int) -> dict:
                         "--requests", f"{tmp}/requests.json", "--batch", str(rows), "--out", f"{tmp}/out.json"],
                        check=True)
         hf = json.loads(pathlib.Path(f"{tmp}/out.json").read_text())
-    # the engine's tokens for these requests (identical in both modes), from a fresh greedy run
-    engine = Engine(model, EngineConfig(max_batch=rows, page_size=16, prefill_chunk=32, prefill_rows=2))
-    ours = engine.generate([p for p, _ in requests], [SamplingParams(max_tokens=o, ignore_eos=True)
-                                                      for _, o in requests])
-    same = sum(a == b for a, b in zip(ours, hf.pop("tokens")))
+    same = sum(a == b for a, b in zip(saturated["tokens"], hf.pop("tokens")))  # the engine's (equal in both modes)
     out = {"hf": hf, "same_tokens": same, "requests": len(requests),
            "continuous_vs_hf": saturated["continuous"]["output_tokens_per_s"] / hf["output_tokens_per_s"],
            "static_vs_hf": saturated["static"]["output_tokens_per_s"] / hf["output_tokens_per_s"]}
@@ -177,6 +173,7 @@ def main(argv=None) -> int:
         for mode, runs in reps.items():  # the run of median throughput stands for the mode
             row[mode] = sorted(runs, key=lambda r: r["output_tokens_per_s"])[len(runs) // 2]
         row["tokens_identical"] = True
+        row["tokens"] = tokens["continuous"][0]  # for --versus-hf; not written to --out
         row["throughput_ratio"] = float(np.median(ratios))
         row["throughput_ratio_range"] = [float(min(ratios)), float(max(ratios))]
         results.append(row)
@@ -199,8 +196,12 @@ def main(argv=None) -> int:
                      f"{row['throughput_ratio_range'][1]:.2f})" if mode == "static" else ""))
     versus = None
     if args.versus_hf:
-        versus = versus_hf(args.versus_hf, model, config.model, results[0], args.rows)
+        versus = versus_hf(args.versus_hf, model, config.model, results[0],
+                           workload("mixed", results[0]["requests"], seed=0, scale=0.2 if args.quick else 1.0),
+                           engine_config.max_batch)
     if args.out:
+        for row in results:
+            row.pop("tokens")
         pathlib.Path(args.out).write_text(json.dumps({"engine": engine_config.__dict__, "workloads": WORKLOADS,
                                                       "versus_hf": versus,
                                                       "contiguous_pages": contiguous, "runs": results}, indent=1))

@@ -257,22 +257,20 @@ class ModelConfig:
             check_positive(f"model.{name}", getattr(self, name))
         self._check_mla_and_yarn()
         check_positive("model.mtp_depth", self.mtp_depth, allow_zero="off")
-        if self.attention_sinks and (FAMILIES[self.family].attention != "gqa" or FAMILIES[self.family].norm != "rms"):
-            raise ConfigError("model.attention_sinks", True, f"adds a logit per query head to the llama family's GQA "
-                              f"softmax, and the {self.family} family's attention is "
-                              f"{FAMILIES[self.family].attention} with {FAMILIES[self.family].norm} norms",
-                              "use model.family=llama, or model.attention_sinks=false")
-        if self.attention_sinks and self.attention == "cudnn":
-            raise ConfigError("model.attention", "cudnn", "cuDNN's flash attention has no sink term",
-                              "set model.attention=xla (or auto, which picks xla with sinks)")
-        if self.qk_norm and (FAMILIES[self.family].attention != "gqa" or FAMILIES[self.family].norm != "rms"):
-            raise ConfigError("model.qk_norm", True, f"normalises GQA's query and key heads with RMSNorm, and the "
-                              f"{self.family} family's attention is {FAMILIES[self.family].attention} with "
-                              f"{FAMILIES[self.family].norm} norms", "use model.family=llama, or model.qk_norm=false")
+        fam = FAMILIES[self.family]
+        for name, what in (("qk_norm", "normalises GQA's query and key heads with RMSNorm"),
+                           ("attention_sinks", "adds a logit per query head to GQA's softmax")):
+            if getattr(self, name) and (fam.attention != "gqa" or fam.norm != "rms"):  # the llama family's layer
+                raise ConfigError(f"model.{name}", True, f"{what}, and the {self.family} family's attention is "
+                                  f"{fam.attention} with {fam.norm} norms",
+                                  f"use model.family=llama, or model.{name}=false")
         if self.mtp_depth and FAMILIES[self.family].norm != "rms":
             raise ConfigError("model.mtp_depth", self.mtp_depth, f"multi-token prediction's modules normalise with "
                               f"RMSNorm (enorm, hnorm), and family {self.family!r} uses LayerNorm",
                               "set model.mtp_depth=0, or use a llama-like family (llama, deepseek)")
+        if self.attention_sinks and self.attention == "cudnn":
+            raise ConfigError("model.attention", "cudnn", "cuDNN's flash attention has no sink term",
+                              "set model.attention=xla (or auto, which picks xla with sinks)")
         # Resolve the derived sizes so the frozen config (and config.json) holds concrete numbers.
         if self.n_kv_heads == 0:
             object.__setattr__(self, "n_kv_heads", self.n_heads)

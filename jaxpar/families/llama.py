@@ -72,9 +72,9 @@ def read(keys, model_type: str) -> tuple[dict, dict]:
         if keys.flag(key, False):
             raise keys.error(f"{key} = true is not supported for LlamaForCausalLM (only Qwen2's q/k/v biases are)")
     if model_type == "phi3":  # partial RoPE (Phi-4-mini's 0.75) rotates only part of each head
-        rope_section = keys.raw("rope_parameters", None) or {}
-        partial = rope_section.get("partial_rotary_factor", keys.raw("partial_rotary_factor", 1.0)) if isinstance(
-            rope_section, dict) else keys.raw("partial_rotary_factor", 1.0)
+        rope = keys.raw("rope_parameters", None)  # transformers >= 5 keeps it there, older files at the top
+        partial = (rope if isinstance(rope, dict) and "partial_rotary_factor" in rope else keys.d).get(
+            "partial_rotary_factor", 1.0)
         if partial != 1.0:
             raise keys.bad("partial_rotary_factor", partial, "rotates only part of each head, and jaxpar's RoPE "
                            "rotates the whole head; import a Phi-3 checkpoint with partial_rotary_factor 1.0")
@@ -258,13 +258,12 @@ def tensors(cfg, names: set[str] | None = None) -> list[Rule]:
     # Phi-3 fuses q, k, v into qkv_proj [(H + 2K)·E, D] (rows: the queries, then the keys, then the values) and the
     # MLP's gate and up into gate_up_proj [2F, D] (gate first): one rule per part, sliced along the rows
     fused = names is not None and any(n.endswith(FUSED_QKV) for n in names)
-    qkv = [dict(name="self_attn.qkv_proj.weight", part=i, parts=3, sizes=(H * E, K * E, K * E), axis=0)
-           for i in range(3)] if fused else [dict(name=f"self_attn.{p}_proj.weight") for p in "qkv"]
+    qkv = [dict(part=i, parts=3, sizes=(H * E, K * E, K * E), axis=0) if fused else {} for i in range(3)]
     for stack, ls in layers.items():
         rules += [Rule(f"{stack}.attn_norm", lay + "input_layernorm.weight", same, same, layers=ls),
                   Rule(f"{stack}.mlp_norm", lay + "post_attention_layernorm.weight", same, same, layers=ls)]
-        rules += [Rule(f"{stack}.w{p}", lay + spec.pop("name"), *linear_in(n), layers=ls, **spec)
-                  for p, n, spec in zip("qkv", (H, K, K), [dict(q) for q in qkv])]
+        rules += [Rule(f"{stack}.w{p}", lay + f"self_attn.{'qkv' if fused else p}_proj.weight", *linear_in(n),
+                       layers=ls, **split) for p, n, split in zip("qkv", (H, K, K), qkv)]
         rules.append(Rule(f"{stack}.wo", lay + "self_attn.o_proj.weight", lambda x: x.T.reshape(H, E, D),
                           lambda x: x.reshape(-1, D).T, layers=ls))
     if cfg.moe.enabled:
