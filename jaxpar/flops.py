@@ -157,9 +157,11 @@ def layer_forward_flops(cfg: ModelConfig, keys: float, tensor: int = 1, moe: boo
 
 def forward_flops_per_token(cfg: ModelConfig, seq_len: int, *, keys: float | None = None) -> ForwardFlops:
     """Forward matmul FLOPs per token of a sequence of `seq_len`; `keys` (default: the causal count of
-    `attended_keys`, honouring `cfg.sliding_window`) is how many keys each query's attention costs."""
+    `attended_keys`, honouring each layer's sliding window — `cfg.layer_windows` — averaged over the layers, as the
+    attention term is linear in it) is how many keys each query's attention costs."""
     if keys is None:
-        keys = attended_keys(seq_len, window=cfg.sliding_window)
+        windows = cfg.layer_windows
+        keys = sum(attended_keys(seq_len, window=w) for w in windows) / len(windows)
     layer, L = layer_forward_flops(cfg, keys), cfg.n_layers
     return ForwardFlops(layers_dense=L * layer.dense, attention=L * layer.attention,
                         head=2 * cfg.d_model * cfg.vocab_size, down_projection=L * layer.down_projection)
@@ -190,9 +192,10 @@ def prefill_flops_per_token(cfg: ModelConfig, prompt_len: int) -> float:
 
 def decode_flops_per_token(cfg: ModelConfig, context_len: int) -> float:
     """Inference: FLOPs of generating one token with `context_len` positions in the KV cache (its own included):
-    the projections, MLP and head for one token, and attention over min(context_len, window) cached keys."""
-    window = cfg.sliding_window
-    keys = min(context_len, window) if window else context_len
+    the projections, MLP and head for one token, and attention over min(context_len, window) cached keys (each
+    layer's window, averaged over the layers)."""
+    windows = cfg.layer_windows
+    keys = sum(min(context_len, w) if w else context_len for w in windows) / len(windows)
     return forward_flops_per_token(cfg, 1, keys=float(keys)).total
 
 

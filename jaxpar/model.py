@@ -388,12 +388,16 @@ def stats_total(stats: dict[str, Array]) -> dict[str, Array]:
     return jax.tree.map(lambda a: a.sum(0), stats)
 
 
-def run_layers(stacks: Stacks, x: Array, positions: Array, mask: Array | None, cfg: ModelConfig, *,
+def run_layers(stacks: Stacks, x: Array, positions: Array, mask: Array | None | dict[int, Array | None],
+               cfg: ModelConfig, *,
                remat: str = "none", par: Parallel = SINGLE_DEVICE, stats: bool = False,
                cache: dict[str, Array] | None = None, first_layer: int = 0, pages: Array | None = None):
     """Apply the layers of `stacks` in model order; `remat` checkpoints each layer. → x, or (x, the MoE layers'
     statistics, one row per MoE layer in model order: each leaf [L_moe, …]) with `stats` (an empty dict when no
     layer is an MoE layer; see `moe`; `stats_total` sums them).
+
+    mask: every layer's, or per window {window: mask} where the layers' windows differ (`layer_masks`); each layer
+    runs under `cfg.layer_config(its window)` (its RoPE too), None meaning the kernels' causal mask within it.
 
     cache (decoding: every layer of the model): `KVCache.arrays`, {name: [L, B, S, *slot]}. Model layer l's attention
     writes what row b's T new tokens leave in its cache (GQA: their keys and values) into slots positions[b, 0] …
@@ -423,19 +427,25 @@ def run_layers(stacks: Stacks, x: Array, positions: Array, mask: Array | None, c
     `scan_unroll` copies of the layer, whatever the depth. (Under sequence parallelism the plan sets it to 1:
     see `jaxpar.plan.make_plan`.)"""
     sizes = {name: jax.tree.leaves(params)[0].shape[0] for name, params in stacks.items()}
-    pattern = cfg.layer_pattern[first_layer:first_layer + sum(sizes.values())]
+    run = slice(first_layer, first_layer + sum(sizes.values()))
+    pattern = cfg.layer_pattern[run]
     if {name: pattern.count(name) for name in sizes} != sizes:
         raise ValueError(f"stacks of {sizes} layers are not the model's {len(pattern)} layers from layer "
                          f"{first_layer} on ({dict(zip(*np.unique(pattern, return_counts=True)))} of each kind)")
     if cache is not None and par.tape is not None:
         raise ValueError("a KV cache is for decoding, which runs no pipeline tape")
-    groups = layer_groups(pattern, single=par.one_group)
+    # A layer's kind is its stack and its window (full layers among windowed ones: `cfg.layer_windows`); the periods
+    # are cut from both, so each layer of a period runs its own window and RoPE, both static.
+    kinds = tuple(zip(pattern, cfg.layer_windows[run]))
+    groups = layer_groups(kinds, single=par.one_group)
 
-    def layer_step(layer, carry, at, par):
-        """One layer on the carry under `par` (the period's, see `body`): x, or (x, the cache's arrays) with the
-        cache, of which it reads and writes model layer `at`."""
+    def layer_step(layer, carry, at, par, window):
+        """One layer with `window` on the carry under `par` (the period's, see `body`): x, or (x, the cache's
+        arrays) with the cache, of which it reads and writes model layer `at`."""
+        lcfg = cfg.layer_config(window)
+        lmask = mask[window] if isinstance(mask, dict) else mask
         if cache is None:
-            x, _, layer_stats = block(layer, carry, positions, mask, cfg, par)
+            x, _, layer_stats = block(layer, carry, positions, lmask, lcfg, par)
             return x, layer_stats
         x, arrays = carry
         start = positions[:, 0]  # [B]: each row's first new slot (positions hold every new token: [B, T])
@@ -452,34 +462,37 @@ def run_layers(stacks: Stacks, x: Array, positions: Array, mask: Array | None, c
             written = {name: write_pages(arrays[name], a, start, at, pages) for name, a in new.items()}
             return written, {name: read_pages(a, at, pages) for name, a in written.items()}
 
-        x, written, layer_stats = block(layer, x, positions, mask, cfg, par, kv_cache=store)
+        x, written, layer_stats = block(layer, x, positions, lmask, lcfg, par, kv_cache=store)
         return (x, written), layer_stats
 
-    def run_period(period, layers, carry, par, layer_remat=None, first=None):
+    def run_period(period, windows, layers, carry, par, layer_remat=None, first=None):
         """The period's layers in order → (carry, their MoE layers' statistics stacked [m, …]). layers: {stack:
-        {param: [per, …]}}, its slice of `_group_inputs`; `first`: the period's first model layer (traced; with the
-        cache). layer_remat: the checkpoint `par.scan_layers` puts on each layer, or None."""
-        one_layer = functools.partial(layer_step, par=par)
-        if layer_remat is not None:
-            one_layer = layer_remat(one_layer)
+        {param: [per, …]}}, its slice of `_group_inputs`; windows: each layer's; `first`: the period's first model
+        layer (traced; with the cache). layer_remat: the checkpoint `par.scan_layers` puts on each layer, or None."""
+        steps = {}
+        for w in set(windows):
+            steps[w] = functools.partial(layer_step, par=par, window=w)
+            if layer_remat is not None:
+                steps[w] = layer_remat(steps[w])
         per_layer = []
         for j, layer in enumerate(_period_layers(period, layers, _whole_layers(period, par.derive))):
-            carry, layer_stats = one_layer(layer, carry, None if first is None else first + j)
+            carry, layer_stats = steps[windows[j]](layer, carry, None if first is None else first + j)
             per_layer.append(layer_stats)
         return carry, _stack_stats(per_layer)
 
     checkpoint = None if remat == "none" else functools.partial(jax.checkpoint, policy=REMAT_POLICIES[remat])
     groups_stats = []
     carry = x if cache is None else (x, cache)
-    for period, count, first, xs in _group_inputs(stacks, groups, par.derive):
+    stack_groups = [(tuple(name for name, _ in period), count) for period, count in groups]
+    for (period, count, first, xs), (kind, _) in zip(_group_inputs(stacks, stack_groups, par.derive), groups):
         unroll = max(1, min(cfg.scan_unroll // len(period), count))
 
-        def body(carry, xs, par, layer_remat, period=period, first=first):
+        def body(carry, xs, par, layer_remat, period=period, windows=tuple(w for _, w in kind), first=first):
             """One period (`par.scan_layers`): `par` is the period's context (the pipeline tape's, under a schedule
             table), not run_layers' own."""
             layers, i = xs if cache is not None else (xs, None)  # the cache's layers: the group's period i's
             at = None if i is None else first_layer + first + i * len(period)
-            carry, period_stats = run_period(period, layers, carry, par, layer_remat, at)
+            carry, period_stats = run_period(period, windows, layers, carry, par, layer_remat, at)
             return carry, period_stats if stats else None
 
         if cache is not None:
@@ -622,7 +635,7 @@ class Transformer(nnx.Module):
         if "dense_blocks" in stacks:  # a mixed dense / MoE model: its dense layers
             self.dense_blocks = Blocks(cfg, rngs=rngs, moe=False, layers=len(stacks["dense_blocks"]),
                                        axis="prefix_layers" if cfg.prefix_layers else "layers")
-        self.final_norm = _param(rngs, Param((D,), ("norm",), "ones", decay=False), cfg)
+        self.final_norm = _param(rngs, Param((D,), ("norm",), fam.norm_init, decay=False), cfg)
         if fam.norm == "layer":
             self.final_norm_b = _param(rngs, Param((D,), ("norm",), "zeros", decay=False), cfg)
         if not cfg.tie_embeddings:
@@ -649,7 +662,7 @@ class Transformer(nnx.Module):
         if positions is None:
             positions = default_positions(B, T)
         x = self.embed_tokens(tokens, positions, par)
-        mask = attention_mask(T, segment_ids, self.cfg.sliding_window)
+        mask = layer_masks(self.cfg, functools.partial(attention_mask, T, segment_ids))
         x, layer_stats = run_layers(self.stacks(), x, positions, mask, self.cfg, remat=remat, par=par, stats=True)
         out = (self.logits(x, par), layer_stats) if stats else (self.logits(x, par),)
         if mtp_tokens is not None:
@@ -696,11 +709,14 @@ class Transformer(nnx.Module):
         start = cache.lengths if positions is None else jnp.asarray(positions, jnp.int32)  # [B]
         pos = start[:, None] + jnp.arange(T, dtype=jnp.int32)  # [B, T]: the new tokens' positions, and slots
         q, k = pos[:, :, None], jnp.arange(S, dtype=jnp.int32)[None, None, :]  # query / key positions
-        mask = k <= q  # [B, T, S]: earlier tokens of the row and itself; later slots are stale or padding
-        if self.cfg.sliding_window:
-            mask &= q - k < self.cfg.sliding_window
+
+        def decode_mask(window):  # [B, 1, T, S]: earlier tokens of the row and itself (within the window); later
+            keep = k <= q  # slots are stale or padding
+            return (keep & (q - k < window) if window else keep)[:, None]
+
         x = self.embed_tokens(tokens, pos, par)
-        x, arrays = run_layers(self.stacks(), x, pos, mask[:, None], self.cfg, par=par, cache=cache.arrays,
+        x, arrays = run_layers(self.stacks(), x, pos, layer_masks(self.cfg, decode_mask), self.cfg, par=par,
+                               cache=cache.arrays,
                                pages=getattr(cache, "pages", None))
         lengths = start + (T if counts is None else jnp.asarray(counts, jnp.int32))
         cache = dataclasses.replace(cache, arrays=arrays, lengths=lengths)
@@ -716,6 +732,8 @@ class Transformer(nnx.Module):
         """tokens [B, T] → residual stream [B, T, D] float32 ([B, T/t, D] under sequence parallelism)."""
         cfg = self.cfg
         x = par.embed(self.embed[...], tokens, cfg.dtype)
+        if family(cfg).embed_scale:  # Gemma: the embedding times √d_model (in float32; HF rounds it to the dtype)
+            x = x * np.float32(math.sqrt(cfg.d_model))
         if hasattr(self, "pos_embed"):  # learned positions (gpt2)
             pos = jnp.take(par.replicated(self.pos_embed[...]), par.seq_shard(positions), axis=0)
             x = x + pos.astype(jnp.float32)
@@ -753,20 +771,26 @@ def block(p: dict[str, Array], x: Array, positions: Array, mask: Array | None, c
     h = checkpoint_name(norm(x, par.replicated(p["attn_norm"]), _maybe(par.replicated, p.get("attn_norm_b")), cfg),
                         "attn_in")
     a, kv = ATTENTION[family(cfg).attention](p, h, positions, mask, cfg, par, kv_cache)
+    if "post_attn_norm" in p:  # Gemma: the attention's output normalised before the residual add (per token: any
+        a = norm(a, par.replicated(p["post_attn_norm"]), None, cfg).astype(jnp.float32)  # sequence split)
     x = constrain(x + checkpoint_name(a, "attn_out"), ("batch", "seq", "embed"))
     h = checkpoint_name(norm(x, par.replicated(p["mlp_norm"]), _maybe(par.replicated, p.get("mlp_norm_b")), cfg),
                         "mlp_in")
     out, stats = moe(p, h, cfg, par) if "router" in p else (mlp(p, h, cfg, par), {})
+    if "post_mlp_norm" in p:
+        out = norm(out, par.replicated(p["post_mlp_norm"]), None, cfg).astype(jnp.float32)
     return constrain(x + checkpoint_name(out, "mlp_out"), ("batch", "seq", "embed")), kv, stats
 
 
 def norm(x: Array, scale: Array, bias: Array | None, cfg: ModelConfig) -> Array:
-    """The family's norm in float32 → compute dtype: RMSNorm ('rms'), or LayerNorm ('layer': centred first, and a
-    bias), over x's last dim: x [B, T, D] (or [B, T, H, E] per head: the q/k norm)."""
-    x = x.astype(jnp.float32)
-    if family(cfg).norm == "layer":
+    """The family's norm in float32 → compute dtype: RMSNorm ('rms'; 'rms_offset' multiplies by 1 + scale, Gemma's),
+    or LayerNorm ('layer': centred first, and a bias), over x's last dim: x [B, T, D] (or [B, T, H, E] per head: the
+    q/k norm)."""
+    kind, x, scale = family(cfg).norm, x.astype(jnp.float32), scale.astype(jnp.float32)
+    if kind == "layer":
         x = x - x.mean(-1, keepdims=True)
-    y = x * jax.lax.rsqrt((x * x).mean(-1, keepdims=True) + cfg.norm_eps) * scale.astype(jnp.float32)
+    y = x * jax.lax.rsqrt((x * x).mean(-1, keepdims=True) + cfg.norm_eps) * (1.0 + scale if kind == "rms_offset"
+                                                                             else scale)
     if bias is not None:
         y = y + bias.astype(jnp.float32)
     return y.astype(cfg.dtype)
@@ -794,9 +818,9 @@ def gqa_attention(p: dict[str, Array], h: Array, positions: Array, mask: Array |
         q, k, v = q + p["bq"].astype(dt), k + bk.astype(dt), v + bv.astype(dt)
     if "q_norm" in p:  # Qwen3: RMSNorm over each head's E dims, before RoPE (head_dim is never split: any layout)
         q, k = norm(q, par.replicated(p["q_norm"]), None, cfg), norm(k, par.replicated(p["k_norm"]), None, cfg)
-    if family(cfg).positions == "rope":
-        inv_freq = rope_frequencies(q.shape[-1], cfg)
-        q, k = rope(q, positions, inv_freq), rope(k, positions, inv_freq)
+    if family(cfg).positions == "rope":  # (YaRN's attention factor scales cos and sin: gpt-oss)
+        inv_freq, factor = rope_frequencies(q.shape[-1], cfg), rope_attention_factor(cfg)
+        q, k = rope(q, positions, inv_freq, scale=factor), rope(k, positions, inv_freq, scale=factor)
     q = checkpoint_name(constrain(q, ("batch", "seq", "heads", "head_dim")), "q")
     k = checkpoint_name(constrain(k, ("batch", "seq", "kv_heads", "head_dim")), "k")
     v = checkpoint_name(v, "v")
@@ -805,8 +829,10 @@ def gqa_attention(p: dict[str, Array], h: Array, positions: Array, mask: Array |
         new_cache, layer = kv_cache({"k": k, "v": v})
         k, v = layer["k"], layer["v"]  # [B, S, K, E]: the layer's cache, the new slots written
     # sinks [H] (the local heads; gpt-oss): the kernel's, or ring attention's, extra softmax logit per head
-    o = checkpoint_name(par.attention(functools.partial(attend, cfg=cfg), q, k, v, mask, sinks=p.get("sinks")),
-                        "context")  # [B, T, H, E]
+    if cfg.query_pre_attn_scalar:  # Gemma: scores scaled by 1/√s, not the kernels' 1/√E — q·√(E/s) before them
+        q = q * np.float32(math.sqrt(q.shape[-1] / cfg.query_pre_attn_scalar)).astype(q.dtype)
+    o = checkpoint_name(par.attention(functools.partial(attend, cfg=cfg), q, k, v, mask, sinks=p.get("sinks"),
+                                      window=cfg.sliding_window), "context")  # [B, T, H, E]
     out = par.row(o, p["wo"], "bthe,hed->btd", "attention")  # [B, T, D] float32 ([B, T/t, D] under SP)
     if "bo" in p:
         out = out + par.replicated(p["bo"]).astype(jnp.float32)
@@ -1004,12 +1030,24 @@ def moe(p: dict[str, Array], h: Array, cfg: ModelConfig, par: Parallel = SINGLE_
     `dropped`."""
     m = cfg.moe
     logits = par.dot("btd,dx->btx", h, p["router"], "router")  # [B, T, X] float32 (T/t under SP)
+    if "router_b" in p:  # gpt-oss
+        logits = logits + par.replicated(p["router_b"]).astype(jnp.float32)
     bias = p.get("e_score_correction_bias")  # [X] float32 model state (moe.correction_bias): a constant here
     routing = par.route(logits, m.top_k, m.norm_topk_prob, m.capacity_factor, scoring=m.scoring, n_group=m.n_group,
                         topk_group=m.topk_group, routed_scale=m.routed_scale,
                         bias=None if bias is None else jax.lax.stop_gradient(bias))
-    ffn = functools.partial(grouped_swiglu, dot=par.policy("experts"), dtype=cfg.dtype)
-    out = par.experts(h, routing, (p["we_gate"], p["we_up"], p["we_down"]), ffn, m.capacity_factor)
+    ffn = functools.partial(grouped_swiglu, dot=par.policy("experts"), dtype=cfg.dtype, limit=m.swiglu_limit,
+                            alpha=m.swiglu_alpha)
+    weights = (p["we_gate"], p["we_up"], p["we_down"])
+    if "we_gate_b" in p:  # the gate and up biases ride with their matrices into the experts' region (split alike)
+        weights += (p["we_gate_b"], p["we_up_b"])
+    out = par.experts(h, routing, weights, ffn, m.capacity_factor)
+    if "we_down_b" in p:
+        # Σ_j g_j·(FFN_j(h) + b_j) = Σ_j g_j·FFN_j(h) + Σ_j g_j·b_j: the down bias is added here, from the routing,
+        # once — inside the region every tensor rank's partial sum would carry it, and the expert ranks hold others'
+        gates = jnp.where(routing.keep, routing.gates, 0.0)  # [B, T, k] (T/t under SP: this rank's tokens)
+        b = par.replicated(p["we_down_b"]).astype(jnp.float32)  # [X, D]
+        out = out + jnp.einsum("btk,btkd->btd", gates, b[routing.experts])
     if "ws_gate" in p:  # the shared expert: a dense SwiGLU every token passes
         gate, up = par.column(h, (p["ws_gate"], p["ws_up"]), ("btd,df->btf", "btd,df->btf"), "mlp")
         shared = par.row((jax.nn.silu(gate) * up).astype(cfg.dtype), p["ws_down"], "btf,fd->btd", "mlp")
@@ -1030,15 +1068,28 @@ def moe_objective(stats: dict[str, Array], cfg: ModelConfig, rows: int) -> Array
     return (m.aux_loss_coef * stats["aux"].sum() + m.z_loss_coef * stats["z"].sum()) / (rows * cfg.moe_layer_count)
 
 
-def grouped_swiglu(rows: Array, group_sizes: Array, weights, *, dot, dtype) -> Array:
+def grouped_swiglu(rows: Array, group_sizes: Array, weights, *, dot, dtype, limit: float = 0.0,
+                   alpha: float = 1.702) -> Array:
     """The experts' SwiGLU on rows sorted by expert: rows [M, D] (compute dtype), group_sizes [X] (rows of each
-    expert, in order; the rest are padding), weights (we_gate, we_up [X, D, F], we_down [X, F, D]) → [M, D] float32."""
-    w_gate, w_up, w_down = weights
+    expert, in order; the rest are padding), weights (we_gate, we_up [X, D, F], we_down [X, F, D][, we_gate_b,
+    we_up_b [X, F]: each row's expert's bias added to its gate and up]) → [M, D] float32.
+
+    limit > 0: gpt-oss's clamped SwiGLU, (clip(up, −limit, limit) + 1) · g · σ(alpha · g) with g = min(gate, limit)
+    (transformers' GptOssExperts), in float32."""
+    w_gate, w_up, w_down, *biases = weights
     rows = checkpoint_name(rows, "expert_in")  # (named for the memory planner; no policy saves it)
     gate, up = dot.ragged(rows, w_gate, group_sizes), dot.ragged(rows, w_up, group_sizes)  # [M, F] float32
+    if biases:  # row r belongs to expert ids[r] (the padding after Σ group_sizes to the last: its output is unused)
+        ids = jnp.repeat(jnp.arange(group_sizes.shape[0]), group_sizes, total_repeat_length=rows.shape[0])
+        gate, up = gate + biases[0].astype(jnp.float32)[ids], up + biases[1].astype(jnp.float32)[ids]
     gate, up = checkpoint_name(gate, "mlp_gate"), checkpoint_name(up, "mlp_up")
-    return checkpoint_name(dot.ragged(checkpoint_name((jax.nn.silu(gate) * up).astype(dtype), "mlp_hidden"), w_down,
-                                      group_sizes), "expert_out")
+    if limit:
+        g = jnp.minimum(gate, limit)
+        hidden = (jnp.clip(up, -limit, limit) + 1.0) * g * jax.nn.sigmoid(alpha * g)
+    else:
+        hidden = jax.nn.silu(gate) * up
+    return checkpoint_name(dot.ragged(checkpoint_name(hidden.astype(dtype), "mlp_hidden"), w_down, group_sizes),
+                           "expert_out")
 
 
 def swiglu(p: dict[str, Array], h: Array, cfg: ModelConfig, par: Parallel) -> Array:
@@ -1048,6 +1099,13 @@ def swiglu(p: dict[str, Array], h: Array, cfg: ModelConfig, par: Parallel) -> Ar
     return checkpoint_name((jax.nn.silu(gate) * up).astype(cfg.dtype), "mlp_hidden")
 
 
+def geglu(p: dict[str, Array], h: Array, cfg: ModelConfig, par: Parallel) -> Array:
+    """gelu(h·W_gate) ⊙ (h·W_up) with the tanh GELU (Gemma's gelu_pytorch_tanh): SwiGLU's matrices and groups."""
+    gate, up = par.column(h, (p["w_gate"], p["w_up"]), ("btd,df->btf", "btd,df->btf"), "mlp")
+    gate, up = checkpoint_name(gate, "mlp_gate"), checkpoint_name(up, "mlp_up")
+    return checkpoint_name((jax.nn.gelu(gate, approximate=True) * up).astype(cfg.dtype), "mlp_hidden")
+
+
 def gelu(p: dict[str, Array], h: Array, cfg: ModelConfig, par: Parallel) -> Array:
     """gelu(h·W_up + b_up) with GPT-2's tanh GELU ("gelu_new")."""
     (up,) = par.column(h, (p["w_up"],), ("btd,df->btf",), "mlp")  # [B, T, F]
@@ -1055,7 +1113,7 @@ def gelu(p: dict[str, Array], h: Array, cfg: ModelConfig, par: Parallel) -> Arra
     return checkpoint_name(jax.nn.gelu((up + p["b_up"]).astype(cfg.dtype), approximate=True), "mlp_hidden")
 
 
-ACTIVATIONS = {"swiglu": swiglu, "gelu": gelu}  # Family.mlp → the layer function
+ACTIVATIONS = {"swiglu": swiglu, "geglu": geglu, "gelu": gelu}  # Family.mlp → the layer function
 
 
 def rope_frequencies(E: int, cfg: ModelConfig) -> np.ndarray:
@@ -1087,8 +1145,8 @@ def rope_frequencies(E: int, cfg: ModelConfig) -> np.ndarray:
 def _yarn_frequencies(E: int, cfg: ModelConfig) -> np.ndarray:
     """YaRN (Peng et al. 2023) as transformers' `_compute_yarn_parameters` computes it: with C =
     rope_original_max_len, the dim d where a frequency makes b rotations over C is d(b) = E·ln(C / (2πb)) / (2·ln θ);
-    low = ⌊d(beta_fast)⌋ ≥ 0, high = ⌈d(beta_slow)⌉ ≤ E − 1; pair i's ramp a_i = clip((i − low) / (high − low), 0, 1)
-    and ω_i = ω/factor · a_i + ω · (1 − a_i) — fast pairs kept, slow pairs interpolated, a blend between."""
+    low = ⌊d(beta_fast)⌋ ≥ 0, high = ⌈d(beta_slow)⌉ ≤ E − 1 (unrounded without `rope_truncate`); pair i's ramp
+    a_i = clip((i − low) / (high − low), 0, 1) and ω_i = ω/factor · a_i + ω · (1 − a_i) — fast pairs kept, slow pairs interpolated, a blend between."""
     theta, factor, context = cfg.rope_theta, cfg.rope_factor, cfg.rope_original_max_len
     pos = theta ** (np.arange(0, E, 2, dtype=np.float32) / np.float32(E))
     extrapolated, interpolated = (1.0 / pos).astype(np.float32), (1.0 / (np.float32(factor) * pos)).astype(np.float32)
@@ -1096,7 +1154,10 @@ def _yarn_frequencies(E: int, cfg: ModelConfig) -> np.ndarray:
     def dim(rotations):
         return E * math.log(context / (rotations * 2 * math.pi)) / (2 * math.log(theta))
 
-    low, high = max(math.floor(dim(cfg.rope_beta_fast)), 0), min(math.ceil(dim(cfg.rope_beta_slow)), E - 1)
+    low, high = dim(cfg.rope_beta_fast), dim(cfg.rope_beta_slow)
+    if cfg.rope_truncate:  # whole dims (transformers' default; gpt-oss keeps the fractional ends)
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, E - 1)
     if low == high:
         high += 0.001  # transformers' guard against a zero-width ramp
     ramp = np.clip((np.arange(E // 2, dtype=np.float32) - low) / (high - low), 0, 1).astype(np.float32)
@@ -1126,6 +1187,14 @@ def rope(x: Array, positions: Array, inv_freq: np.ndarray | Array, interleave: b
 def default_positions(B: int, T: int) -> Array:
     """Positions 0..T-1 for every row: int32 [B, T]."""
     return jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
+
+
+def layer_masks(cfg: ModelConfig, make: Callable[[int], Array | None]) -> Array | None | dict[int, Array | None]:
+    """The attention mask(s) of cfg's layers from make(window) → mask: the one mask where every layer has the same
+    window, else {window: its mask} for the windows the layers have (full and windowed: `cfg.layer_windows`),
+    from which `run_layers` hands each layer its own."""
+    windows = sorted(set(cfg.layer_windows))
+    return make(windows[0]) if len(windows) == 1 else {w: make(w) for w in windows}
 
 
 def attention_mask(T: int, segment_ids: Array | None, window: int = 0) -> Array | None:

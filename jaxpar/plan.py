@@ -210,7 +210,7 @@ def make_plan(model: ModelConfig, parallel: ParallelConfig | None = None, device
         runs = dataclasses.replace(runs, scan_unroll=1)
     context = None
     if degrees[CONTEXT] > 1:
-        context = ContextParallel(CONTEXT, degrees[CONTEXT], parallel.context_impl, model.sliding_window)
+        context = ContextParallel(CONTEXT, degrees[CONTEXT], parallel.context_impl)
     expert = ExpertParallel(EXPERT if degrees[EXPERT] > 1 else None, degrees[EXPERT])
     return Plan(mesh, degrees, rules, padded_vocab(model, t), tensor, pipeline, parallel.zero, explicit,
                 runs, context, expert, matmul)

@@ -39,9 +39,10 @@ def test_zigzag_balances_the_causal_pairs():
 
 @pytest.fixture(scope="module", params=["llama", "gpt2", "llama_window"])
 def reference(request):
-    # llama_window: Qwen3-like (a window and the q/k norm)
-    fields = GPT2 if request.param == "gpt2" else dict(LLAMA, sliding_window=7 if "window" in request.param else 0,
-                                                       qk_norm="window" in request.param)
+    # llama_window: Qwen3-like (a window and the q/k norm), with full layers among the windowed ones (each other
+    # layer: the ring's and the all-gather's masks are written per layer) and the windowed layers' own RoPE base
+    window = dict(sliding_window=7, full_attention_every=2, local_rope_theta=500.0, qk_norm=True)
+    fields = GPT2 if request.param == "gpt2" else dict(LLAMA, **(window if "window" in request.param else {}))
     cfg = ModelConfig(**fields)
     batch = jnp.asarray(np.random.default_rng(2).integers(0, cfg.vocab_size, (B, T + 1)), jnp.int32)
     return (request.param, cfg, batch, *single_device(cfg, batch))

@@ -68,7 +68,8 @@ def test_every_key_of_both_fixtures_maps_to_its_field():
     v2, v3 = read(config_json("deepseek_v2")), read(config_json("deepseek_v3"))
     common = dict(family="deepseek", n_layers=3, n_heads=4, n_kv_heads=4, head_dim=16, max_seq_len=128, norm_eps=1e-6,
                   tie_embeddings=False, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=12,
-                  rope_interleave=True, rope_scaling="yarn", rope_factor=4.0, rope_original_max_len=32)
+                  rope_interleave=True, rope_scaling="yarn", rope_factor=4.0, rope_original_max_len=32,
+                  rope_truncate=True)
     assert v2 == dict(common, vocab_size=515, d_model=48, d_ff=80, q_lora_rank=0, rope_theta=5e4, rope_beta_fast=32.0,
                       rope_beta_slow=1.0, rope_mscale=1.0, rope_mscale_all_dim=0.8, moe=dict(
                           n_experts=8, top_k=2, d_ff=24, shared_d_ff=24, shared_gate=False, dense_layers=(0,),
@@ -175,7 +176,7 @@ BAD_CONFIGS = [  # (fixture, edit of config.json's dict, the message)
     ("deepseek_v3", _set(routed_scaling_factor=float("nan")), r"routed_scaling_factor = nan: must be a finite"),
     ("deepseek_v2", _rope(attention_factor=1.2), r"rope_parameters\.attention_factor \(an explicit cos/sin factor\)"),
     ("deepseek_v2", _rope(partial_rotary_factor=0.5), r"rope_parameters\.partial_rotary_factor"),
-    ("deepseek_v2", _rope(truncate=False), r"rope_parameters\.truncate = false is not supported"),
+    ("deepseek_v2", _rope(truncate="no"), r"rope_parameters\.truncate = 'no': must be true or false"),
     ("deepseek_v2", _rope(mscale=0), r"rope_parameters\.mscale_all_dim = 0\.8 without mscale"),
     ("deepseek_v2", _rope(rope_type="dynamic"), r"rope_parameters\.rope_type = 'dynamic' is not supported; jaxpar's "
                                                 r"deepseek family implements 'yarn'"),

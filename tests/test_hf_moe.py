@@ -280,7 +280,7 @@ def cross_entropy(logits: np.ndarray, ids: np.ndarray) -> float:
 @pytest.mark.parametrize("name,expert,tensor,pipe", [("mixtral", 4, 2, 1), ("qwen2_moe", 2, 2, 1),
                                                    ("qwen2_moe_mixed", 2, 2, 2), ("qwen3_moe", 2, 2, 2),
                                                    ("deepseek_v2", 2, 2, 1),
-                                                   ("deepseek_v3", 4, 2, 1)])
+                                                   ("deepseek_v3", 4, 2, 1), ("gpt_oss", 2, 2, 1)])
 def test_loss_on_an_expert_layout_matches_transformers(name, expert, tensor, pipe):
     """Imported straight onto (data, pipe, expert, tensor) of the 8 devices and run through the training step's
     shard_map (tokens reach their experts by all-to-all; the mixed model's dense and MoE stacks over 2 pipeline

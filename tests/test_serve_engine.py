@@ -178,10 +178,12 @@ def test_explicit_tensor_parallel_gives_the_same_tokens(tensor, alone):
         assert run_workload(Engine(placed, SMALL, plan=plan), WORKLOAD) == alone
 
 
-@pytest.mark.parametrize("name,tensor", [("qwen3", 2), ("qwen3_moe", 1)])
+@pytest.mark.parametrize("name,tensor", [("qwen3", 2), ("qwen3_moe", 1), ("gemma3", 2), ("gpt_oss", 2)])
 def test_served_hf_models_give_transformers_greedy_tokens(name, tensor):
-    """Transformers-written Qwen3 (the q/k norm, a window of 8 shorter than the texts) and Qwen3-MoE fixtures served
-    by the engine — Qwen3 explicitly over tensor 2 — give transformers' 32 greedy tokens for both prompts."""
+    """Transformers-written Qwen3 (the q/k norm, a window of 8 shorter than the texts), Qwen3-MoE, Gemma 3 (full
+    layers among windowed ones, each kind its RoPE: the paged cache's masks per layer) and gpt-oss (sinks, biases,
+    the clamped experts) fixtures served by the engine — all but Qwen3-MoE explicitly over tensor 2 — give
+    transformers' 32 greedy tokens for both prompts."""
     import json
     import pathlib
 

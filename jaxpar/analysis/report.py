@@ -149,12 +149,14 @@ def _pipeline_section(config: Config, cols, measured_flops: float, want_flops: d
 
 def context_section(config: Config, cols) -> dict:
     """Context parallelism: the collectives on `context` (sent bytes against `expected.context_bytes`) and the
-    causal work per rank — unmasked (query, key) pairs, zigzag against contiguous chunks (max/min over ranks)."""
+    causal work per rank — unmasked (query, key) pairs over the layers (full and windowed layers differ), zigzag
+    against contiguous chunks (max/min over ranks)."""
     p, S = config.parallel, config.train.seq_len
     on_context = [c for c in cols if c.axes == (CONTEXT,)]
     kv = [c for c in on_context if c.kind in ("all-gather", "reduce-scatter", "collective-permute")]  # K/V, dK/dV
-    window = config.model.sliding_window
-    zig, flat = (cp.unmasked_pairs(layout(S, p.context), window) for layout in (cp.zigzag, cp.contiguous))
+    windows = config.model.layer_windows
+    zig, flat = (sum(cp.unmasked_pairs(layout(S, p.context), w) for w in windows)
+                 for layout in (cp.zigzag, cp.contiguous))
     return {"impl": p.context_impl, "degree": p.context,
             "sent_bytes": sum(c.sent_bytes * c.count for c in kv),
             "expected_sent_bytes": expected.context_bytes(config),

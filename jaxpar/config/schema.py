@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
 import json
 import math
 from typing import Any
@@ -78,6 +79,11 @@ class MoEConfig:
     bias_update_rate: float = _f(0.0, "auxiliary-loss-free balancing (DeepSeek-V3): after each step bias += rate * "
                                  "sign(mean load - load) per MoE layer, from the step's global loads; 0: frozen")
     bias_recenter: bool = _f(False, "re-centre each layer's correction bias to mean 0 after every update")
+    router_bias: bool = _f(False, "a bias [n_experts] on the router logits (gpt-oss)")
+    expert_bias: bool = _f(False, "biases on every expert's gate, up and down projections (gpt-oss)")
+    swiglu_limit: float = _f(0.0, "> 0: the experts' activation is gpt-oss's clamped SwiGLU, (min(max(up, -limit), "
+                             "limit) + 1) * g * sigmoid(swiglu_alpha * g) with g = min(gate, limit); 0: SwiGLU")
+    swiglu_alpha: float = _f(1.702, "the clamped SwiGLU's sigmoid slope (moe.swiglu_limit > 0; gpt-oss's 1.702)")
 
     def __post_init__(self):
         check_fields(self, "moe")
@@ -93,6 +99,12 @@ class MoEConfig:
                               "(a dense model)", "set moe.n_experts > 0, or drop moe.load_ema")
         check_positive("moe.top_k", self.top_k)
         check_positive("moe.sparse_step", self.sparse_step)
+        check_positive("moe.swiglu_limit", self.swiglu_limit, allow_zero="plain SwiGLU")
+        check_positive("moe.swiglu_alpha", self.swiglu_alpha)
+        for name in ("router_bias", "expert_bias", "swiglu_limit"):
+            if getattr(self, name) and not self.enabled:
+                raise ConfigError(f"moe.{name}", getattr(self, name), "shapes the experts, and moe.n_experts = 0 "
+                                  "(a dense model)", f"set moe.n_experts > 0, or drop moe.{name}")
         if len(set(self.dense_layers)) != len(self.dense_layers) or any(i < 0 for i in self.dense_layers):
             raise ConfigError("moe.dense_layers", list(self.dense_layers), "must list distinct layer indices >= 0",
                               "list each dense layer once, counting from 0")
@@ -169,7 +181,7 @@ class ModelConfig:
     rope_scaling: str = _f("none", "RoPE frequency scaling for long context: 'none', 'linear' (positions / "
                            "rope_factor), 'llama3' (Llama 3.1's per-frequency interpolation) or 'yarn' (YaRN: "
                            "per-frequency ramp between beta_fast and beta_slow rotations, and its attention "
-                           "factor; deepseek family)")
+                           "factor: DeepSeek, gpt-oss)")
     rope_factor: float = _f(1.0, "RoPE scaling factor (rope_scaling 'linear', 'llama3' or 'yarn')")
     rope_low_freq_factor: float = _f(1.0, "llama3 scaling: wavelengths above original_max_len/this are scaled fully")
     rope_high_freq_factor: float = _f(4.0, "llama3 scaling: wavelengths below original_max_len/this are kept")
@@ -182,6 +194,8 @@ class ModelConfig:
     rope_mscale_all_dim: float = _f(0.0, "yarn scaling: the factor's denominator coefficient; when non-zero the "
                                     "softmax scale is also multiplied by (0.1*mscale_all_dim*ln(factor) + 1)^2 "
                                     "(DeepSeek)")
+    rope_truncate: bool = _f(True, "yarn scaling: round the ramp's ends to whole dims (transformers' truncate; "
+                             "gpt-oss sets false)")
     rope_interleave: bool = _f(False, "RoPE rotates dim pairs (2i, 2i+1) (Hugging Face DeepSeek's complex-pair "
                                "order) instead of (i, i+E/2); deepseek family")
     q_lora_rank: int = _f(0, "MLA (deepseek family): rank of the low-rank query projection; 0: queries projected "
@@ -198,12 +212,22 @@ class ModelConfig:
                         "LM head shared); trained with train.mtp_loss_weight, a draft for self-speculative "
                         "decoding; RMSNorm families; 0: off")
     qkv_bias: bool = _f(False, "biases on the q, k, v projections in the llama family (Qwen2); gpt2 always has them")
+    o_bias: bool = _f(False, "a bias on the attention output projection (gpt-oss's attention_bias, with "
+                      "qkv_bias); llama family")
     qk_norm: bool = _f(False, "RMSNorm over head_dim on every query and key head, each with its own scale "
                        "[head_dim], after the projection and before RoPE (Qwen3); llama family")
     attention_sinks: bool = _f(False, "a learned logit per query head in each layer's softmax denominator "
                                "(gpt-oss's sinks: attention may put weight on no key); llama family, XLA attention")
     sliding_window: int = _f(0, "attend only to the last this-many positions, the query's own included (Mistral); "
                              "0: full causal attention")
+    full_attention_every: int = _f(0, "with model.sliding_window: layer i (from 0) attends over the whole causal "
+                                   "past when (i + 1) % full_attention_every == 0 and within the window otherwise "
+                                   "(Gemma 3: 6, gpt-oss: 2; Hugging Face's layer_types); 0: every layer windowed")
+    local_rope_theta: float = _f(0.0, "the RoPE base of the windowed layers, which then take no RoPE scaling "
+                                 "(Gemma 3's local base 10000; the full layers keep rope_theta and rope_scaling); "
+                                 "0: every layer the same RoPE")
+    query_pre_attn_scalar: float = _f(0.0, "scale the attention scores by 1/sqrt(this) instead of 1/sqrt(head_dim) "
+                                      "(Gemma's query_pre_attn_scalar); 0: head_dim")
     attention: str = _f("auto", "attention kernel via jax.nn.dot_product_attention: 'xla', 'cudnn' (flash attention "
                         "on NVIDIA GPUs, bf16/fp16; untested until a GPU run shows it), or 'auto' (cudnn where it "
                         "applies, else xla)")
@@ -242,6 +266,7 @@ class ModelConfig:
         check_positive("model.rope_factor", self.rope_factor)
         check_positive("model.rope_original_max_len", self.rope_original_max_len)
         check_positive("model.sliding_window", self.sliding_window, allow_zero="full causal attention")
+        self._check_attention_pattern()
         if self.rope_scaling == "llama3" and not self.rope_high_freq_factor > self.rope_low_freq_factor > 0:
             raise ConfigError("model.rope_high_freq_factor", self.rope_high_freq_factor,
                               f"must exceed model.rope_low_freq_factor = {self.rope_low_freq_factor} > 0 "
@@ -260,7 +285,7 @@ class ModelConfig:
         fam = FAMILIES[self.family]
         for name, what in (("qk_norm", "normalises GQA's query and key heads with RMSNorm"),
                            ("attention_sinks", "adds a logit per query head to GQA's softmax")):
-            if getattr(self, name) and (fam.attention != "gqa" or fam.norm != "rms"):  # the llama family's layer
+            if getattr(self, name) and (fam.attention != "gqa" or fam.norm not in ("rms", "rms_offset")):
                 raise ConfigError(f"model.{name}", True, f"{what}, and the {self.family} family's attention is "
                                   f"{fam.attention} with {fam.norm} norms",
                                   f"use model.family=llama, or model.{name}=false")
@@ -311,6 +336,40 @@ class ModelConfig:
         if self.weights == "int4":
             self._check_groups()
 
+    def _check_attention_pattern(self):
+        """The per-layer attention pattern (full layers among windowed ones, a local RoPE) needs a window and RoPE;
+        MTP's module runs one layer of no stated kind, so it is refused with a pattern."""
+        check_positive("model.full_attention_every", self.full_attention_every, allow_zero="every layer windowed")
+        check_positive("model.local_rope_theta", self.local_rope_theta, allow_zero="one RoPE for every layer")
+        check_positive("model.query_pre_attn_scalar", self.query_pre_attn_scalar, allow_zero="head_dim")
+        for name in ("full_attention_every", "local_rope_theta"):
+            if getattr(self, name) and not self.sliding_window:
+                raise ConfigError(f"model.{name}", getattr(self, name), "describes the windowed layers, and "
+                                  "model.sliding_window is 0 (no layer is windowed)",
+                                  f"set model.sliding_window > 0, or model.{name}=0")
+        if self.local_rope_theta and FAMILIES[self.family].positions != "rope":
+            raise ConfigError("model.local_rope_theta", self.local_rope_theta, f"is a RoPE base, and the "
+                              f"{self.family} family's positions are {FAMILIES[self.family].positions}",
+                              "set model.local_rope_theta=0")
+        if self.mtp_depth and (self.full_attention_every or self.local_rope_theta):
+            raise ConfigError("model.mtp_depth", self.mtp_depth, "an MTP module runs one layer, and a model with "
+                              "full and windowed layers (full_attention_every) or a local RoPE does not say which "
+                              "kind it is", "set model.mtp_depth=0")
+
+    @property
+    def layer_windows(self) -> tuple[int, ...]:
+        """Per model layer, its sliding window (0: the whole causal past): `sliding_window` on every layer but the
+        full ones `full_attention_every` marks."""
+        every, W = self.full_attention_every, self.sliding_window
+        return tuple(0 if not W or (every and (i + 1) % every == 0) else W for i in range(self.n_layers))
+
+    def layer_config(self, window: int) -> "ModelConfig":
+        """The config a layer with `window` (an entry of `layer_windows`) runs under: the model's, with that
+        window, and for a windowed layer the local RoPE (`local_rope_theta`, unscaled) — so the layer functions,
+        the attention kernels and the masks read one `sliding_window` and one RoPE, as in a uniform model. The
+        model's own config where every layer is alike."""
+        return _layer_config(self, window)
+
     def _check_mla_and_yarn(self):
         """Multi-head latent attention's sizes belong to a family whose attention kind is 'mla' (deepseek), and its
         RoPE part rotates in pairs; YaRN needs a real extension (factor > 1) and ordered ramp bounds, and only the
@@ -336,11 +395,13 @@ class ModelConfig:
                        "correction")
         if self.rope_scaling != "yarn":
             return
-        if not mla:
-            raise ConfigError("model.rope_scaling", self.rope_scaling, f"YaRN's attention factor is applied by the "
-                              f"mla attention kind only; the {self.family} family's is "
-                              f"{FAMILIES[self.family].attention}",
-                              "use model.family=deepseek, or rope_scaling 'linear' / 'llama3'")
+        if FAMILIES[self.family].positions != "rope":
+            raise ConfigError("model.rope_scaling", self.rope_scaling, f"scales RoPE, and the {self.family} family's "
+                              f"positions are {FAMILIES[self.family].positions}", "set model.rope_scaling=none")
+        if not mla and self.rope_mscale_all_dim:
+            raise ConfigError("model.rope_mscale_all_dim", self.rope_mscale_all_dim, "corrects the softmax scale of "
+                              f"multi-head latent attention (DeepSeek), and the {self.family} family's attention is "
+                              f"{FAMILIES[self.family].attention}", "set model.rope_mscale_all_dim=0")
         if not self.rope_factor > 1:
             raise ConfigError("model.rope_factor", self.rope_factor, "must exceed 1 for yarn scaling (the context "
                               "extension factor; 1 or less leaves the frequencies unscaled)",
@@ -645,6 +706,15 @@ class CheckpointConfig:
                               "checkpoint.permanent_every=0")
 
 
+@functools.lru_cache(maxsize=None)
+def _layer_config(m: ModelConfig, window: int) -> ModelConfig:
+    """`ModelConfig.layer_config`, built once per (model, window)."""
+    if not (m.full_attention_every or m.local_rope_theta):
+        return m
+    local = dict(rope_theta=m.local_rope_theta, rope_scaling="none") if window and m.local_rope_theta else {}
+    return dataclasses.replace(m, sliding_window=window, full_attention_every=0, local_rope_theta=0.0, **local)
+
+
 def check_layout(m: ModelConfig, p: ParallelConfig) -> None:
     """The rules between a model and its layout, for training and inference alike (`Config` checks them with the
     rest; `jaxpar.infer.text.load` for an inference layout): the attention kind's heads (its `check`) and the MLP
@@ -664,6 +734,14 @@ def check_layout(m: ModelConfig, p: ParallelConfig) -> None:
         raise ConfigError("model.n_layers", m.n_layers,
                           f"must be divisible by parallel.pipe * parallel.repeats = {p.pipe}*{p.repeats} = {stages}",
                           f"use n_layers a multiple of {stages}, or pipe*repeats among {divisors(m.n_layers)}")
+    windows = m.layer_windows[k:]
+    if p.pipe > 1 and not same_chunks(windows, stages):
+        fits = [c for c in divisors(L) if c > 1 and same_chunks(windows, c)]
+        raise ConfigError("model.full_attention_every", m.full_attention_every, f"the pipeline cuts the {L} layers "
+                          f"into pipe*repeats = {stages} chunks, and they do not all hold the same full / windowed "
+                          f"layers (full: {[i for i, w in enumerate(m.layer_windows) if not w]}); every stage runs "
+                          "one program", f"use pipe*repeats among {fits}" if fits else "run this pattern without a "
+                          "pipeline (parallel.pipe=1), or n_layers a multiple of full_attention_every")
     _check_moe(m, p)
 
 

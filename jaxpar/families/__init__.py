@@ -3,11 +3,11 @@ mapping), registered here. The contract is `jaxpar.families.base.Family`."""
 
 from __future__ import annotations
 
-from jaxpar.families import deepseek, gpt2, llama
+from jaxpar.families import deepseek, gemma, gpt2, llama
 from jaxpar.families.attention import ATTENTION_KINDS
 from jaxpar.families.base import AttentionKind, CacheArray, Family, Param, Rule
 
-FAMILIES: dict[str, Family] = {f.name: f for f in (llama.FAMILY, gpt2.FAMILY, deepseek.FAMILY)}
+FAMILIES: dict[str, Family] = {f.name: f for f in (llama.FAMILY, gpt2.FAMILY, deepseek.FAMILY, gemma.FAMILY)}
 
 
 def family(cfg) -> Family:

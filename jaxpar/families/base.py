@@ -137,7 +137,8 @@ class Rule:
     to_jax: the HF tensor → the jaxpar array (one layer's, for stacked params); to_hf: the inverse. Several rules
     may share one HF tensor (GPT-2's fused c_attn, Phi-3's qkv_proj and gate_up_proj): each takes its `part` of
     `parts` slices along `axis` — equal slices, or of `sizes` (each part's extent along `axis`: Phi-3's qkv_proj
-    rows are H·E queries, then K·E keys and K·E values). to_jax / to_hf see the rule's slice only.
+    rows are H·E queries, then K·E keys and K·E values), or with `interleave` every parts-th entry from `part` on
+    (gpt-oss's gate_up_proj: gate, up, gate, up, … along its last axis). to_jax / to_hf see the rule's slice only.
     """
 
     param: str
@@ -149,6 +150,7 @@ class Rule:
     layers: tuple[int, ...] | None = None
     sizes: tuple[int, ...] = ()
     axis: int = -1
+    interleave: bool = False
 
     @property
     def stacked(self) -> bool:
@@ -158,15 +160,30 @@ class Rule:
         """This rule's slice of the (fused) HF tensor x."""
         if self.parts == 1:
             return x
+        index = [slice(None)] * x.ndim
+        if self.interleave:
+            index[self.axis] = slice(self.part, None, self.parts)
+            return x[tuple(index)]
         if not self.sizes:
             n = x.shape[self.axis] // self.parts
             start, stop = self.part * n, (self.part + 1) * n
         else:
             start = sum(self.sizes[:self.part])
             stop = start + self.sizes[self.part]
-        index = [slice(None)] * x.ndim
         index[self.axis] = slice(start, stop)
         return x[tuple(index)]
+
+    def fuse(self, pieces: list) -> Any:
+        """The HF tensor from each part's slice, in part order (NumPy arrays): the inverse of `piece`."""
+        import numpy as np  # (families import no jax, and NumPy only where a tensor is written)
+
+        if len(pieces) == 1:
+            return pieces[0]
+        if not self.interleave:
+            return np.concatenate(pieces, axis=self.axis)
+        axis = self.axis % pieces[0].ndim
+        stacked = np.stack(pieces, axis=axis + 1)  # [..., n, parts, ...] → entry i·parts + part
+        return stacked.reshape(*pieces[0].shape[:axis], -1, *pieces[0].shape[axis + 1:])
 
     def fused_shape(self, piece: tuple[int, ...]) -> tuple[int, ...]:
         """The whole HF tensor's shape, from the shape of this rule's slice of it."""
@@ -211,20 +228,27 @@ class Family:
 
     name: str
     summary: str  # one line, for the config reference
-    norm: str  # 'rms' (RMSNorm: scale) or 'layer' (LayerNorm: scale and bias)
+    norm: str  # 'rms' (RMSNorm: scale), 'rms_offset' (RMSNorm times 1 + scale, the scale born zero: Gemma) or
+    # 'layer' (LayerNorm: scale and bias)
     positions: str  # 'rope' (rotary, in attention) or 'learned' (a position table added to the embedding)
-    mlp: str  # 'swiglu' (gate, up, down) or 'gelu' (up, down, biases)
+    mlp: str  # 'swiglu' (gate, up, down), 'geglu' (the same with the tanh GELU: Gemma) or 'gelu' (up, down, biases)
     layer_params: Callable[[Any, bool], dict[str, Param]]  # (cfg, moe) → one layer's parameters, in initialisation
     # order; moe: the layer holds the mixture of experts (cfg.moe) in place of the dense MLP
     default_d_ff: Callable[[int], int]  # d_model → the MLP width a d_ff of 0 means
     check: Callable[[Any], None]  # cfg → raise ConfigError for what the family cannot run
     hf: HuggingFace
     attention: str = "gqa"  # its attention kind: an entry of jaxpar.families.attention.ATTENTION_KINDS
+    embed_scale: bool = False  # token embeddings multiplied by √d_model (Gemma)
 
     def mlp_matrices(self, cfg) -> int:
-        """How many D×F weight matrices one layer's dense MLP holds (3 for SwiGLU, 2 for a plain MLP): FLOP formulas.
-        (An MoE layer's active matrices: `jaxpar.flops`.)"""
-        return 3 if self.mlp == "swiglu" else 2
+        """How many D×F weight matrices one layer's dense MLP holds (3 for a gated MLP, 2 for a plain one): FLOP
+        formulas. (An MoE layer's active matrices: `jaxpar.flops`.)"""
+        return 3 if self.mlp in ("swiglu", "geglu") else 2
+
+    @property
+    def norm_init(self) -> str:
+        """The initialiser of a norm's scale: 'zeros' where the norm multiplies by 1 + scale, else 'ones'."""
+        return "zeros" if self.norm == "rms_offset" else "ones"
 
 
 def swiglu_d_ff(d_model: int) -> int:
@@ -252,12 +276,23 @@ def moe_params(cfg) -> dict[str, Param]:
         we_gate, we_up [X, D, F_e]; we_down [X, F_e, D] ("experts" split over `expert`, "mlp" over `tensor`)
         ws_gate, ws_up [D, F_s]; ws_down [F_s, D]      shared expert (Qwen2-MoE), when moe.shared_d_ff > 0
         ws_score [D]                                   its sigmoid gate, when moe.shared_gate
+        router_b [X]                                   the router's bias, when moe.router_bias (gpt-oss)
+        we_gate_b, we_up_b [X, F_e]; we_down_b [X, D]  the experts' biases, when moe.expert_bias (gpt-oss): the
+                                                       first two split like their matrices' outputs; the down bias
+                                                       whole on every rank (added from the routing, outside the
+                                                       experts' region: `jaxpar.model.moe`)
     """
     D, X, F = cfg.d_model, cfg.moe.n_experts, cfg.moe.d_ff
     params = {"router": Param((D, X), ("embed", None), "normal", role="router"),
               "we_gate": Param((X, D, F), ("experts", "embed", "mlp"), "normal", contract=(1,), role="experts"),
               "we_up": Param((X, D, F), ("experts", "embed", "mlp"), "normal", contract=(1,), role="experts"),
               "we_down": Param((X, F, D), ("experts", "mlp", "embed"), "out", contract=(1,), role="experts")}
+    if cfg.moe.router_bias:
+        params["router_b"] = Param((X,), (None,), "zeros", decay=False)
+    if cfg.moe.expert_bias:
+        params.update(we_gate_b=Param((X, F), ("experts", "mlp"), "zeros", decay=False),
+                      we_up_b=Param((X, F), ("experts", "mlp"), "zeros", decay=False),
+                      we_down_b=Param((X, D), (None, "embed"), "zeros", decay=False))
     if cfg.moe.shared_d_ff:
         Fs = cfg.moe.shared_d_ff
         params.update(ws_gate=Param((D, Fs), ("embed", "mlp"), "normal", contract=(0,), role="mlp"),

@@ -258,9 +258,7 @@ def _rope_fields(keys, max_positions: int) -> tuple[dict, dict]:
         if section.raw(key, None) is not None:
             raise keys.error(f"{section.prefix}{key} ({unsupported}) is not supported with YaRN; jaxpar derives the "
                              "factor from mscale / mscale_all_dim and rotates every qk_rope_head_dim dim")
-    if not section.flag("truncate", True):
-        raise keys.error(f"{section.prefix}truncate = false is not supported: jaxpar's YaRN rounds the correction "
-                         "range outward (floor / ceil), transformers' default")
+    truncate = section.flag("truncate", True)  # false: the ramp's ends unrounded (gpt-oss)
     original = section.integer("original_max_position_embeddings")
     factor = section.number("factor", max_positions / original)  # transformers' default: the context ratio
     mscale, all_dim = section.number("mscale", 0.0), section.number("mscale_all_dim", 0.0)
@@ -272,12 +270,12 @@ def _rope_fields(keys, max_positions: int) -> tuple[dict, dict]:
     names = {"rope_theta": theta_from.prefix + "rope_theta", **{field: section.prefix + key for field, key in (
         ("rope_factor", "factor"), ("rope_original_max_len", "original_max_position_embeddings"),
         ("rope_beta_fast", "beta_fast"), ("rope_beta_slow", "beta_slow"), ("rope_mscale", "mscale"),
-        ("rope_mscale_all_dim", "mscale_all_dim"))}}
+        ("rope_mscale_all_dim", "mscale_all_dim"), ("rope_truncate", "truncate"))}}
     # transformers: `beta_fast or 32`, `beta_slow or 1` (a 0 is the default); mscale counts only with mscale_all_dim
     return dict(rope_theta=theta_from.number("rope_theta", 10000.0), rope_scaling="yarn", rope_factor=factor,
                 rope_original_max_len=original, rope_beta_fast=section.number("beta_fast", 32.0) or 32.0,
                 rope_beta_slow=section.number("beta_slow", 1.0) or 1.0,
-                rope_mscale=mscale if all_dim else 1.0, rope_mscale_all_dim=all_dim), names
+                rope_mscale=mscale if all_dim else 1.0, rope_mscale_all_dim=all_dim, rope_truncate=truncate), names
 
 
 # -----------------------------------------------------------------------------------------------------------------

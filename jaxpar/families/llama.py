@@ -21,18 +21,20 @@ from __future__ import annotations
 from typing import Any
 
 from jaxpar.errors import ConfigError
-from jaxpar.families import moe_hf
+from jaxpar.families import gpt_oss_hf, moe_hf
 from jaxpar.families.attention import GQA, attention_params, qk_norm_params, qkv_bias_params, sink_params
 from jaxpar.families.base import Family, HuggingFace, Param, Rule, mlp_params, same, swiglu_d_ff
 
 
 def layer_params(cfg, moe: bool) -> dict[str, Param]:
     """The llama layer: the shared attention with RMSNorms, a SwiGLU MLP (or, `moe`, a mixture of SwiGLU experts:
-    Mixtral, Qwen2-MoE, Qwen3-MoE), q/k/v biases only with qkv_bias, the q/k norm's scales only with qk_norm,
-    the sinks [H] only with attention_sinks."""
+    Mixtral, Qwen2-MoE, Qwen3-MoE, gpt-oss), q/k/v biases only with qkv_bias, the output projection's bias bo [D]
+    only with o_bias, the q/k norm's scales only with qk_norm, the sinks [H] only with attention_sinks."""
     params = {**attention_params(cfg, GQA, norm_bias=False), **mlp_params(cfg, moe)}
     if cfg.qkv_bias:
         params.update(qkv_bias_params(cfg))
+    if cfg.o_bias:
+        params["bo"] = Param((cfg.d_model,), ("embed",), "zeros", decay=False)
     if cfg.qk_norm:
         params.update(qk_norm_params(cfg))
     if cfg.attention_sinks:
@@ -54,7 +56,7 @@ DENSE = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2For
          "Qwen3ForCausalLM": "qwen3", "Phi3ForCausalLM": "phi3"}
 FUSED_QKV = ".self_attn.qkv_proj.weight"  # Phi-3's fused layout (a tensor name ending that marks it)
 QWEN3 = ("qwen3", "qwen3_moe")  # the q/k norm (always on), attention_bias (default false)
-ARCHITECTURES = {**DENSE, **moe_hf.ARCHITECTURES}
+ARCHITECTURES = {**DENSE, **moe_hf.ARCHITECTURES, **gpt_oss_hf.ARCHITECTURES}
 
 # jaxpar ModelConfig field → the config.json key it comes from (for ModelConfig's errors)
 KEYS = dict(vocab_size="vocab_size", d_model="hidden_size", n_layers="num_hidden_layers",
@@ -83,7 +85,13 @@ def read(keys, model_type: str) -> tuple[dict, dict]:
                        "o_proj bias; import a checkpoint with attention_bias false (every released Qwen3)")
     n_heads, d_model = keys.integer("num_attention_heads"), keys.integer("hidden_size")
     n_layers = keys.integer("num_hidden_layers")
-    rope, names = _rope_fields(keys)
+    if model_type == "gpt_oss":  # its attention, layer pattern, YaRN and experts: jaxpar/families/gpt_oss_hf.py
+        own, names = gpt_oss_hf.read(keys, n_layers)
+        names = {**KEYS, **names}
+    else:
+        own = dict(sliding_window=_sliding_window(keys, model_type, n_layers))
+        own.update(_rope_fields(keys)[0])
+        names = _rope_fields(keys)[1]
     # Qwen2 always has q/k/v biases; Qwen2-MoE has them unless its qkv_bias key (transformers >= 5) says otherwise.
     qkv_bias = model_type == "qwen2" or (model_type == "qwen2_moe" and keys.flag("qkv_bias", True))
     fields = dict(family="llama", vocab_size=keys.integer("vocab_size"), d_model=d_model, n_layers=n_layers,
@@ -93,8 +101,8 @@ def read(keys, model_type: str) -> tuple[dict, dict]:
                   d_ff=keys.integer("intermediate_size"), max_seq_len=keys.integer("max_position_embeddings"),
                   norm_eps=keys.number("rms_norm_eps", 1e-6),
                   tie_embeddings=keys.flag("tie_word_embeddings", False), qkv_bias=qkv_bias,
-                  qk_norm=model_type in QWEN3,
-                  sliding_window=_sliding_window(keys, model_type, n_layers), **rope)
+                  qk_norm=model_type in QWEN3)
+    fields.update(own)
     if model_type in moe_hf.ARCHITECTURES.values():
         fields["moe"], moe_names = moe_hf.read(keys, model_type)
         names.update(moe_names)
@@ -171,7 +179,9 @@ def write(cfg, out: dict, base: dict | None) -> None:
     """config.json for cfg. Dense: Qwen3 for the q/k norm, Qwen2 for q/k/v biases, Mistral for a sliding window, else
     Llama (or the imported config's own dense architecture). MoE: Qwen3-MoE for the q/k norm, Mixtral where it holds
     the model, else Qwen2-MoE (`moe_hf.architecture`)."""
-    if cfg.moe.enabled:
+    if gpt_oss_hf.holds(cfg):
+        arch, model_type = "GptOssForCausalLM", "gpt_oss"
+    elif cfg.moe.enabled:
         arch, model_type = moe_hf.architecture(cfg, base)
     elif cfg.qk_norm:
         arch, model_type = "Qwen3ForCausalLM", "qwen3"
@@ -198,7 +208,10 @@ def write(cfg, out: dict, base: dict | None) -> None:
             out["attention_bias"] = False
         if "layer_types" in out or model_type in ("qwen2_moe", "qwen3"):  # transformers >= 4.53 reads these first
             out["layer_types"] = [("sliding" if cfg.sliding_window else "full") + "_attention"] * cfg.n_layers
-    if cfg.moe.enabled:
+    if model_type == "gpt_oss":
+        gpt_oss_hf.write(cfg, out)
+        out.setdefault("rope_parameters", {})  # transformers >= 5's spelling, which GptOssConfig reads
+    elif cfg.moe.enabled:
         moe_hf.write(cfg, out, model_type)
     write_rope(cfg, out)
 
@@ -218,7 +231,8 @@ def write_rope(cfg, out: dict, *, legacy_type: bool = False) -> None:
     elif cfg.rope_scaling == "yarn":
         rope = {"rope_type": "yarn", "factor": cfg.rope_factor, "beta_fast": cfg.rope_beta_fast,
                 "beta_slow": cfg.rope_beta_slow, "mscale": cfg.rope_mscale, "mscale_all_dim": cfg.rope_mscale_all_dim,
-                "original_max_position_embeddings": cfg.rope_original_max_len}
+                "original_max_position_embeddings": cfg.rope_original_max_len,
+                **({} if cfg.rope_truncate else {"truncate": False})}
     if "rope_parameters" in out:  # transformers >= 5
         out["rope_parameters"] = {**rope, "rope_theta": cfg.rope_theta}
     else:
@@ -231,9 +245,16 @@ def exportable(cfg) -> None:
     """Llama, Mistral (window), Qwen2 (q/k/v biases, window) and Qwen3 (q/k norm, window) between them hold every
     dense llama option but q/k/v biases beside the q/k norm (Qwen3's attention_bias also biases o_proj); Mixtral,
     Qwen2-MoE and Qwen3-MoE not every MoE one (`moe_hf.exportable`)."""
-    if cfg.attention_sinks:
-        raise ConfigError("model.attention_sinks", True, "no Hugging Face architecture jaxpar exports holds attention "
-                          "sinks yet (gpt-oss's mapping is not written)", "export a model trained without them")
+    if gpt_oss_hf.holds(cfg):
+        return gpt_oss_hf.exportable(cfg)
+    for field, value, why in (("attention_sinks", cfg.attention_sinks, "attention sinks"),
+                              ("o_bias", cfg.o_bias, "an o_proj bias"),
+                              ("full_attention_every", cfg.full_attention_every, "full layers among windowed ones"),
+                              ("local_rope_theta", cfg.local_rope_theta, "a local RoPE base")):
+        if value:
+            raise ConfigError(f"model.{field}", value, f"of the llama family's Hugging Face architectures only "
+                              f"gpt-oss (sinks and experts) holds {why}", f"export a model trained with "
+                              f"model.{field} off, or as gpt-oss (with experts and sinks)")
     if cfg.qk_norm and cfg.qkv_bias:
         raise ConfigError("model.qkv_bias", True, "Qwen3, the Hugging Face architecture with the q/k norm, biases "
                           "q, k, v and o_proj together (attention_bias) and jaxpar has no o_proj bias",
@@ -266,7 +287,9 @@ def tensors(cfg, names: set[str] | None = None) -> list[Rule]:
                        layers=ls, **split) for p, n, split in zip("qkv", (H, K, K), qkv)]
         rules.append(Rule(f"{stack}.wo", lay + "self_attn.o_proj.weight", lambda x: x.T.reshape(H, E, D),
                           lambda x: x.reshape(-1, D).T, layers=ls))
-    if cfg.moe.enabled:
+    if gpt_oss_hf.holds(cfg):
+        rules += gpt_oss_hf.tensors(cfg)
+    elif cfg.moe.enabled:
         rules += moe_hf.tensors(cfg, names)
     dense = "dense_blocks" if cfg.moe.enabled else "blocks"  # the stack of dense layers (none: an all-MoE model)
     if dense in stacks and fused:

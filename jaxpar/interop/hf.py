@@ -597,7 +597,7 @@ def _write_files(params: nnx.State, cfg: ModelConfig, path: pathlib.Path, *, bas
             if rule.param in vocab_axes:  # drop the tensor-parallel vocab padding
                 x = x[(slice(None),) * vocab_axes[rule.param] + (slice(0, cfg.vocab_size),)]
             parts.append(rule.to_hf(x))
-        x = parts[0] if len(parts) == 1 else np.concatenate(parts, axis=by_name[name][0][0].axis)
+        x = by_name[name][0][0].fuse(parts)
         cast = dtype and not any(rule.param in kept for rule, _, _ in by_name[name])
         return np.ascontiguousarray(x.astype(dtype) if cast else x)
 

@@ -174,13 +174,14 @@ class Parallel:
         return vocab_parallel_cross_entropy(logits, targets, None)
 
     def attention(self, kernel: Callable[..., Array], q: Array, k: Array, v: Array, mask: Array | None,
-                  sinks: Array | None = None) -> Array:
+                  sinks: Array | None = None, window: int = 0) -> Array:
         """kernel(q, k, v, mask[, sinks=]) over this rank's queries q [B, T, H, E] and the keys k, v [B, S, K, E]
-        (sinks [H]: attention sinks, one logit per local query head, or None). With heads split by tensor
-        parallelism each rank's heads are self-contained, so this is the kernel itself; with the sequence split
-        over `context`, the keys of the other ranks join (context_parallel.ContextParallel)."""
+        (sinks [H]: attention sinks, one logit per local query head, or None; window: the layer's sliding window,
+        0: none, which the kernel applies itself where mask is None). With heads split by tensor parallelism each
+        rank's heads are self-contained, so this is the kernel itself; with the sequence split over `context`, the
+        keys of the other ranks join under the mask the strategy writes (context_parallel.ContextParallel)."""
         if self.context is not None:
-            return self.context.attention(kernel, q, k, v, mask, sinks)
+            return self.context.attention(kernel, q, k, v, mask, sinks, window)
         return kernel(q, k, v, mask) if sinks is None else kernel(q, k, v, mask, sinks=sinks)
 
     def route(self, logits: Array, top_k: int, norm_topk_prob: bool, capacity_factor: float, **options) -> Routing:

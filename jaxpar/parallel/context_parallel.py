@@ -73,13 +73,12 @@ def unmasked_pairs(layout: np.ndarray, window: int = 0) -> np.ndarray:
 
 @dataclasses.dataclass(frozen=True)
 class ContextParallel:
-    """Context parallelism over one mesh axis (see the module docstring). degree: c; window: the model's sliding
-    window (0: none), applied in the mask this strategy writes."""
+    """Context parallelism over one mesh axis (see the module docstring). degree: c. Each call's layer names its
+    sliding window, applied in the mask this strategy writes (a model's full and windowed layers differ)."""
 
     axis: str = "context"
     degree: int = 2
     impl: str = "all_gather"
-    window: int = 0
 
     def shard(self, x: Array) -> Array:
         """This rank's zigzag part of a full-sequence array: [B, S, …] → [B, S/c, …] (no communication)."""
@@ -87,21 +86,21 @@ class ContextParallel:
         return jnp.take(x, table[jax.lax.axis_index(self.axis)], axis=1)
 
     def attention(self, kernel: Callable[..., Array], q: Array, k: Array, v: Array, mask: Array | None,
-                  sinks: Array | None = None) -> Array:
+                  sinks: Array | None = None, window: int = 0) -> Array:
         """Local queries q [B, S/c, H, E] over the whole sequence's keys: k, v [B, S/c, K, E] are this rank's.
         sinks [H] (attention sinks) or None: the all-gather path hands them to the kernel, the ring adds them to
-        its softmax after the last block."""
+        its softmax after the last block. window: the layer's sliding window (0: none)."""
         if mask is not None:
             raise ValueError("context parallelism writes the causal mask from global positions; a mask of the "
                              "caller's (packed segments, a KV cache) is not supported with parallel.context > 1")
         if self.impl == "ring":
             if sinks is not None:  # typed like the queries: its cotangent is then summed over the ranks' queries
                 sinks = _typed(sinks, q, k, v)
-            return ring_attention(q, k, v, sinks, self.axis, self.degree, self.window)
+            return ring_attention(q, k, v, sinks, self.axis, self.degree, window)
         k_all = jax.lax.all_gather(k, self.axis, axis=1, tiled=True)  # [B, S, K, E], rank r's tokens at r·S/c …
         v_all = jax.lax.all_gather(v, self.axis, axis=1, tiled=True)
         q_pos, table, _ = _positions(q.shape[1], self.axis, self.degree)
-        keep = _keep(q_pos, table.reshape(-1), self.window)  # [S/c, S]: keys in the gathered order
+        keep = _keep(q_pos, table.reshape(-1), window)  # [S/c, S]: keys in the gathered order
         keep = keep[None, None]
         return kernel(q, k_all, v_all, keep) if sinks is None else kernel(q, k_all, v_all, keep, sinks=sinks)
 
