@@ -37,8 +37,8 @@ def get_config() -> ml_collections.ConfigDict:
     config.model.full_attention_every = 2  # layer i is full when (i + 1) % 2 == 0
     config.model.rope_theta = 150000.0  # gpt-oss's base
     config.model.rope_scaling = "yarn"  # YaRN, as gpt-oss (factor 32 over 4,096 there; 4 over 64 here)
-    config.model.rope_factor = 4.0
-    config.model.rope_original_max_len = 64
+    config.model.rope_factor = 4.0  # the context-extension factor
+    config.model.rope_original_max_len = 64  # the pre-extension context
     config.model.rope_truncate = False  # gpt-oss keeps the ramp's ends fractional
     config.model.max_seq_len = 256  # twice train.seq_len, for sampling past it
 
@@ -48,8 +48,8 @@ def get_config() -> ml_collections.ConfigDict:
     config.moe.d_ff = 176  # 2 active experts of 176 = tiny's one MLP of 352
     config.moe.router_bias = True  # gpt-oss's router has a bias
     config.moe.expert_bias = True  # and its experts' gate, up and down projections
-    config.moe.swiglu_limit = 7.0  # the clamped SwiGLU
-    config.moe.swiglu_alpha = 1.702
+    config.moe.swiglu_limit = 7.0  # the clamped SwiGLU: gate <= 7, |up| <= 7
+    config.moe.swiglu_alpha = 1.702  # gate · σ(1.702 · gate), as gpt-oss
     config.moe.aux_loss_coef = 0.01  # load balancing
     config.moe.capacity_factor = 0.0  # dropless
 

@@ -247,11 +247,11 @@ def test_training_starts_from_hf_weights_on_a_pipelined_layout(tmp_path, name, l
     from jaxpar.train import fit
     from jaxpar.plan import make_plan
 
-    base = Config(parallel=ParallelConfig(**layout),
-                  train=TrainConfig(batch_size=4, seq_len=16, steps=1, lr=1e-3, warmup_steps=0, eval_every=0,
+    base = Config(train=TrainConfig(batch_size=4, seq_len=16, steps=1, lr=1e-3, warmup_steps=0, eval_every=0,
                                     eval_batches=1),
                   data=DataConfig(source="synthetic"))
-    config = hf.init_config(base, FIXTURES / name)
+    config = hf.init_config(base, FIXTURES / name)  # (the layout after: `expert` needs the imported experts)
+    config = dataclasses.replace(config, parallel=ParallelConfig(**layout))
     assert config.data.tokenizer.endswith("tokenizer.json") and config.model.vocab_size == 515
     result = fit(config, tmp_path / "run", progress=False)
     plan = make_plan(result.config.model, result.config.parallel, result.mesh)
@@ -479,7 +479,8 @@ BAD_CONFIGS = [  # (fixture, edit of config.json's dict (or its replacement), th
     ("gpt_oss", _set(layer_types=["full_attention", "sliding_attention"]), r"config\.json: layer_types: full "
                                                                             r"attention on layers \[0\] is not every "
                                                                             r"other layer"),
-    ("gpt_oss", _set(hidden_act="gelu"), r"config\.json: hidden_act = 'gelu': gpt-oss's experts use the clamped"),
+    ("gpt_oss", _set(hidden_act="gelu"), r"config\.json: hidden_act = 'gelu' is not supported; jaxpar's llama "
+                                         r"family uses SwiGLU \(silu\)"),
     ("gpt_oss", _set(swiglu_limit=-1.0), r"config\.json: swiglu_limit = -1\.0: must be >= 0"),
     ("gpt_oss", _rope(truncate="no"), r"config\.json: rope_parameters\.truncate = 'no': must be true or false"),
     ("gpt2", _set(n_head=0), r"config\.json: n_head = 0: must be > 0$"),

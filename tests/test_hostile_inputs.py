@@ -333,6 +333,7 @@ CASES = [
         # gpt-oss's mechanisms: the o bias, YaRN's rounding, the router and expert biases, the clamped SwiGLU
         ("o-bias-text", "tiny.py", ["model.o_bias=sometimes"], "model.o_bias"),
         ("rope-truncate-text", "tiny.py", ["model.rope_truncate=maybe"], "model.rope_truncate"),
+        ("yarn-factor-one-llama", "tiny.py", ["model.rope_scaling=yarn"], "model.rope_factor"),
         ("yarn-gpt2", "tiny.py", ["model.family=gpt2", "model.rope_scaling=yarn", "model.rope_factor=4"],
          "model.rope_scaling"),
         ("yarn-mscale-all-dim-gqa", "tiny.py", ["model.rope_scaling=yarn", "model.rope_factor=4",
@@ -389,8 +390,7 @@ CASES = [
                       ("qk-rope-head-dim-llama", "qk_rope_head_dim=4"),
                       ("rope-interleave-llama", "rope_interleave=true"), ("rope-beta-slow-zero", "rope_beta_slow=0"),
                       ("rope-beta-fast-text", "rope_beta_fast=fast"), ("rope-mscale-negative", "rope_mscale=-1"),
-                      ("rope-mscale-all-dim-nan", "rope_mscale_all_dim=nan"),
-                      ("rope-yarn-llama", "rope_scaling=yarn")]],
+                      ("rope-mscale-all-dim-nan", "rope_mscale_all_dim=nan")]],
     *[Case(f"train-deepseek-{name}", TRAIN + " ".join(f"--config.model.{o}" for o in DEEPSEEK + extra), needle,
            lambda c, t, extra=extra: load_config("configs/tiny.py", [f"model.{o}" for o in DEEPSEEK + extra]))
       for name, extra, needle in [

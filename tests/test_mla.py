@@ -310,7 +310,7 @@ def test_planner_flops_and_checks_take_the_kind():
 @pytest.mark.parametrize("fields,needle", [
     (dict(family="llama", kv_lora_rank=8), "model.kv_lora_rank"),
     (dict(family="llama", rope_interleave=True), "model.rope_interleave"),
-    (dict(family="llama", rope_scaling="yarn", rope_factor=4.0), "model.rope_scaling"),
+    (dict(family="gpt2", rope_scaling="yarn", rope_factor=4.0), "model.rope_scaling"),
     (dict(BASE, kv_lora_rank=0), "model.kv_lora_rank"),
     (dict(BASE, qk_rope_head_dim=7), "model.qk_rope_head_dim"),
     (dict(BASE, rope_scaling="yarn"), "model.rope_factor"),

@@ -149,16 +149,17 @@ def test_quantized_checkpoint_restores_onto_another_tensor_degree(tmp_path):
 
 # fixture -> lowest next-token agreement with bf16 asserted for (int8, int4): the measured share of the 512 positions
 # less a margin of 0.05 (int8) and about 0.1 (int4). Measured: llama 0.947, 0.477; qwen2_moe_mixed 0.846, 0.225;
-# qwen3 (the q/k norm's scales stay float) 0.949, 0.613; gemma3 (post-norms, local and global layers) 0.938, 0.525.
+# qwen3 (the q/k norm's scales stay float) 0.949, 0.613; gemma3 (post-norms, local and global layers) 0.938, 0.525;
+# gpt_oss (the experts' biases, the sinks and the router stay float) 0.912, 0.488.
 AGREEMENT = {"llama": (0.9, 0.37), "qwen2_moe_mixed": (0.8, 0.12), "qwen3": (0.9, 0.51),
-             "gemma3": (0.88, 0.42)}
+             "gemma3": (0.88, 0.42), "gpt_oss": (0.86, 0.38)}
 
 
-@pytest.mark.parametrize("fixture", ["llama", "qwen2_moe_mixed", "qwen3", "gemma3"])
+@pytest.mark.parametrize("fixture", ["llama", "qwen2_moe_mixed", "qwen3", "gemma3", "gpt_oss"])
 def test_quantized_fixture_loss_stays_near_bf16(fixture):
     """On the imported HF fixtures (bf16 compute, 8 held-out windows of 64 tokens): loss within 0.2 % of bf16 for
     int8 and 1.5 % for int4 (groups of 8) (measured: llama +0.023 % / +0.18 %, qwen2_moe_mixed +0.099 % / +0.93 %,
-    qwen3 +0.030 % / −0.47 %, gemma3 −0.003 % / −0.003 %),
+    qwen3 +0.030 % / −0.47 %, gemma3 −0.003 % / −0.003 %, gpt_oss +0.11 % / +0.18 %),
     and the next-token argmax equal to bf16's at the share of positions in AGREEMENT. (These fixtures' weights are
     random and 10x HF's init — every position is a near-tie by a trained model's standards, which int4's rounding
     flips at half of them — so the greedy-token bars are checked on the trained model, tests/test_train.py.)"""

@@ -100,7 +100,7 @@ import re
 from typing import Any
 
 from jaxpar.errors import ConfigError
-from jaxpar.families import llama
+from jaxpar.families import rope_hf
 from jaxpar.families.base import HuggingFace, Rule, same
 from jaxpar.families.moe_hf import FUSED, ExpertRule, ZeroRule
 
@@ -150,7 +150,7 @@ def read(keys, model_type: str) -> tuple[dict, dict]:
     nope, rope_dim = keys.integer("qk_nope_head_dim"), keys.integer("qk_rope_head_dim")
     # MTP modules (layers n_layers …): hf.model_config sets 0 when the checkpoint holds no MTP tensors
     mtp_depth = keys.integer("num_nextn_predict_layers", 0, minimum=0)
-    rope, names = _rope_fields(keys, keys.integer("max_position_embeddings"))
+    rope, names = rope_hf.read(keys, "deepseek", yarn=True)
     names.update(KEYS)
     fields = dict(family="deepseek", vocab_size=keys.integer("vocab_size"), d_model=d_model, n_layers=n_layers,
                   n_heads=n_heads, n_kv_heads=n_heads, head_dim=nope + rope_dim,
@@ -238,46 +238,6 @@ def _moe(keys, model_type: str, default: dict, n_layers: int) -> dict:
                 routed_scale=keys.number("routed_scaling_factor", default["routed_scaling_factor"]))
 
 
-def _rope_fields(keys, max_positions: int) -> tuple[dict, dict]:
-    """(ModelConfig RoPE fields, their config.json keys): default, linear, llama3 (as the llama family reads them)
-    and YaRN, in either spelling (transformers 5's `rope_parameters` with rope_theta inside, or top-level
-    `rope_theta` + `rope_scaling` whose kind is `rope_type` or, in DeepSeek's own configs, `type`)."""
-    nested = keys.raw("rope_parameters", None) is not None
-    section = keys.section("rope_parameters" if nested else "rope_scaling")
-    kind = section.text("rope_type", section.text("type", "default"))
-    if kind in ("default", "linear", "llama3"):
-        fields, names = llama._rope_fields(keys)
-        return fields, {k: v for k, v in names.items() if k.startswith("rope_")}
-    if kind != "yarn":
-        raise keys.error(f"{section.prefix}rope_type = {kind!r} is not supported; jaxpar's deepseek family "
-                         "implements 'yarn', 'linear' and 'llama3' (dynamic NTK and LongRoPE are not implemented)")
-    section.needed_by = "yarn RoPE scaling"
-    theta_from = section if nested and section.raw("rope_theta", None) is not None else keys
-    for key, unsupported in (("attention_factor", "an explicit cos/sin factor"),
-                             ("partial_rotary_factor", "rotary on part of the rope dims")):
-        if section.raw(key, None) is not None:
-            raise keys.error(f"{section.prefix}{key} ({unsupported}) is not supported with YaRN; jaxpar derives the "
-                             "factor from mscale / mscale_all_dim and rotates every qk_rope_head_dim dim")
-    truncate = section.flag("truncate", True)  # false: the ramp's ends unrounded (gpt-oss)
-    original = section.integer("original_max_position_embeddings")
-    factor = section.number("factor", max_positions / original)  # transformers' default: the context ratio
-    mscale, all_dim = section.number("mscale", 0.0), section.number("mscale_all_dim", 0.0)
-    if all_dim and not mscale:
-        raise keys.error(f"{section.prefix}mscale_all_dim = {all_dim} without mscale: transformers then scales cos/sin "
-                         "by 0.1·ln(factor) + 1, ignoring mscale_all_dim, which jaxpar's YaRN (get_mscale(factor, "
-                         "mscale) / get_mscale(factor, mscale_all_dim)) cannot express; set mscale (DeepSeek's "
-                         "configs use mscale = mscale_all_dim)")
-    names = {"rope_theta": theta_from.prefix + "rope_theta", **{field: section.prefix + key for field, key in (
-        ("rope_factor", "factor"), ("rope_original_max_len", "original_max_position_embeddings"),
-        ("rope_beta_fast", "beta_fast"), ("rope_beta_slow", "beta_slow"), ("rope_mscale", "mscale"),
-        ("rope_mscale_all_dim", "mscale_all_dim"), ("rope_truncate", "truncate"))}}
-    # transformers: `beta_fast or 32`, `beta_slow or 1` (a 0 is the default); mscale counts only with mscale_all_dim
-    return dict(rope_theta=theta_from.number("rope_theta", 10000.0), rope_scaling="yarn", rope_factor=factor,
-                rope_original_max_len=original, rope_beta_fast=section.number("beta_fast", 32.0) or 32.0,
-                rope_beta_slow=section.number("beta_slow", 1.0) or 1.0,
-                rope_mscale=mscale if all_dim else 1.0, rope_mscale_all_dim=all_dim, rope_truncate=truncate), names
-
-
 # -----------------------------------------------------------------------------------------------------------------
 # Export
 
@@ -356,7 +316,7 @@ def write(cfg, out: dict, base: dict | None) -> None:
         out.update(rope_interleave=cfg.rope_interleave, num_nextn_predict_layers=cfg.mtp_depth)
     else:
         out["mlp_bias"] = False
-    llama.write_rope(cfg, out, legacy_type=True)  # transformers 4 / DeepSeek's own code read rope_scaling["type"]
+    rope_hf.write(cfg, out, legacy_type=True)  # transformers 4 / DeepSeek's own code read rope_scaling["type"]
 
 
 # -----------------------------------------------------------------------------------------------------------------

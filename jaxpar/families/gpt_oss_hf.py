@@ -40,6 +40,7 @@ with transformers (`Mxfp4Config(dequantize=True)`, then `save_pretrained`) and i
 from __future__ import annotations
 
 from jaxpar.errors import ConfigError
+from jaxpar.families import rope_hf
 from jaxpar.families.base import Rule, same
 
 ARCHITECTURES = {"GptOssForCausalLM": "gpt_oss"}
@@ -51,16 +52,12 @@ KEYS = {"moe.n_experts": "num_local_experts", "moe.top_k": "num_experts_per_tok"
 def read(keys, n_layers: int) -> tuple[dict, dict]:
     """The fields a gpt-oss config.json sets beyond the llama family's common ones (the attention's biases and
     sinks, the layer pattern, YaRN, the experts), and their key names."""
-    from jaxpar.families import deepseek_hf  # (YaRN's reader; imported here: deepseek_hf imports the llama family)
-
     quant = keys.raw("quantization_config", None)
     if quant is not None:
         method = quant.get("quant_method", "?") if isinstance(quant, dict) else quant
         raise keys.bad("quantization_config", {"quant_method": method}, "the experts are stored quantized (MXFP4 "
                        "blocks and scales), which jaxpar does not dequantize; load the model in transformers with "
                        "Mxfp4Config(dequantize=True), save_pretrained it, and import that")
-    if keys.text("hidden_act", "silu") != "silu":
-        raise keys.bad("hidden_act", keys.text("hidden_act"), "gpt-oss's experts use the clamped SwiGLU (silu)")
     bias = keys.flag("attention_bias", True)
     windowed = _windowed(keys, n_layers)
     every = 0 if all(windowed) or not any(windowed) else 2
@@ -68,7 +65,7 @@ def read(keys, n_layers: int) -> tuple[dict, dict]:
         full = [i for i, w in enumerate(windowed) if not w]
         raise keys.error(f"layer_types: full attention on layers {full} is not every other layer (1, 3, 5, …); jaxpar "
                          "runs gpt-oss's alternating pattern (model.full_attention_every 2)")
-    rope, names = deepseek_hf._rope_fields(keys, keys.integer("max_position_embeddings"))
+    rope, names = rope_hf.read(keys, "llama", yarn=True)
     width = keys.integer("intermediate_size")
     moe = dict(n_experts=keys.integer("num_local_experts"), top_k=keys.integer("num_experts_per_tok"), d_ff=width,
                norm_topk_prob=True, router_bias=True, expert_bias=True,

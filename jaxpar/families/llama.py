@@ -21,7 +21,7 @@ from __future__ import annotations
 from typing import Any
 
 from jaxpar.errors import ConfigError
-from jaxpar.families import gpt_oss_hf, moe_hf
+from jaxpar.families import gpt_oss_hf, moe_hf, rope_hf
 from jaxpar.families.attention import GQA, attention_params, qk_norm_params, qkv_bias_params, sink_params
 from jaxpar.families.base import Family, HuggingFace, Param, Rule, mlp_params, same, swiglu_d_ff
 
@@ -90,8 +90,9 @@ def read(keys, model_type: str) -> tuple[dict, dict]:
         names = {**KEYS, **names}
     else:
         own = dict(sliding_window=_sliding_window(keys, model_type, n_layers))
-        own.update(_rope_fields(keys)[0])
-        names = _rope_fields(keys)[1]
+        rope, rope_names = rope_hf.read(keys, "llama")
+        own.update(rope)
+        names = {**KEYS, **rope_names}
     # Qwen2 always has q/k/v biases; Qwen2-MoE has them unless its qkv_bias key (transformers >= 5) says otherwise.
     qkv_bias = model_type == "qwen2" or (model_type == "qwen2_moe" and keys.flag("qkv_bias", True))
     fields = dict(family="llama", vocab_size=keys.integer("vocab_size"), d_model=d_model, n_layers=n_layers,
@@ -147,34 +148,6 @@ def _sliding_window(keys, model_type: str, n_layers: int) -> int:
     return window() if all(windowed) else 0
 
 
-def _rope_fields(keys) -> tuple[dict, dict]:
-    """(ModelConfig RoPE fields, their config.json key names). RoPE settings come in two spellings: transformers
-    ≥ 5 nests them as `rope_parameters` (rope_theta inside); older versions have top-level `rope_theta` and
-    `rope_scaling` (whose kind is `rope_type`, or `type` in the oldest files)."""
-    nested = keys.raw("rope_parameters", None) is not None
-    section = keys.section("rope_parameters" if nested else "rope_scaling")
-    theta_from = section if nested and section.raw("rope_theta", None) is not None else keys
-    names = dict(KEYS, rope_theta=theta_from.prefix + "rope_theta", **{
-        field: section.prefix + key for field, key in (
-            ("rope_factor", "factor"), ("rope_low_freq_factor", "low_freq_factor"),
-            ("rope_high_freq_factor", "high_freq_factor"),
-            ("rope_original_max_len", "original_max_position_embeddings"))})
-    fields: dict[str, Any] = dict(rope_theta=theta_from.number("rope_theta", 10000.0))
-    kind = section.text("rope_type", section.text("type", "default"))
-    section.needed_by = f"{kind} RoPE scaling"
-    if kind == "default":
-        return fields, names
-    if kind == "linear":
-        return dict(fields, rope_scaling="linear", rope_factor=section.number("factor")), names
-    if kind == "llama3":
-        return dict(fields, rope_scaling="llama3", rope_factor=section.number("factor"),
-                    rope_low_freq_factor=section.number("low_freq_factor"),
-                    rope_high_freq_factor=section.number("high_freq_factor"),
-                    rope_original_max_len=section.integer("original_max_position_embeddings")), names
-    raise keys.error(f"{section.prefix}rope_type = {kind!r} is not supported; jaxpar implements 'linear' and 'llama3' "
-                     "(dynamic NTK, YaRN and LongRoPE are not implemented)")
-
-
 def write(cfg, out: dict, base: dict | None) -> None:
     """config.json for cfg. Dense: Qwen3 for the q/k norm, Qwen2 for q/k/v biases, Mistral for a sliding window, else
     Llama (or the imported config's own dense architecture). MoE: Qwen3-MoE for the q/k norm, Mixtral where it holds
@@ -213,32 +186,7 @@ def write(cfg, out: dict, base: dict | None) -> None:
         out.setdefault("rope_parameters", {})  # transformers >= 5's spelling, which GptOssConfig reads
     elif cfg.moe.enabled:
         moe_hf.write(cfg, out, model_type)
-    write_rope(cfg, out)
-
-
-def write_rope(cfg, out: dict, *, legacy_type: bool = False) -> None:
-    """config.json's RoPE keys for cfg in the spelling `out` has: transformers ≥ 5's `rope_parameters` (rope_theta
-    inside) where `out` holds it, else top-level `rope_theta` + `rope_scaling` (null for none; with `legacy_type`
-    the kind also as `type`, which DeepSeek's own code reads). The inverse of `_rope_fields` (and of deepseek_hf's,
-    which adds YaRN)."""
-    rope: dict[str, Any] = {"rope_type": "default"}
-    if cfg.rope_scaling == "linear":
-        rope = {"rope_type": "linear", "factor": cfg.rope_factor}
-    elif cfg.rope_scaling == "llama3":
-        rope = {"rope_type": "llama3", "factor": cfg.rope_factor, "low_freq_factor": cfg.rope_low_freq_factor,
-                "high_freq_factor": cfg.rope_high_freq_factor,
-                "original_max_position_embeddings": cfg.rope_original_max_len}
-    elif cfg.rope_scaling == "yarn":
-        rope = {"rope_type": "yarn", "factor": cfg.rope_factor, "beta_fast": cfg.rope_beta_fast,
-                "beta_slow": cfg.rope_beta_slow, "mscale": cfg.rope_mscale, "mscale_all_dim": cfg.rope_mscale_all_dim,
-                "original_max_position_embeddings": cfg.rope_original_max_len,
-                **({} if cfg.rope_truncate else {"truncate": False})}
-    if "rope_parameters" in out:  # transformers >= 5
-        out["rope_parameters"] = {**rope, "rope_theta": cfg.rope_theta}
-    else:
-        out["rope_theta"] = cfg.rope_theta
-        out["rope_scaling"] = (None if rope["rope_type"] == "default" else
-                               {**rope, "type": rope["rope_type"]} if legacy_type else rope)
+    rope_hf.write(cfg, out)
 
 
 def exportable(cfg) -> None:
