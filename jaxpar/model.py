@@ -43,7 +43,7 @@ from flax import nnx
 from jaxpar.config import ModelConfig
 from jaxpar.families import Param, attention_kind, family
 from jaxpar.matmul import QUANT_DTYPES, Quantized, quantize
-from jaxpar.parallel.context import SINGLE_DEVICE, Parallel
+from jaxpar.parallel.context import SINGLE_DEVICE, Parallel, segment_mask
 from jaxpar.parallel.tensor import NEG_INF
 from jaxpar.sharding import constrain
 
@@ -662,7 +662,7 @@ class Transformer(nnx.Module):
         if positions is None:
             positions = default_positions(B, T)
         x = self.embed_tokens(tokens, positions, par)
-        mask = layer_masks(self.cfg, functools.partial(attention_mask, T, segment_ids))
+        mask = layer_masks(self.cfg, functools.partial(par.attention_mask, T, segment_ids))
         x, layer_stats = run_layers(self.stacks(), x, positions, mask, self.cfg, remat=remat, par=par, stats=True)
         out = (self.logits(x, par), layer_stats) if stats else (self.logits(x, par),)
         if mtp_tokens is not None:
@@ -1199,13 +1199,9 @@ def layer_masks(cfg: ModelConfig, make: Callable[[int], Array | None]) -> Array 
 
 def attention_mask(T: int, segment_ids: Array | None, window: int = 0) -> Array | None:
     """None for plain causal attention (the kernels build it, see `attend`); with segment_ids [B, T] the causal
-    mask (within `window`) intersected with same-segment → bool [B, 1, T, S]."""
-    if segment_ids is None:
-        return None
-    t, s = jnp.arange(T)[:, None], jnp.arange(T)[None, :]
-    causal = (s <= t) & ((t - s < window) if window else True)  # [T, S]
-    same = segment_ids[:, :, None] == segment_ids[:, None, :]  # [B, T, S]
-    return (causal & same)[:, None]
+    mask (within `window`) intersected with same-segment → bool [B, 1, T, S] (`Parallel.attention_mask` gives the
+    form the context's attention takes)."""
+    return segment_mask(T, segment_ids, window)
 
 
 def quantize_state(params: nnx.State, cfg: ModelConfig, shardings: nnx.State | None = None) -> nnx.State:

@@ -92,6 +92,12 @@ class Paths:
                     "nan_cost": {"pipeline_byte": float("nan")}, "negative_memory": {"memory_gb": -3}}.items()},
         }.items():
             (self.configs / name).write_text(body)
+        self.chat = root / "chat"  # chat data for SFT, each file wrong in one way (twice over: a split needs two)
+        self.chat.mkdir()
+        talk = [{"role": "user", "content": "2 + 2?"}, {"role": "assistant", "content": "4."}]
+        for name, row in {"messages": {"messages": talk}, "no_assistant": {"messages": talk[:1]},
+                          "long": {"prompt": "x" * 40, "completion": "y"}, "no_pairs": {"text": "x"}}.items():
+            (self.chat / f"{name}.jsonl").write_text((json.dumps(row) + "\n") * 2)
         self.hf = {kind: self._bad_hf(kind) for kind in HF_DAMAGE}
         from jaxpar.planner import profile as machine  # a probed profile, as another machine would have written it
 
@@ -467,6 +473,23 @@ CASES = [
     Case("train-data-path-missing", TRAIN + "--config.data.source=text --config.data.path={tmp}/nothing",
          "data.path"),
     Case("train-tokenizer-missing", TRAIN + "--config.data.tokenizer={tmp}/tok.json", "data.tokenizer"),
+    # chat data (SFT): no template to render messages with, no assistant turn, a conversation longer than a row,
+    # rows that are not conversations; each with the byte tokenizer, whose rows fit train.seq_len = 24 of ONE
+    *[Case(f"train-chat-{name}", TRAIN + SMALL + f" --config.data.source=chat --config.data.path={{chat}}/{name}.jsonl",
+           needle, lambda c, t, name=name: fit(load_config("configs/tiny.py", ONE + [
+               "data.source=chat", f"data.path={c.chat / name}.jsonl"]), t / "w", devices=jax.devices()[:1],
+               progress=False))
+      for name, needle in [("messages", "has no chat template"), ("no_assistant", "line 1 has no assistant turn"),
+                           ("long", "line 1 of data.path is 41 tokens"), ("no_pairs", "line 1 is neither")]],
+    Case("train-chat-path-missing", TRAIN + "--config.data.source=chat --config.data.path={tmp}/none.jsonl",
+         "data.path"),
+    Case("train-pack-text", TRAIN + "--config.data.pack=true", "data.pack",
+         lambda c, t: load_config("configs/tiny.py", ["data.pack=true"])),
+    Case("train-pack-not-bool", TRAIN + "--config.data.source=chat --config.data.path={chat}/messages.jsonl "
+         "--config.data.pack=often", "data.pack"),
+    Case("train-chat-with-mtp", TRAIN + "--config.data.source=chat --config.data.path={chat}/messages.jsonl "
+         "--config.model.mtp_depth=1", "model.mtp_depth", lambda c, t: load_config("configs/tiny.py", [
+             "data.source=chat", f"data.path={c.chat}/messages.jsonl", "model.mtp_depth=1"])),
     # train: the workdir
     Case("train-workdir-is-file", "train --no-progress --config configs/tiny.py --workdir {file} " + SMALL,
          "not a directory", _train_api(workdir=lambda c: c.file)),
@@ -727,7 +750,7 @@ def _plan(devices: int = 8, hosts: int = 1, memory_gb: float | None = None, fixe
 
 def _argv(case: Case, c: Paths, tmp: pathlib.Path) -> list[str]:
     fill = {"workdir": c.workdir, "export": c.export, "int8": c.int8, "broken": c.broken, "gutted": c.gutted, "fifo": c.fifo, "file": c.file, "empty": c.empty, "full": c.full,
-            "configs": c.configs, "tmp": tmp, **{f"hf_{k}": v for k, v in c.hf.items()}}
+            "configs": c.configs, "chat": c.chat, "tmp": tmp, **{f"hf_{k}": v for k, v in c.hf.items()}}
     return [a.format(**fill) for a in case.argv.split()]
 
 

@@ -77,7 +77,7 @@ def test_completions_chat_and_streaming_with_the_openai_client(server):
     from openai import OpenAI
 
     from jaxpar.infer.text import generate_text, load
-    from jaxpar.infer.chat import render_chat
+    from jaxpar.data.chat import render_chat
 
     url, model_dir = server
     client = OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)

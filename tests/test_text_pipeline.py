@@ -6,7 +6,7 @@ import pytest
 
 import jaxpar.infer
 from jaxpar.errors import GenerateError
-from jaxpar.infer.chat import render_chat
+from jaxpar.data.chat import render_chat
 from jaxpar.infer.text import generate_text
 
 from test_serve_http import CHATML, PROMPT, chatml_copy

@@ -39,7 +39,7 @@ AUTO_KEEPS = PLANNED + ("grad_accum",)
 ATTENTION_IMPLS = ("auto", "xla", "cudnn")
 ROPE_SCALINGS = ("none", "linear", "llama3", "yarn")
 MLA_FIELDS = ("q_lora_rank", "kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim")
-SOURCES = ("default", "synthetic", "text", "tokens")
+SOURCES = ("default", "synthetic", "text", "tokens", "chat")
 SCORINGS = ("softmax", "sigmoid")  # MoEConfig.scoring (jaxpar.parallel.expert.route)
 
 
@@ -672,14 +672,21 @@ class TrainConfig:
 class DataConfig:
     """Where tokens come from."""
 
-    source: str = _f("default", "'default' (this Python's stdlib sources), 'synthetic', 'text' (files/dir/JSONL), 'tokens' (memmap)")
-    path: str = _f("", "file or directory for source 'text' or 'tokens'")
+    source: str = _f("default", "'default' (this Python's stdlib sources), 'synthetic', 'text' (files/dir/JSONL), "
+                     "'tokens' (memmap), 'chat' (JSONL conversations, one per row, the assistant's tokens scored)")
+    path: str = _f("", "file or directory for source 'text' or 'tokens'; the .jsonl file for 'chat'")
     tokenizer: str = _f("bytes", "'bytes' (vocab 256) or a path to a Hugging Face tokenizer.json")
+    pack: bool = _f(False, "with source 'chat': best-fit pack conversations several a row (attention and positions "
+                    "kept inside each, segment ids); false: one conversation a row, padded")
 
     def __post_init__(self):
         check_fields(self, "data")
         check_choice("data.source", self.source, SOURCES)
-        if self.source in ("text", "tokens") and not self.path:
+        if self.pack and self.source != "chat":
+            raise ConfigError("data.pack", self.pack, f"packs whole documents, and data.source = {self.source!r} is "
+                              "a token stream cut into windows (which fill every slot already)",
+                              "set data.source=chat, or data.pack=false")
+        if self.source in ("text", "tokens", "chat") and not self.path:
             raise ConfigError("data.path", self.path, f"data.source = {self.source!r} needs a path",
                               "set data.path to a file or directory")
 
@@ -810,6 +817,10 @@ class Config:
         if self.data.tokenizer == "bytes" and m.vocab_size < 256:
             raise ConfigError("model.vocab_size", m.vocab_size, "the byte tokenizer needs 256 ids",
                               "set model.vocab_size >= 256")
+        if self.data.source == "chat" and m.mtp_depth:
+            raise ConfigError("model.mtp_depth", m.mtp_depth, "chat data scores the assistant's tokens only (a loss "
+                              "mask), and the MTP modules' losses take no mask yet",
+                              "set model.mtp_depth=0 (or import with --drop-mtp)")
 
     def _check_batch(self, data: int):
         p, t = self.parallel, self.train

@@ -10,6 +10,7 @@ tokenizer's eos id, else the bytes "\\n\\n") after every document.
 | "synthetic" | random words from a fixed random lexicon (learnable)     | same lexicon, different draws             |
 | "text"      | data.path: a text/.jsonl file or a directory of them     | by file as above; last 5% if one-sided    |
 | "tokens"    | data.path: a raw uint16 .bin memmap, or a .npy           | last 5% of the ids                        |
+| "chat"      | data.path: JSONL conversations, one per row (data.chat)  | every 20th conversation                   |
 
 Splitting by a hash of the file's relative path (not by position) keeps the split stable when files are added, and
 keeps a whole file on one side, so the held-out loss measures generalisation to unseen files rather than to the
@@ -31,6 +32,7 @@ import zlib
 import numpy as np
 
 from jaxpar.config import ConfigError, DataConfig
+from jaxpar.data.chat import load_chat_rows
 from jaxpar.data.tokenizers import Tokenizer, encode_documents
 
 SPLITS = ("train", "eval")
@@ -44,8 +46,10 @@ SYNTHETIC_TOKENS = {"train": 2**21, "eval": 2**17}
 SKIP_DIRS = {"site-packages", "dist-packages", "__pycache__"}
 
 
-def load_tokens(data: DataConfig, tokenizer: Tokenizer, split: str, *, seq_len: int, seed: int = 0) -> np.ndarray:
-    """The token stream of `split` -> integer [n_tokens], with n_tokens >= seq_len + 1.
+def load_tokens(data: DataConfig, tokenizer: Tokenizer, split: str, *, seq_len: int, seed: int = 0
+                ) -> np.ndarray | dict[str, np.ndarray]:
+    """The token stream of `split` -> integer [n_tokens], with n_tokens >= seq_len + 1 — or for "chat" the rows
+    themselves, {"tokens", "mask"} int32 [N, seq_len + 1] each (jaxpar.data.chat), which the `Loader` batches whole.
 
     int32 for the "default", "synthetic" and "text" sources. For "tokens" it is a read-only memory-mapped view in
     the file's own integer dtype (uint16 for .bin), so a file larger than memory is never copied; the `Loader`
@@ -64,8 +68,10 @@ def load_tokens(data: DataConfig, tokenizer: Tokenizer, split: str, *, seq_len: 
         tokens, field, value = _text_tokens(data.path, tokenizer, split), "data.path", data.path
     elif data.source == "tokens":
         tokens, field, value = _file_tokens(data.path, tokenizer.vocab_size, split), "data.path", data.path
+    elif data.source == "chat":  # whole rows with their loss mask, not a stream
+        return load_chat_rows(data, tokenizer, split, seq_len)
     else:  # unreachable for a DataConfig, which validates `source`; kept so a new source cannot fall through
-        raise ConfigError("data.source", data.source, "unknown source", "use default, synthetic, text or tokens")
+        raise ConfigError("data.source", data.source, "unknown source", "use default, synthetic, text, tokens or chat")
     if len(tokens) < seq_len + 1:
         raise ConfigError(field, value, f"the {split!r} split holds {len(tokens)} tokens, fewer than one sequence "
                           f"needs (train.seq_len + 1 = {seq_len + 1})", "add more data or lower train.seq_len")

@@ -84,6 +84,11 @@ class HFTokenizer:
         """text → ids, without the post-processor's special tokens."""
         return self._tok.encode(text, add_special_tokens=False).ids
 
+    def encode_with_offsets(self, text: str) -> tuple[list[int], list[int]]:
+        """text → (ids, the index in `text` of each token's first character), no special tokens added."""
+        encoding = self._tok.encode(text, add_special_tokens=False)
+        return encoding.ids, [start for start, _ in encoding.offsets]
+
     def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
         """Many documents at once; the Rust side spreads them over threads."""
         return [e.ids for e in self._tok.encode_batch(list(texts), add_special_tokens=False)]

@@ -22,7 +22,7 @@ import pathlib
 from typing import Any, Sequence
 
 from jaxpar.errors import GenerateError
-from jaxpar.infer.chat import chat_template_of, render_chat
+from jaxpar.data.chat import chat_template_of, render_chat
 from jaxpar.infer.text import LoadedModel, generate_text, load
 
 DEFAULT_NEW_TOKENS = 256

@@ -103,13 +103,17 @@ def output_order(stages: int, repeats: int, microbatches: int) -> np.ndarray:
     return final
 
 
-def circular(stage_fn: Callable[[object, Array], Array], stage_params, inputs: Array, *, stages: int, repeats: int,
-             microbatches: int, axis: str = "pipe", stats: bool = False):
+def circular(stage_fn: Callable[..., Array], stage_params, inputs: Array, *, stages: int, repeats: int,
+             microbatches: int, axis: str = "pipe", stats: bool = False, side=None):
     """Run the pipeline on this stage's microbatches. Call inside shard_map with `axis` bound.
 
     stage_fn(params_of_one_pass, x [mb, …]) → [mb, …]: this stage's k layers.
     stage_params: pytree whose leaves lead with [v, …] (this stage's layers, one entry per pass).
     inputs: io [q, mb, …]. Returns io [q, mb, …] holding the finished microbatches `output_order(...)[s]`.
+    side: None, or a pytree of [m, …] in microbatch-label order (label j: the input stage 0 takes at iteration j,
+    which stage −⌊j/q⌋ mod p embedded in its slot j mod q) — what a microbatch's layers read beside their input
+    (packed documents' positions and segment ids); stage_fn is then called as stage_fn(params, x, side[j]) for the
+    microbatch j it works on (any label in the bubble, whose work is discarded).
     stats: stage_fn returns (y, a pytree of sums) — the MoE layers' statistics, per layer — and the pipeline returns
     (io, their totals over this stage's real work per pass, each leaf [v, …]: row r is pass r's layers, the stage's
     chunk r): bubble iterations, which run the layers on placeholder inputs, are left out.
@@ -144,7 +148,11 @@ def circular(stage_fn: Callable[[object, Array], Array], stage_params, inputs: A
         first = jnp.where(t < m, io[c], later_pass)  # stage 0's input
         x = jnp.where(s == 0, first, shift)
         r = jnp.clip(u // m, 0, v - 1)
-        y = stage_fn(jax.tree.map(lambda a: a[r], stage_params), x)
+        params_r = jax.tree.map(lambda a: a[r], stage_params)
+        if side is None:
+            y = stage_fn(params_r, x)
+        else:
+            y = stage_fn(params_r, x, jax.tree.map(lambda a: a[jnp.mod(u, m)], side))
         done = None
         if stats:  # this iteration's sums count only if the stage held a real microbatch (0 ≤ u < v·m), in row r
             y, done = y

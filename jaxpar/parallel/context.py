@@ -13,6 +13,8 @@ The model (jaxpar.model) speaks logical axes and calls these methods where a par
     seq_shard           this rank's part of a full-sequence array (sequence parallelism)
     attention           attention of local queries over keys that may be sharded (context parallelism:
                         all-gather K/V around the same local kernel, jaxpar.parallel.context_parallel)
+    attention_mask      packed documents' mask in the form `attention` takes it (a dense bool mask, or the
+                        segment ids themselves where the keys are sharded)
     context_shard       this rank's part of a full-sequence array (context parallelism's zigzag chunks)
     route               an MoE layer's routing of its tokens (its row statistics summed over sequence shards)
     experts             an MoE layer's experts on its routed tokens: dispatch (an all-to-all over `expert` when
@@ -43,13 +45,24 @@ import jax
 import jax.numpy as jnp
 
 from jaxpar.matmul import Einsum, Policies
-from jaxpar.parallel.context_parallel import ContextParallel
+from jaxpar.parallel.context_parallel import ContextParallel, Segments
 from jaxpar.parallel.expert import ExpertParallel, GroupedFFN, Routing, route
 from jaxpar.parallel.sequence import local_gather
 from jaxpar.parallel.tensor import TensorParallel, vocab_parallel_cross_entropy
 from jaxpar.parallel.weightgrad import Tape
 
 Array = jax.Array
+
+
+def segment_mask(T: int, segment_ids: Array | None, window: int = 0) -> Array | None:
+    """None for plain causal attention (the kernels build it); with segment_ids [B, T] the causal mask (within
+    `window`) intersected with same-segment → bool [B, 1, T, S]."""
+    if segment_ids is None:
+        return None
+    t, s = jnp.arange(T)[:, None], jnp.arange(T)[None, :]
+    causal = (s <= t) & ((t - s < window) if window else True)  # [T, S]
+    same = segment_ids[:, :, None] == segment_ids[:, None, :]  # [B, T, S]
+    return (causal & same)[:, None]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -183,6 +196,17 @@ class Parallel:
         if self.context is not None:
             return self.context.attention(kernel, q, k, v, mask, sinks, window)
         return kernel(q, k, v, mask) if sinks is None else kernel(q, k, v, mask, sinks=sinks)
+
+    def attention_mask(self, T: int, segment_ids: Array | None, window: int = 0) -> Array | Segments | None:
+        """The mask `attention` takes for packed documents: segment_ids [B, T] (this rank's T tokens; None: plain
+        causal → None) as the dense causal-and-same-segment mask (`segment_mask`, within `window`) — or, where the
+        sequence is split over `context`, the ids themselves (`Segments`), from which the strategy writes the mask
+        across ranks (and applies the window)."""
+        if segment_ids is None:
+            return None
+        if self.context is not None:
+            return Segments(segment_ids)
+        return segment_mask(T, segment_ids, window)
 
     def route(self, logits: Array, top_k: int, norm_topk_prob: bool, capacity_factor: float, **options) -> Routing:
         """An MoE layer's routing of its tokens from router logits [B, T, X] (float32; jaxpar.parallel.expert.route,

@@ -71,6 +71,17 @@ def unmasked_pairs(layout: np.ndarray, window: int = 0) -> np.ndarray:
     return seen.sum(axis=1)
 
 
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Segments:
+    """Packed documents as attention's mask under context parallelism: this rank's segment ids [B, S/c] (zigzag
+    order), one id per document. The strategy turns them into the mask itself — query and key in the same segment,
+    the key not after the query by global slot, within the window — because the mask crosses ranks: the ring
+    passes each block's ids with its K/V, the all-gather path gathers them."""
+
+    ids: Array
+
+
 @dataclasses.dataclass(frozen=True)
 class ContextParallel:
     """Context parallelism over one mesh axis (see the module docstring). degree: c. Each call's layer names its
@@ -85,23 +96,28 @@ class ContextParallel:
         table = jnp.asarray(zigzag(x.shape[1], self.degree))
         return jnp.take(x, table[jax.lax.axis_index(self.axis)], axis=1)
 
-    def attention(self, kernel: Callable[..., Array], q: Array, k: Array, v: Array, mask: Array | None,
+    def attention(self, kernel: Callable[..., Array], q: Array, k: Array, v: Array, mask: Segments | None,
                   sinks: Array | None = None, window: int = 0) -> Array:
         """Local queries q [B, S/c, H, E] over the whole sequence's keys: k, v [B, S/c, K, E] are this rank's.
-        sinks [H] (attention sinks) or None: the all-gather path hands them to the kernel, the ring adds them to
-        its softmax after the last block. window: the layer's sliding window (0: none)."""
-        if mask is not None:
-            raise ValueError("context parallelism writes the causal mask from global positions; a mask of the "
-                             "caller's (packed segments, a KV cache) is not supported with parallel.context > 1")
+        mask: None (causal), or packed documents' `Segments` (this rank's ids). sinks [H] (attention sinks) or
+        None: the all-gather path hands them to the kernel, the ring adds them to its softmax after the last block.
+        window: the layer's sliding window (0: none)."""
+        if mask is not None and not isinstance(mask, Segments):
+            raise ValueError("context parallelism writes the causal mask from global positions (and packed "
+                             "documents' Segments); a mask array of the caller's (a KV cache) is not supported with "
+                             "parallel.context > 1")
+        ids = None if mask is None else mask.ids
         if self.impl == "ring":
             if sinks is not None:  # typed like the queries: its cotangent is then summed over the ranks' queries
                 sinks = _typed(sinks, q, k, v)
-            return ring_attention(q, k, v, sinks, self.axis, self.degree, window)
+            return ring_attention(q, k, v, sinks, ids, self.axis, self.degree, window)
         k_all = jax.lax.all_gather(k, self.axis, axis=1, tiled=True)  # [B, S, K, E], rank r's tokens at r·S/c …
         v_all = jax.lax.all_gather(v, self.axis, axis=1, tiled=True)
         q_pos, table, _ = _positions(q.shape[1], self.axis, self.degree)
-        keep = _keep(q_pos, table.reshape(-1), window)  # [S/c, S]: keys in the gathered order
-        keep = keep[None, None]
+        keep = _keep(q_pos, table.reshape(-1), window)[None]  # [1, S/c, S]: keys in the gathered order
+        if ids is not None:  # and in the query's document: [B, S/c, S]
+            keep = keep & _same(ids, jax.lax.all_gather(ids, self.axis, axis=1, tiled=True))
+        keep = keep[:, None]
         return kernel(q, k_all, v_all, keep) if sinks is None else kernel(q, k_all, v_all, keep, sinks=sinks)
 
 
@@ -116,6 +132,20 @@ def _keep(q_pos: Array, k_pos: Array, window: int) -> Array:
     if window:
         keep &= q_pos[:, None] - k_pos[None, :] < window
     return keep
+
+
+def _same(q_ids: Array, k_ids: Array) -> Array:
+    """[B, T, S] bool: query and key in the same packed document."""
+    return q_ids[:, :, None] == k_ids[:, None, :]
+
+
+def _block_keep(q_pos: Array, k_pos: Array, window: int, q_ids: Array | None, k_ids: Array | None) -> Array:
+    """A ring block's mask, [1 or B, 1, 1, T, T] to broadcast against the scores [B, K, G, T, T]: `_keep`, and
+    with packed documents the same segment."""
+    keep = _keep(q_pos, k_pos, window)[None]
+    if q_ids is not None:
+        keep = keep & _same(q_ids, k_ids)
+    return keep[:, None, None]
 
 
 def _scores(q, k, keep):
@@ -145,14 +175,17 @@ def _ring(x, axis: str, c: int):
     return jax.lax.ppermute(x, axis, [(r, (r + 1) % c) for r in range(c)])
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
-def ring_attention(q: Array, k: Array, v: Array, sinks: Array | None, axis: str, c: int, window: int) -> Array:
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7))
+def ring_attention(q: Array, k: Array, v: Array, sinks: Array | None, ids: Array | None, axis: str, c: int,
+                   window: int) -> Array:
     """softmax(q·kᵀ/√E under the causal zigzag mask) v over the whole sequence, K/V passed around the ring.
     q [B, T, H, E], k, v [B, T, K, E] (this rank's T = S/c tokens, zigzag order) → [B, T, H, E] in q's dtype.
+    ids [B, T] or None: packed documents' segment ids of this rank's tokens; each block's travel with its K/V (and
+    its gradients in the backward), and a query sees only keys of its own segment.
     sinks [H] or None: attention sinks — each head's softmax also counts e^{sink}, which no value receives. It joins
     the running (m, l) after the last block, so lse includes it: the backward's probabilities then exclude the
     sink's share by themselves, and d sink = −Σ_t p_sink(t)·Δ(t) (Δ = Σ dO·O, the sink's value being zero)."""
-    return _ring_forward(q, k, v, sinks, axis, c, window)[0]
+    return _ring_forward(q, k, v, sinks, ids, axis, c, window)[0]
 
 
 def _positions(T: int, axis: str, c: int):
@@ -162,7 +195,7 @@ def _positions(T: int, axis: str, c: int):
     return table[r], table, r
 
 
-def _ring_forward(q, k, v, sinks, axis, c, window):
+def _ring_forward(q, k, v, sinks, ids, axis, c, window):
     B, T, H, E = q.shape
     K = k.shape[2]
     qg = q.reshape(B, T, K, H // K, E)
@@ -170,9 +203,9 @@ def _ring_forward(q, k, v, sinks, axis, c, window):
     o = jnp.zeros(qg.shape, jnp.float32)
     m = jnp.full((B, K, H // K, T), NEG_INF, jnp.float32)
     l = jnp.zeros((B, K, H // K, T), jnp.float32)
-    kv = (k, v)
+    kv, k_ids = (k, v), ids
     for i in range(c):  # at step i this rank holds the block of rank r − i
-        keep = _keep(q_pos, table[(r - i) % c], window)
+        keep = _block_keep(q_pos, table[(r - i) % c], window, ids, k_ids)
 
         def attend(kv, keep=keep):
             return _typed(_block_forward(qg, kv[0], kv[1], keep), qg, *kv)
@@ -187,6 +220,7 @@ def _ring_forward(q, k, v, sinks, axis, c, window):
         l, m = l * a + l_i * b, m_new
         if i < c - 1:
             kv = _ring(kv, axis, c)
+            k_ids = None if ids is None else _ring(k_ids, axis, c)
     if sinks is not None:  # one more logit per head: rescale (o, l) to the new max and add e^{sink} to l
         s = jnp.broadcast_to(sinks.astype(jnp.float32).reshape(1, K, H // K, 1), m.shape)
         m_new = jnp.maximum(m, s)
@@ -196,13 +230,13 @@ def _ring_forward(q, k, v, sinks, axis, c, window):
     return out.astype(q.dtype), (q, k, v, out, m + jnp.log(l))
 
 
-def _ring_fwd(q, k, v, sinks, axis, c, window):
-    out, residuals = _ring_forward(q, k, v, sinks, axis, c, window)
-    return out, (*residuals, sinks)
+def _ring_fwd(q, k, v, sinks, ids, axis, c, window):
+    out, residuals = _ring_forward(q, k, v, sinks, ids, axis, c, window)
+    return out, (*residuals, sinks, ids)
 
 
 def _ring_bwd(axis, c, window, residuals, d_out):
-    q, k, v, out, lse, sinks = residuals
+    q, k, v, out, lse, sinks, ids = residuals
     B, T, H, E = q.shape
     K = k.shape[2]
     G = H // K
@@ -215,8 +249,9 @@ def _ring_bwd(axis, c, window, residuals, d_out):
     # passed alive until the backward (the whole sequence's K/V per layer: the memory the ring exists to save).
     k, v = jax.lax.optimization_barrier((k, v))
     carry = (k, v, jnp.zeros(k.shape, jnp.float32), jnp.zeros(v.shape, jnp.float32))
+    k_ids = ids
     for i in range(c):
-        keep = _keep(q_pos, table[(r - i) % c], window)
+        keep = _block_keep(q_pos, table[(r - i) % c], window, ids, k_ids)
 
         def grads(carry, keep=keep):
             k_i, v_i = carry[0], carry[1]
@@ -237,12 +272,14 @@ def _ring_bwd(axis, c, window, residuals, d_out):
         # K, V move on for the next step; their gradients move every step, so after c hops they are home
         carry = (*_ring(carry[:2], axis, c), *_ring(carry[2:], axis, c)) if i < c - 1 else \
             (carry[0], carry[1], *_ring(carry[2:], axis, c))
+        if i < c - 1 and ids is not None:
+            k_ids = _ring(k_ids, axis, c)
     dk, dv = carry[2], carry[3]
     d_sinks = None
     if sinks is not None:  # the sink's probability per query times its score gradient, 0 − Δ
         p_sink = jnp.exp(sinks.astype(jnp.float32).reshape(1, K, G, 1) - lse)  # [B, K, G, T]
         d_sinks = (-(p_sink * delta).sum((0, 3))).reshape(H).astype(sinks.dtype)
-    return dq.reshape(q.shape).astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), d_sinks
+    return dq.reshape(q.shape).astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), d_sinks, None
 
 
 ring_attention.defvjp(_ring_fwd, _ring_bwd)

@@ -169,7 +169,7 @@ add_to_objective.defvjp(_add_fwd, _add_bwd)
 
 def execute(program: Program, chunk_fn: Callable, layers, rest, tokens: Array, targets: Array, embed_fn: Callable,
             head_loss_fn: Callable, *, axis: str = "pipe",
-            operand: Callable[[Array, str], Array] = lambda w, role: w, constants=None):
+            operand: Callable[[Array, str], Array] = lambda w, role: w, constants=None, side=None):
     """Run a schedule's ticks on this stage. Call inside shard_map with `axis` bound.
 
     chunk_fn(chunk_params, x [mb, …], tape, chunk_constants) → (y [mb, …], statistics): one chunk's k layers under
@@ -180,9 +180,11 @@ def execute(program: Program, chunk_fn: Callable, layers, rest, tokens: Array, t
     layers' aux losses) attaches it to y with `add_to_objective`.
     layers: pytree, leaves [v, …]: this stage's chunks in increasing chunk order (`Program.local`).
     rest: the parameters outside the chunks (embedding, final norm, head), held whole by every stage.
-    tokens: int [m, mb, T]: every microbatch's inputs; targets [m, mb, …]: what the head scores each against (the
-    step passes the token rows [m, mb, T+1], which the MTP modules read beyond the next-token targets).
-    embed_fn(rest, tokens [mb, T]) → x [mb, …];  head_loss_fn(rest, y [mb, …], targets [mb, …]) → (mean loss,
+    tokens: int [m, mb, T] (or a pytree of [m, mb, …]): every microbatch's inputs; targets (a pytree of [m, mb, …]):
+    what the head scores each
+    against (the step passes the token rows [m, mb, T+1] — with their loss mask where the batch has one —, which
+    the MTP modules read beyond the next-token targets).
+    embed_fn(rest, tokens [mb, T] (its pytree)) → x [mb, …];  head_loss_fn(rest, y [mb, …], targets [mb, …]) → (mean loss,
     sums: a pytree the head reports, {} for none — summed over the microbatches, not differentiated). A head that
     adds terms of its own to the objective (the MTP loss) attaches them to the loss with `add_to_objective`.
     operand(w, role): a matmul weight as the contraction of its role reads it (jaxpar.matmul: the role's policy's
@@ -190,6 +192,9 @@ def execute(program: Program, chunk_fn: Callable, layers, rest, tokens: Array, t
     constants: None, or a pytree with leaves [v, …] like `layers` that the chunks read but are not differentiated
     for (the layers' buffers: jaxpar.model.Buffer); chunk_fn gets the chunk's (None without constants), and no
     gradient is computed or returned for them.
+    side: None, or a pytree of [m, …] — what each microbatch's chunks read beside their input (packed documents'
+    positions and segment ids); chunk_fn then gets (the chunk's constants, the microbatch's side) as its constants,
+    at F, at B (which rebuilds the closure from them) and at W alike.
 
     Returns (loss, layer_grads, rest_grads, stats, head_sums), this stage's share: loss = Σ_j loss_j / m over the
     microbatches whose last chunk it holds; the complete gradients of its chunks; the gradients of `rest` from the
@@ -225,14 +230,21 @@ def execute(program: Program, chunk_fn: Callable, layers, rest, tokens: Array, t
         # varies over `axis` whether or not it was computed from something that did
         return vary(x, tuple(varying_axes(ref) | {axis}))
 
-    x0 = embed_fn(rest, tokens[0])
-    consts_of = (lambda r: None) if constants is None else (lambda r: jax.tree.map(lambda a: a[r], constants))
+    def micro(tree, j):  # microbatch j of a pytree of [m, …]
+        return jax.tree.map(lambda a: a[j], tree)
+
+    x0 = embed_fn(rest, micro(tokens, 0))
+
+    def consts_of(r, j):  # chunk r's constants, with microbatch j's side where there is one
+        own = None if constants is None else jax.tree.map(lambda a: a[r], constants)
+        return own if side is None else (own, micro(side, j))
+
     chunk = Chunk(chunk_fn, jax.tree.map(lambda a: a[0], layers), jax.tree.map(lambda a: a[0], layers), x0,
-                  operand, like, consts_of(0))
+                  operand, like, consts_of(0, 0))
     zeros = chunk.zeros
     chunk_a, stash_ref, tape_ref, dys_ref = chunk.params_ref, chunk.stash_ref, chunk.tape_ref, chunk.dys_ref
     stats_ref, y0 = chunk.stats_ref, chunk.y0
-    loss_ref, head_ref = head_loss_fn(rest, y0, targets[0])
+    loss_ref, head_ref = head_loss_fn(rest, y0, micro(targets, 0))
     msg_ref = vary(jnp.zeros_like(y0), tuple(varying_axes(x0) | varying_axes(y0) | {axis}))  # inbox, messages
 
     def typed_rest(tree):  # gradients of `rest`, typed as the branches' common output
@@ -246,13 +258,13 @@ def execute(program: Program, chunk_fn: Callable, layers, rest, tokens: Array, t
 
     def forward(g, params_r, consts_r, inbox):
         j = g["micro"]
-        x = jax.lax.cond(g["first"] == 1, lambda: like(embed_fn(rest, tokens[j]), msg_ref),
+        x = jax.lax.cond(g["first"] == 1, lambda: like(embed_fn(rest, micro(tokens, j)), msg_ref),
                          lambda: like(inbox[g["x_slot"]], msg_ref))
         y, vjp_fn, inputs, stats, stash = chunk.forward(params_r, x, consts_r)
 
         def head(y):
             def scaled(r_, y_):
-                loss, sums = head_loss_fn(r_, y_, targets[j])
+                loss, sums = head_loss_fn(r_, y_, micro(targets, j))
                 return loss / m, sums
 
             (loss, sums), (d_rest, dy) = jax.value_and_grad(scaled, argnums=(0, 1), has_aux=True)(rest, y)
@@ -277,7 +289,7 @@ def execute(program: Program, chunk_fn: Callable, layers, rest, tokens: Array, t
         j = g["micro"]
 
         def embed_grad(dx):
-            _, vjp_e = jax.vjp(lambda r_: embed_fn(r_, tokens[j]), rest)
+            _, vjp_e = jax.vjp(lambda r_: embed_fn(r_, micro(tokens, j)), rest)
             return typed_rest(vjp_e(like(dx, x0))[0])
 
         d_rest = jax.lax.cond(g["first"] == 1, embed_grad, lambda dx: zeros(rest), dx)
@@ -312,7 +324,7 @@ def execute(program: Program, chunk_fn: Callable, layers, rest, tokens: Array, t
             inbox = inbox.at[g["recv_down"]].set(down)
         if sends["up"]:
             inbox = inbox.at[g["recv_up"]].set(up)
-        params_r, consts_r = jax.tree.map(lambda a: a[g["local"]], layers), consts_of(g["local"])
+        params_r, consts_r = jax.tree.map(lambda a: a[g["local"]], layers), consts_of(g["local"], g["micro"])
         branches = [  # in the order of the kinds: IDLE, DO_F, DO_B, DO_W (jaxpar.parallel.schedule)
             nothing,
             lambda: forward(g, params_r, consts_r, inbox),

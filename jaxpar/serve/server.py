@@ -6,7 +6,7 @@ uvicorn, with Server-Sent Events from sse-starlette and Prometheus metrics from 
     POST /v1/completions       prompt (a string or a list of them), max_tokens, temperature, top_p, top_k, n,
                                stop, seed, stream
     POST /v1/chat/completions  messages rendered with the tokenizer's chat template (tokenizer_config.json's, as
-                               Hugging Face renders it: jaxpar.infer.chat); 404 where the model has none
+                               Hugging Face renders it: jaxpar.data.chat); 404 where the model has none
     GET  /metrics              Prometheus: running / waiting requests, KV pages in use, prefix-cache hits, time to
                                first token and inter-token latency histograms, generated tokens and tokens/s
 
@@ -33,7 +33,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field
 
 from jaxpar.errors import GenerateError, JaxparError, Overloaded, RequestError
-from jaxpar.infer.chat import chat_template_of, render_chat
+from jaxpar.data.chat import chat_template_of, render_chat
 from jaxpar.serve.engine import Engine, Request, SamplingParams
 
 

@@ -47,11 +47,12 @@ class Trainer:
     def mesh(self) -> Mesh | None:
         return self.plan.mesh
 
-    def put(self, rows: np.ndarray) -> jax.Array:
-        """This process's batch rows → a global array laid out for the step (rows over the batch axes)."""
+    def put(self, rows: np.ndarray | dict[str, np.ndarray]) -> jax.Array | dict[str, jax.Array]:
+        """This process's batch rows (and their loss mask: a dict) → global arrays laid out for the step (rows
+        over the batch axes)."""
         if self.mesh is None:
             return jax.device_put(rows)
-        return jax.make_array_from_process_local_data(self.plan.batch_sharding, rows)
+        return jax.tree.map(lambda a: jax.make_array_from_process_local_data(self.plan.batch_sharding, a), rows)
 
     def random_batch(self, config: Config, seed: int = 0) -> jax.Array:
         """A global batch int32 [batch_size, seq_len + 1] of uniform random token ids, laid out for the step
@@ -186,7 +187,7 @@ def _prepare(config: Config, workdir: pathlib.Path, devices: list, progress: boo
     # processes of a pipeline that spans hosts.
     rows_index, rows_count = batch_rows(trainer.plan.batch_sharding, train.batch_size)
     loader_args = dict(batch_size=train.batch_size, seq_len=train.seq_len, process_index=rows_index,
-                       process_count=rows_count)
+                       process_count=rows_count, pack=config.data.pack)
     # Batches are placed on the step's devices by the loader's prefetch thread, two steps ahead.
     loader = data_lib.make_loader(train_tokens, seed=train.seed, place=trainer.put, prefetch=2, **loader_args)
     if jax.process_index() == 0:  # the model's own count (vocab unpadded), as Megatron and MaxText print theirs

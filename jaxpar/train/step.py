@@ -22,7 +22,7 @@ bench/tp.py).
 from __future__ import annotations
 
 import functools
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -31,7 +31,7 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh, PartitionSpec as P
 
-from jaxpar.model import (buffers_of, default_positions, forward_buffers, merge_state, moe_objective,
+from jaxpar.model import (buffers_of, default_positions, forward_buffers, layer_masks, merge_state, moe_objective,
                           mtp_targets, run_layers, stats_total, trainable)
 from jaxpar.parallel import circular, executor, schedule as tables
 from jaxpar.parallel.axes import DATA, EXPERT, PIPE
@@ -44,11 +44,89 @@ from jaxpar.train.state import TrainState
 
 Metrics = dict[str, jax.Array]
 
+# A batch is token rows int [B, T+1], or a dict of [B, T+1] arrays: "tokens", and optionally
+#   "mask"      0/1: mask[:, t] says whether token t is scored as a target (SFT scores the assistant's tokens only);
+#               column 0 is never a target (no token comes before it);
+#   "segments"  packed documents: one id per document (1, 2, …; 0 for padding). Attention stays inside a document,
+#               positions restart at each one, and a token is a target only of the token before it in its own
+#               document (the first token of a document is nobody's target; padding never is).
+# All are cut along rows alike (data, pipe, accumulation) and along the sequence alike (context), so every piece of a
+# step carries the mask and the documents of its own tokens.
+Batch = jax.Array | dict[str, jax.Array]
+BATCH_KEYS = ("tokens", "mask", "segments")
 
-def next_token_loss(graphdef: nnx.GraphDef, params: nnx.State, batch: jax.Array, remat: str = "none",
+
+def rows_of(batch: Batch) -> tuple[jax.Array, jax.Array | None, jax.Array | None]:
+    """(token rows int [B, T+1], the loss mask [B, T+1] or None, the segment ids [B, T+1] or None) of a batch."""
+    if isinstance(batch, dict):
+        unknown = set(batch) - set(BATCH_KEYS)
+        if unknown or "tokens" not in batch:
+            raise ValueError(f"a batch holds 'tokens' and optionally 'mask' and 'segments', not {sorted(batch)}")
+        return batch["tokens"], batch.get("mask"), batch.get("segments")
+    return batch, None, None
+
+
+def target_weights(batch: Batch) -> jax.Array | None:
+    """float32 [B, T]: which next-token targets count — the mask's, and with segments only targets in their
+    predecessor's document (not padding) — or None when every target counts."""
+    _, mask, segments = rows_of(batch)
+    weights = None if mask is None else mask[:, 1:].astype(jnp.float32)
+    if segments is not None:
+        inside = ((segments[:, 1:] == segments[:, :-1]) & (segments[:, 1:] > 0)).astype(jnp.float32)
+        weights = inside if weights is None else weights * inside
+    return weights
+
+
+def target_density(batch: Batch) -> jax.Array:
+    """The share of the batch's target slots [B, T] that count: Σ w / (B·T) of `target_weights`, float32 (1 when
+    every target counts). Computed on the whole global batch — under jit over its sharded array, so the compiler
+    sums over the devices — it turns every local mean over equal-sized pieces into the one global masked mean
+    (`masked_mean`)."""
+    weights = target_weights(batch)
+    return jnp.float32(1.0) if weights is None else weights.mean()
+
+
+def segment_positions(segments: jax.Array) -> jax.Array:
+    """int32 [B, T]: each token's position inside its document, segments [B, T] (a document is a run of equal
+    ids): t minus the index where its run started."""
+    T = segments.shape[1]
+    index = jnp.arange(T, dtype=jnp.int32)
+    starts = jnp.concatenate([jnp.ones_like(segments[:, :1], bool), segments[:, 1:] != segments[:, :-1]], axis=1)
+    return index - jax.lax.cummax(jnp.where(starts, index, 0), axis=1)
+
+
+class Share(NamedTuple):
+    """What a rank scores of a batch of rows [B, T+1] (`sequence_share`), each [B, T] (T/c under context
+    parallelism, zigzag order): tokens, next-token targets, positions (inside each document when packed), the
+    targets' weights (None: all count) and the tokens' segment ids (None: one document a row)."""
+
+    tokens: jax.Array
+    targets: jax.Array
+    positions: jax.Array
+    weights: jax.Array | None
+    segments: jax.Array | None
+
+
+def masked_mean(ce: jax.Array, weights: jax.Array | None, density: jax.Array | None) -> jax.Array:
+    """The loss of this piece of the step: ce [R, T_local] (nats per target) → its mean, or with weights (the mask
+    of these targets) mean(ce · w) / density.
+
+    Why that is exact everywhere: the step's pieces — data shards, pipeline stages' held rows, accumulation chunks,
+    context ranks' sequence parts — all have the same number of target slots, and the step averages them (pmean,
+    a 1/p-scaled psum, the mean of chunk means). The average of Σ_piece(ce·w)/slots_piece is Σ(ce·w)/slots, and
+    density = Σw/slots for the whole step, so dividing by it leaves Σ(ce·w)/Σw: the masked mean over every target
+    of the global batch, as one device computes it. (A step with no target at all gives 0, not 0/0.)"""
+    if weights is None:
+        return ce.mean()
+    return (ce * weights).mean() / jnp.maximum(density, jnp.finfo(jnp.float32).tiny)
+
+
+def next_token_loss(graphdef: nnx.GraphDef, params: nnx.State, batch: Batch, remat: str = "none",
                     par: Parallel = SINGLE_DEVICE, pipe: Pipeline | None = None, objective: bool = False,
-                    mtp_weight: float = 0.0):
-    """Mean cross-entropy (float32, nats/token) of predicting batch[:, 1:] from batch[:, :-1]. batch int [B, T+1].
+                    mtp_weight: float = 0.0, density: jax.Array | None = None):
+    """Mean cross-entropy (float32, nats/token) of predicting rows[:, 1:] from rows[:, :-1]. batch: token rows int
+    [B, T+1], or with a loss mask (`Batch`) the mean over the masked-in targets: `masked_mean`, whose `density` is
+    the whole step's (`target_density`; default: these rows', right when they are the whole step).
 
     With `pipe`, these are this stage's rows and the layers run through the circular pipeline (`pipeline_loss`).
     Under context parallelism each rank scores its part of every row's tokens (`sequence_share`).
@@ -63,17 +141,24 @@ def next_token_loss(graphdef: nnx.GraphDef, params: nnx.State, batch: jax.Array,
     mtp_loss is exact at any layout."""
     model = nnx.merge(graphdef, params)
     mtp = objective and model.cfg.mtp_depth > 0
+    rows, mask, segments = rows_of(batch)
+    if (mask is not None or segments is not None) and model.cfg.mtp_depth > 0:
+        raise ValueError("a loss mask or packed documents with the MTP modules (model.mtp_depth > 0) are not "
+                         "supported: their targets lie 2.. tokens ahead and would need the mask's own share per "
+                         "depth; train with model.mtp_depth=0 (or --drop-mtp on import)")
+    density = target_density(batch) if density is None else density
     if pipe is not None:
-        loss, stats, extra = pipeline_loss(model, batch, pipe, remat, par, mtp=mtp)
+        loss, stats, extra = pipeline_loss(model, batch, pipe, remat, par, mtp=mtp, density=density)
     else:
-        tokens, targets, positions = sequence_share(batch, par)
+        share = sequence_share(batch, par)
         # logits [B, T(/c), V_local], then the last hidden states [B, T(/c), D] (what the MTP modules read)
-        logits, stats, h = model(tokens, positions=positions, remat=remat, par=par, stats=True, hidden=True)
-        loss = par.cross_entropy(logits, targets).mean()
-        extra = mtp_objective(model, h, batch, positions, remat, par) if mtp else None
+        logits, stats, h = model(share.tokens, positions=share.positions, segment_ids=share.segments, remat=remat,
+                                 par=par, stats=True, hidden=True)
+        loss = masked_mean(par.cross_entropy(logits, share.targets), share.weights, density)
+        extra = mtp_objective(model, h, rows, share.positions, remat, par) if mtp else None
     if not objective:
         return loss
-    value = loss + moe_objective(stats, model.cfg, batch.shape[0])
+    value = loss + moe_objective(stats, model.cfg, rows.shape[0])
     if mtp:
         value, stats = value + mtp_weight * extra[0], {**stats, "mtp": extra[1]}
     return value, (loss, stats)
@@ -110,13 +195,41 @@ def mtp_loss(logits: jax.Array, targets: jax.Array, valid: jax.Array, T: int, pa
     return per_depth.mean(), {"ce": ce.sum((1, 2)), "count": valid.sum((1, 2)).astype(jnp.float32)}
 
 
-def sequence_share(batch: jax.Array, par: Parallel) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """(tokens, next-token targets, global positions), int [B, T] each, of rows batch [B, T+1] — this rank's
-    [B, T/c] part of them under context parallelism (targets are taken before the split, so the ones across a
-    shard boundary are right)."""
-    tokens, targets = batch[:, :-1], batch[:, 1:]
-    positions = default_positions(*tokens.shape)
-    return par.context_shard(tokens), par.context_shard(targets), par.context_shard(positions)
+def sequence_share(batch: Batch, par: Parallel) -> Share:
+    """This rank's `Share` of a batch of rows [B, T+1]: all of it, or its [B, T/c] part under context parallelism
+    (targets, weights and positions are taken before the split, so the ones across a shard boundary are right)."""
+    rows, _, segments = rows_of(batch)
+    tokens, targets, weights = rows[:, :-1], rows[:, 1:], target_weights(batch)
+    if segments is not None:
+        segments = segments[:, :-1]
+    positions = default_positions(*tokens.shape) if segments is None else segment_positions(segments)
+    shard = lambda a: None if a is None else par.context_shard(a)  # noqa: E731
+    return Share(shard(tokens), shard(targets), shard(positions), shard(weights), shard(segments))
+
+
+def packed(share: Share) -> dict | None:
+    """Packed rows' side inputs for their layers, {"positions", "segments"} [R, T(/c)] each, or None when the rows
+    are not packed (the rows then share their positions and the kernels' causal mask)."""
+    return None if share.segments is None else {"positions": share.positions, "segments": share.segments}
+
+
+def microbatch_side(share: Share, microbatches: int, order=None) -> dict | None:
+    """`packed` per microbatch for a pipeline, each leaf [m, mb, T(/c)], from a `Share` of the rows [m·mb, …]
+    (microbatch j = rows j·mb …, or those of `order`[j])."""
+    side = packed(share)
+    if side is None:
+        return None
+    side = jax.tree.map(lambda a: a.reshape(microbatches, a.shape[0] // microbatches, *a.shape[1:]), side)
+    return side if order is None else jax.tree.map(lambda a: a[np.asarray(order)], side)
+
+
+def layer_inputs(cfg, par: Parallel, side: dict | None, positions: jax.Array):
+    """(positions, masks) a run of layers takes: the packed microbatch's own (its `side`), else `positions` and the
+    kernels' causal mask."""
+    if side is None:
+        return positions, None
+    T = side["segments"].shape[1]
+    return side["positions"], layer_masks(cfg, functools.partial(par.attention_mask, T, side["segments"]))
 
 
 def in_model_order(stats: dict, pipe: Pipeline) -> dict:
@@ -138,8 +251,8 @@ def in_model_order(stats: dict, pipe: Pipeline) -> dict:
     return jax.tree.map(place, stats)
 
 
-def pipeline_loss(model, batch: jax.Array, pipe: Pipeline, remat: str, par: Parallel, mtp: bool = False
-                  ) -> tuple[jax.Array, dict, tuple | None]:
+def pipeline_loss(model, batch: Batch, pipe: Pipeline, remat: str, par: Parallel, mtp: bool = False,
+                  density: jax.Array | None = None) -> tuple[jax.Array, dict, tuple | None]:
     """Embed this stage's rows (and run a dense prefix on them: `ModelConfig.prefix_layers`), run the other layers
     through the circular pipeline, then head and loss on the microbatches the stage holds at the end (paired with
     their token rows, which are all-gathered over `pipe`). → (loss, the MoE statistics of this stage's layers over
@@ -153,33 +266,43 @@ def pipeline_loss(model, batch: jax.Array, pipe: Pipeline, remat: str, par: Para
     p, v, m = pipe.stages, pipe.repeats, pipe.microbatches
     q = m // p
     cfg = model.cfg
-    tokens, _, row_positions = sequence_share(batch, par)  # [R, T(/c)], R = q·mb rows of this stage
-    R, T = tokens.shape
+    own = sequence_share(batch, par)  # [R, T(/c)] each, R = q·mb rows of this stage
+    R, T = own.tokens.shape
     mb = R // q
-    positions = row_positions[:mb]  # every row has the same positions
     stacks = model.stacks()
-    x = model.embed_tokens(tokens, row_positions, par)  # [R, T(/t), D]
+    x = model.embed_tokens(own.tokens, own.positions, par)  # [R, T(/t), D]
     if cfg.prefix_layers:  # DeepSeek's dense first layers, beside the embedding (their stats: none, dense)
-        x = run_layers({"dense_blocks": stacks.pop("dense_blocks")}, x, row_positions, None, cfg, remat=remat,
+        positions, masks = layer_inputs(cfg, par, packed(own), own.positions)
+        x = run_layers({"dense_blocks": stacks.pop("dense_blocks")}, x, positions, masks, cfg, remat=remat,
                        par=par)
     io = x.reshape(q, mb, *x.shape[1:])
     per_pass = jax.tree.map(lambda a: a.reshape(v, a.shape[0] // v, *a.shape[1:]), stacks)
-    stage = lambda layers, h: run_layers(layers, h, positions, None, cfg, remat=remat, par=par,  # noqa: E731
-                                         stats=True, first_layer=cfg.prefix_layers)
-    out, stats = circular.circular(stage, per_pass, io, stages=p, repeats=v, microbatches=m, stats=True)
+    # every stage's rows [p, q, mb, T+1] (and mask, segments): the held microbatches' targets, and packed rows'
+    # positions and documents for whichever microbatch a stage runs
+    all_rows = jax.tree.map(lambda a: jax.lax.all_gather(a.reshape(q, mb, a.shape[1]), PIPE), batch)
+    # microbatch label j is stage −⌊j/q⌋ mod p's slot j mod q (circular's module docstring): rows in label order
+    label = [(-(j // q)) % p * q + j % q for j in range(m)]
+    side = microbatch_side(sequence_share(jax.tree.map(lambda a: a.reshape(p * q * mb, -1), all_rows), par),
+                           p * q, order=label)
+
+    def stage(layers, h, side=None):
+        positions, masks = layer_inputs(cfg, par, side, own.positions[:mb])  # unpacked: every row's positions alike
+        return run_layers(layers, h, positions, masks, cfg, remat=remat, par=par, stats=True,
+                          first_layer=cfg.prefix_layers)
+
+    out, stats = circular.circular(stage, per_pass, io, stages=p, repeats=v, microbatches=m, stats=True, side=side)
     stats = in_model_order(stats, pipe)
     h = out.reshape(R, *out.shape[2:])  # [R, T(/t), D]: the held microbatches' last hidden states
     logits = model.logits(h, par)  # [R, T, V_local]
     held = jnp.asarray(circular.output_order(p, v, m))[jax.lax.axis_index(PIPE)]  # [q] starting slots s·q + c
-    all_rows = jax.lax.all_gather(batch.reshape(q, mb, batch.shape[1]), PIPE)  # [p, q, mb, T+1]
-    rows = all_rows[held // q, held % q].reshape(R, batch.shape[1])  # the held microbatches' token rows
-    _, targets, _ = sequence_share(rows, par)
-    extra = mtp_objective(model, h, rows, row_positions, remat, par) if mtp else None
-    return par.cross_entropy(logits, targets).mean(), stats, extra
+    held_rows = jax.tree.map(lambda a: a[held // q, held % q].reshape(R, a.shape[-1]), all_rows)  # [R, T+1]
+    share = sequence_share(held_rows, par)
+    extra = mtp_objective(model, h, rows_of(held_rows)[0], own.positions, remat, par) if mtp else None
+    return masked_mean(par.cross_entropy(logits, share.targets), share.weights, density), stats, extra
 
 
-def scheduled_loss_and_grads(graphdef: nnx.GraphDef, params: nnx.State, batch: jax.Array, pipe: Pipeline,
-                             remat: str, par: Parallel, mtp_weight: float = 0.0
+def scheduled_loss_and_grads(graphdef: nnx.GraphDef, params: nnx.State, batch: Batch, pipe: Pipeline,
+                             remat: str, par: Parallel, mtp_weight: float = 0.0, density: jax.Array | None = None
                              ) -> tuple[jax.Array, nnx.State, dict]:
     """This stage's share of (loss, gradients, its layers' MoE statistics over every row) under a schedule table
     (`executor.execute`): the table, not autodiff of a loop, decides when each microbatch's backward runs and what
@@ -191,11 +314,12 @@ def scheduled_loss_and_grads(graphdef: nnx.GraphDef, params: nnx.State, batch: j
     chunk. The loss and the gradients of the parameters outside the chunks come back as shares to be summed over
     `pipe`, as the circular path's do; the MTP modules' sums join the statistics ("mtp")."""
     v, m = pipe.repeats, pipe.microbatches
-    rows = jax.lax.all_gather(batch, PIPE, tiled=True)  # [N, T+1]: every stage's rows
-    tokens, _, positions = sequence_share(rows, par)
-    N, T = tokens.shape  # rows (T: this rank's share of the tokens under context parallelism)
+    rows = jax.tree.map(lambda a: jax.lax.all_gather(a, PIPE, tiled=True), batch)  # [N, T+1]: every stage's rows
+    share = sequence_share(rows, par)
+    N, T = share.tokens.shape  # rows (T: this rank's share of the tokens under context parallelism)
     mb = N // m
-    positions = positions[:mb]
+    side = microbatch_side(share, m)  # packed rows: each microbatch's positions and documents
+    positions = share.positions[:mb]  # (unpacked: every row's alike)
     cfg = nnx.merge(graphdef, params).cfg
     mtp = cfg.mtp_depth > 0
     # the stacks the chunks hold: those on the `layers` axis (a dense prefix joins the embedding, in `rest`)
@@ -209,12 +333,15 @@ def scheduled_loss_and_grads(graphdef: nnx.GraphDef, params: nnx.State, batch: j
     per_chunk = lambda tree: jax.tree.map(lambda a: a.reshape(v, a.shape[0] // v, *a.shape[1:]), tree)  # noqa: E731
     layers, constants = per_chunk(weights), per_chunk(buffers)
 
-    def chunk_fn(chunk: nnx.State, x: jax.Array, tape, consts: nnx.State):
+    def chunk_fn(chunk: nnx.State, x: jax.Array, tape, consts):
+        # consts: the chunk's buffers, or with packed rows (its buffers, the microbatch's side: `execute`)
+        consts, mside = consts if side is not None else (consts, None)
         # the layers' weights, and the buffers their forward reads (the routing's correction bias) as constants
         stacked = {stack: {**{name: var[...] for name, var in chunk[stack].items() if isinstance(var, nnx.Param)},
                            **forward_buffers(dict(consts[stack].items()) if stack in consts else {}, cfg)}
                    for stack in stack_names}
-        y, stats = run_layers(stacked, x, positions, None, cfg, remat=remat, par=par.with_tape(tape), stats=True,
+        at, masks = layer_inputs(cfg, par, mside, positions)
+        y, stats = run_layers(stacked, x, at, masks, cfg, remat=remat, par=par.with_tape(tape), stats=True,
                               first_layer=cfg.prefix_layers)
         # F of an MoE chunk (a tape's MEASURE and REPLAY report no statistics: `Tape.scan`): its layers' aux losses
         # over this microbatch join the objective like its loss
@@ -222,27 +349,30 @@ def scheduled_loss_and_grads(graphdef: nnx.GraphDef, params: nnx.State, batch: j
             y = executor.add_to_objective(y, moe_objective(stats, cfg, x.shape[0]), 1.0 / m)
         return y, stats  # the statistics are summed over the F ticks (logged, not differentiated)
 
-    def embed_fn(r: nnx.State, tokens: jax.Array) -> jax.Array:
+    def embed_fn(r: nnx.State, inputs: dict) -> jax.Array:  # a microbatch's tokens (and side, packed)
         model = nnx.merge(graphdef, r, blocks)
-        x = model.embed_tokens(tokens, positions, par)
+        at, masks = layer_inputs(cfg, par, inputs.get("side"), positions)
+        x = model.embed_tokens(inputs["tokens"], at, par)
         if cfg.prefix_layers:
-            x = run_layers({"dense_blocks": model.dense_blocks.stacked()}, x, positions, None, cfg, remat=remat,
-                           par=par)
+            x = run_layers({"dense_blocks": model.dense_blocks.stacked()}, x, at, masks, cfg, remat=remat, par=par)
         return x
 
-    def head_loss_fn(r: nnx.State, y: jax.Array, rows: jax.Array) -> tuple[jax.Array, dict]:
+    def head_loss_fn(r: nnx.State, y: jax.Array, rows: Batch) -> tuple[jax.Array, dict]:
         model = nnx.merge(graphdef, r, blocks)
-        loss = par.cross_entropy(model.logits(y, par), sequence_share(rows, par)[1]).mean()
+        held = sequence_share(rows, par)
+        loss = masked_mean(par.cross_entropy(model.logits(y, par), held.targets), held.weights, density)
         if not mtp:
             return loss, {}
-        extra, sums = mtp_objective(model, y, rows, positions, remat, par)
+        extra, sums = mtp_objective(model, y, rows_of(rows)[0], positions, remat, par)
         # the MTP loss joins the objective (weight λ, per microbatch 1/m as the loss) but not the loss reported
         return executor.add_to_objective(loss, extra, mtp_weight / m), {"mtp": sums}
 
     loss, layer_grads, rest_grads, stats, head_sums = executor.execute(
-        pipe.program, chunk_fn, layers, rest, tokens.reshape(m, mb, T), rows.reshape(m, mb, rows.shape[1]),
+        pipe.program, chunk_fn, layers, rest,
+        {"tokens": share.tokens.reshape(m, mb, T), **({} if side is None else {"side": side})},
+        jax.tree.map(lambda a: a.reshape(m, mb, a.shape[1]), rows),
         embed_fn, head_loss_fn, axis=PIPE, operand=lambda w, role: par.policy(role).operand(w, cfg.dtype),
-        constants=constants)
+        constants=constants, side=side)
     block_grads = jax.tree.map(lambda a: a.reshape(a.shape[0] * a.shape[1], *a.shape[2:]), layer_grads)
     no_grads = jax.tree.map(jnp.zeros_like, buffers)  # the buffers' places in the gradients' tree (dropped: trainable)
     return loss, merge_state(rest_grads, block_grads, no_grads), {**in_model_order(stats, pipe), **head_sums}
@@ -251,10 +381,11 @@ def scheduled_loss_and_grads(graphdef: nnx.GraphDef, params: nnx.State, batch: j
 def loss_and_grads(graphdef: nnx.GraphDef, *, grad_accum: int = 1, remat: str = "none",
                    par: Parallel = SINGLE_DEVICE, grad_axes: tuple[str, ...] = (), pipe: Pipeline | None = None,
                    pipe_replicated=None, zero_dims=None, grad_dims=None, expert_split=None, stats: bool = False,
-                   mtp_weight: float = 0.0) -> Callable[[nnx.State, jax.Array], tuple[jax.Array, nnx.State]]:
-    """(params, batch int [B, T+1]) → (mean loss, gradients), on whatever rows it is given; with `stats`, also the
-    MoE layers' statistics summed over every row, per MoE layer in model order (each leaf [L_moe, …];
-    jaxpar.model.moe; {} for a dense model).
+                   mtp_weight: float = 0.0) -> Callable[..., tuple[jax.Array, nnx.State]]:
+    """(params, batch, density=None) → (mean loss, gradients), on whatever rows it is given (batch: token rows int
+    [B, T+1], or with a loss mask, `Batch`; density: the whole step's `target_density`, default these rows'); with
+    `stats`, also the MoE layers' statistics summed over every row, per MoE layer in model order (each leaf
+    [L_moe, …]; jaxpar.model.moe; {} for a dense model).
 
     Gradient accumulation splits the rows into `grad_accum` equal chunks run one after another (a scan), so peak
     activation memory is that of B/grad_accum sequences. Chunk a takes rows a, a+A, a+2A, … (a strided split) so each
@@ -289,24 +420,27 @@ def loss_and_grads(graphdef: nnx.GraphDef, *, grad_accum: int = 1, remat: str = 
     """
     scale = 1.0 / pipe.stages if pipe is not None else 1.0
 
-    def objective(p, b):  # (what is differentiated: the loss plus the MoE terms, (the loss reported, MoE sums))
+    def objective(p, b, density):  # (what is differentiated: the loss plus the MoE terms, (the loss, MoE sums))
         p = merge_state(trainable(p), jax.tree.map(jax.lax.stop_gradient, buffers_of(p)))  # buffers: constants
-        value, (loss, sums) = next_token_loss(graphdef, p, b, remat, par, pipe, objective=True, mtp_weight=mtp_weight)
+        value, (loss, sums) = next_token_loss(graphdef, p, b, remat, par, pipe, objective=True, mtp_weight=mtp_weight,
+                                              density=density)
         return scale * value, (scale * loss, sums)
 
     differentiate = jax.value_and_grad(objective, has_aux=True)
 
-    def grad_fn(p, b):
-        (_, (loss, sums)), grads = differentiate(p, b)
+    def grad_fn(p, b, density):
+        (_, (loss, sums)), grads = differentiate(p, b, density)
         return loss, grads, sums
 
     if pipe is not None and pipe.schedule != "circular":
-        grad_fn = functools.partial(scheduled_loss_and_grads, graphdef, pipe=pipe, remat=remat, par=par,
-                                    mtp_weight=mtp_weight)
+        def grad_fn(p, b, density):
+            return scheduled_loss_and_grads(graphdef, p, b, pipe=pipe, remat=remat, par=par, mtp_weight=mtp_weight,
+                                            density=density)
 
     batch_axes = tuple(grad_axes) + ((PIPE,) if pipe is not None else ())
 
-    def run(params: nnx.State, batch: jax.Array) -> tuple[jax.Array, nnx.State]:
+    def run(params: nnx.State, batch: Batch, density: jax.Array | None = None) -> tuple[jax.Array, nnx.State]:
+        density = target_density(batch) if density is None else density
         params = gather_zero(params, zero_dims)
         if batch_axes:
             # Under check_vma a parameter replicated over the batch axes would be broadcast implicitly where it meets
@@ -315,15 +449,15 @@ def loss_and_grads(graphdef: nnx.GraphDef, *, grad_accum: int = 1, remat: str = 
             # over pipe.
             params = jax.tree.map(lambda x: vary(x, batch_axes), params)
         if grad_accum == 1:
-            loss, grads, sums = grad_fn(params, batch)
+            loss, grads, sums = grad_fn(params, batch, density)
         else:
-            B, T1 = batch.shape
-            chunks = batch.reshape(B // grad_accum, grad_accum, T1).swapaxes(0, 1)  # [A, B/A, T+1]
-            chunks = constrain(chunks, (None, "batch", None))
+            B, T1 = rows_of(batch)[0].shape
+            chunks = jax.tree.map(lambda a: constrain(a.reshape(B // grad_accum, grad_accum, T1).swapaxes(0, 1),
+                                                      (None, "batch", None)), batch)  # [A, B/A, T+1]
 
             def accumulate(carry, chunk):
                 loss_sum, grad_sum = carry
-                loss, grads, sums = grad_fn(params, chunk)
+                loss, grads, sums = grad_fn(params, chunk, density)
                 return (loss_sum + loss, jax.tree.map(jnp.add, grad_sum, grads)), sums
 
             zeros = jax.tree.map(jnp.zeros_like, params)
@@ -396,8 +530,10 @@ def sharded_loss_and_grads(graphdef: nnx.GraphDef, plan: Plan, *, grad_accum: in
                            expert_split=expert_split, stats=stats, mtp_weight=mtp_weight)
     grad_specs = param_specs if grad_specs is None else grad_specs
     out_specs = (P(), grad_specs, P()) if stats else (P(), grad_specs)
-    return jax.shard_map(local, mesh=plan.mesh, in_specs=(param_specs, plan.batch_spec), out_specs=out_specs,
-                         check_vma=True)
+    mapped = jax.shard_map(local, mesh=plan.mesh, in_specs=(param_specs, plan.batch_spec, P()), out_specs=out_specs,
+                           check_vma=True)
+    # the step's density of targets, over the global batch (outside the shard_map: the compiler sums over devices)
+    return lambda params, batch: mapped(params, batch, target_density(batch))
 
 
 def _mesh_axes(spec: P) -> set[str]:
@@ -413,7 +549,8 @@ def make_train_step(grads_of: Callable[[nnx.State, jax.Array], tuple[jax.Array, 
                     tx: optax.GradientTransformation, schedule: optax.Schedule | None = None, moe_layers: int = 0,
                     update_buffers: Callable[[nnx.State, dict], nnx.State] | None = None
                     ) -> Callable[[TrainState, jax.Array], tuple[TrainState, Metrics]]:
-    """(state, batch int [B, T+1]) → (state, metrics {loss, grad_norm, skipped, lr}): gradients from `grads_of`
+    """(state, batch) → (state, metrics {loss, grad_norm, skipped, lr}; with a loss mask also `targets`, the
+    number of targets scored): batch token rows int [B, T+1] or `Batch` with a mask; gradients from `grads_of`
     (`sharded_loss_and_grads`), then clipping and AdamW on the sharded weights. When `grads_of` also returns MoE
     statistics (stats=True), the metrics gain `moe_metrics` over the model's `moe_layers` MoE layers, and the
     model's buffers (jaxpar.model.Buffer) become `update_buffers(buffers, the per-layer statistics [L_moe, …])` —
@@ -437,8 +574,13 @@ def make_train_step(grads_of: Callable[[nnx.State, jax.Array], tuple[jax.Array, 
         params, opt_state = jax.tree.map(lambda new, old: jnp.where(ok, new, old), (params, opt_state),
                                          (state.params, state.opt_state))
         metrics = {"loss": loss, "grad_norm": grad_norm, "skipped": 1 - ok.astype(jnp.int32)}
+        rows, mask, segments = rows_of(batch)
+        if mask is not None or segments is not None:
+            metrics["targets"] = target_weights(batch).sum().astype(jnp.int32)
+        if segments is not None:  # real tokens over the slots of the rows (padding is segment 0)
+            metrics["packing"] = (segments > 0).astype(jnp.float32).mean()
         if sums and sums[0]:
-            metrics.update(moe_metrics(stats_total(sums[0]), batch.shape[0], moe_layers, sums[0]["load"]))
+            metrics.update(moe_metrics(stats_total(sums[0]), rows.shape[0], moe_layers, sums[0]["load"]))
         if mtp is not None:
             metrics["mtp_loss"] = (mtp["ce"] / jnp.maximum(mtp["count"], 1.0)).mean()
         if schedule is not None:
@@ -464,21 +606,23 @@ def moe_metrics(sums: dict[str, jax.Array], rows: int, layers: int, layer_load: 
 
 
 def make_eval_step(graphdef: nnx.GraphDef, plan: Plan, *, param_specs: nnx.State | None = None
-                   ) -> Callable[[nnx.State, jax.Array], jax.Array]:
-    """(params, batch int [B, T+1]) → mean next-token loss."""
+                   ) -> Callable[[nnx.State, Batch], jax.Array]:
+    """(params, batch) → mean next-token loss (over the masked-in targets with a loss mask)."""
     if not plan.sharded:
         return lambda params, batch: next_token_loss(graphdef, params, batch)
 
     zero_dims = _zero_dims(param_specs)
 
-    def local(params, batch):
-        loss = next_token_loss(graphdef, gather_zero(params, zero_dims), batch, par=plan.parallel, pipe=plan.pipeline)
+    def local(params, batch, density):
+        loss = next_token_loss(graphdef, gather_zero(params, zero_dims), batch, par=plan.parallel, pipe=plan.pipeline,
+                               density=density)
         if plan.pipeline is not None:
             loss = jax.lax.pmean(loss, PIPE)
         return jax.lax.pmean(loss, plan.grad_axes)
 
-    return jax.shard_map(local, mesh=plan.mesh, in_specs=(param_specs, plan.batch_spec), out_specs=P(),
-                         check_vma=True)
+    mapped = jax.shard_map(local, mesh=plan.mesh, in_specs=(param_specs, plan.batch_spec, P()), out_specs=P(),
+                           check_vma=True)
+    return lambda params, batch: mapped(params, batch, target_density(batch))
 
 
 def compile_steps(train_step, eval_step, mesh: Mesh | None, shardings):
