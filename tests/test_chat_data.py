@@ -41,15 +41,36 @@ def test_the_assistant_turns_and_their_end_of_turn_are_scored(chat_dir, bpe):
     ids, scored = render_with_mask(tokenizer, template, TALK)
     text = "".join(f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n" for m in TALK)
     assert tokenizer.decode(ids) == text and ids == tokenizer.encode(text)  # the whole text, tokenized once
+    assert scored_runs(tokenizer, ids, scored) == ["2 + 3 = 5.<|im_end|>\n", "4 + 4 = 8.<|im_end|>\n"]
+
+
+# ChatML whose assistant turns are marked `{% generation %}` (transformers' return_assistant_tokens_mask reads these)
+GENERATION = ("{% for message in messages %}{% if message['role'] == 'assistant' %}"
+              "{{ '<|im_start|>assistant\\n' }}{% generation %}{{ message['content'] + '<|im_end|>' }}"
+              "{% endgeneration %}{{ '\\n' }}{% else %}{{ '<|im_start|>' + message['role'] + '\\n' + "
+              "message['content'] + '<|im_end|>\\n' }}{% endif %}{% endfor %}")
+
+
+@pytest.mark.parametrize("bpe", [False, True], ids=["bytes", "bpe"])
+def test_a_template_that_marks_the_generation_is_read_as_transformers_reads_it(chat_dir, bpe):
+    """With `{% generation %}` blocks the mask is theirs: the content and <|im_end|>, not the newline after it.
+    (Checked against transformers 5.24's apply_chat_template(return_assistant_tokens_mask=True) on 51
+    conversations with the llama fixture's tokenizer: ids and masks equal.)"""
+    tokenizer = make_tokenizer(str(chat_dir / "tokenizer.json")) if bpe else ByteTokenizer()
+    ids, scored = render_with_mask(tokenizer, (GENERATION, {}), TALK)
+    assert tokenizer.decode(ids) == "".join(f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n" for m in TALK)
+    assert scored_runs(tokenizer, ids, scored) == ["2 + 3 = 5.<|im_end|>", "4 + 4 = 8.<|im_end|>"]
+
+
+def scored_runs(tokenizer, ids, scored) -> list[str]:
+    """The text of each run of scored tokens."""
     runs, run = [], []
     for i, s in zip(ids, scored + [0]):
         if s:
             run.append(i)
         elif run:
             runs, run = runs + [tokenizer.decode(run)], []
-    if run:
-        runs.append(tokenizer.decode(run))
-    assert runs == ["2 + 3 = 5.<|im_end|>\n", "4 + 4 = 8.<|im_end|>\n"]
+    return runs + ([tokenizer.decode(run)] if run else [])
 
 
 def test_character_starts_follow_utf8_bytes():

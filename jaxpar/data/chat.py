@@ -10,12 +10,12 @@ Each line of data.path is one of
         plain text, prompt then completion then the tokenizer's eos (no template: TRL's "standard" prompt-completion
         rows); the completion and the eos are scored.
 
-Which tokens an assistant turn owns is found by rendering prefixes of the conversation: turn i's text is what
-render(messages[:i+1]) adds to render(messages[:i], add_generation_prompt=True) — its content and the template's
-end-of-turn (ChatML's `<|im_end|>`), so the model learns to stop. A token is scored when its first character lies in
-such a span (transformers' `return_assistant_tokens_mask` marks the tokens of the `{% generation %}` spans alike,
-for templates that have them). A template whose longer prefixes do not extend the shorter ones cannot be split
-this way and is refused by name.
+Which tokens an assistant turn owns: a template that marks them itself (`{% generation %}…{% endgeneration %}`, as
+transformers' `return_assistant_tokens_mask` reads them) says so; otherwise they are found by rendering prefixes of
+the conversation: turn i's text is what render(messages[:i+1]) adds to render(messages[:i],
+add_generation_prompt=True) — its content and the template's end-of-turn (ChatML's `<|im_end|>`), so the model
+learns to stop. A token is scored when its first character lies in such a span. A template whose longer prefixes
+do not extend the shorter ones (and that marks nothing) cannot be split this way and is refused by name.
 
 A row is [T + 1] tokens (T = train.seq_len): the conversation, then the tokenizer's eos (or 0) as padding, which is
 never scored and — after the conversation, under causal attention — never seen by it. A conversation longer than a
@@ -117,15 +117,18 @@ def render_with_mask(tokenizer: Tokenizer, template: tuple[str, dict], messages:
     as the module docstring describes."""
     source, special = template
 
-    def render(part, prompt):
+    def render(part, prompt, marked=False):
         try:
-            return render_chat(source, part, special, add_generation_prompt=prompt)
+            text, spans = render_chat_spans(source, part, special, add_generation_prompt=prompt)
         except GenerateError as e:
             raise ConfigError("data.path", path, f"line {n}: {e}", "fix the conversation, or the template"
                               ) from None
+        return (text, spans) if marked else text
 
-    text = render(messages, False)
-    spans = []
+    text, spans = render(messages, False, marked=True)
+    if spans:  # the template marks what the assistant generates itself ({% generation %}): as transformers does
+        ids, starts = encode_with_starts(tokenizer, text)
+        return ids, [int(any(a <= s < b for a, b in spans)) for s in starts]
     for i, m in enumerate(messages):
         if m["role"] != "assistant":
             continue
@@ -190,13 +193,41 @@ def chat_template_of(path: str | pathlib.Path) -> tuple[str | None, dict[str, An
     return template, special
 
 
+# `{% generation %}…{% endgeneration %}` (transformers' AssistantTracker: what the assistant generates) renders its
+# body between two private-use characters, which `render_chat_spans` turns into spans and removes.
+_OPEN, _CLOSE = "\ue000", "\ue001"
+
+
 def render_chat(template: str, messages: list[dict], special: dict[str, Any],
                 add_generation_prompt: bool = True) -> str:
     """The chat `messages` ([{"role", "content"}, …]) as text, the way transformers' `apply_chat_template(messages,
     tokenize=False, add_generation_prompt=…)` renders it. A template that refuses the messages (its
     `raise_exception`), or one that does not parse, is a GenerateError."""
+    return render_chat_spans(template, messages, special, add_generation_prompt)[0]
+
+
+def render_chat_spans(template: str, messages: list[dict], special: dict[str, Any],
+                      add_generation_prompt: bool = True) -> tuple[str, list[tuple[int, int]]]:
+    """`render_chat`, and the [start, end) character spans of the template's `{% generation %}` blocks (what
+    transformers' `return_assistant_tokens_mask` marks; none when the template has no such block). The sandbox
+    has what transformers gives templates: `raise_exception`, `strftime_now`, a `tojson` filter, loop controls."""
+    import datetime
+
+    import jinja2
     from jinja2.exceptions import TemplateError
+    from jinja2.ext import Extension
     from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    class Generation(Extension):
+        tags = {"generation"}
+
+        def parse(self, parser):
+            lineno = next(parser.stream).lineno
+            body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+            return jinja2.nodes.CallBlock(self.call_method("_mark"), [], [], body).set_lineno(lineno)
+
+        def _mark(self, caller):
+            return _OPEN + caller() + _CLOSE
 
     def raise_exception(message):
         raise TemplateError(message)
@@ -204,14 +235,28 @@ def render_chat(template: str, messages: list[dict], special: dict[str, Any],
     def tojson(x, indent=None, ensure_ascii=False, separators=None, sort_keys=False):
         return json.dumps(x, indent=indent, ensure_ascii=ensure_ascii, separators=separators, sort_keys=sort_keys)
 
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                        extensions=["jinja2.ext.loopcontrols", Generation])
     env.globals["raise_exception"] = raise_exception
+    env.globals["strftime_now"] = lambda fmt: datetime.datetime.now().strftime(fmt)
     env.filters["tojson"] = tojson
     try:
-        return env.from_string(template).render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                                **special)
+        marked = env.from_string(template).render(messages=messages, add_generation_prompt=add_generation_prompt,
+                                                  **special)
     except TemplateError as e:
         raise GenerateError(f"the chat template refused the messages: {' '.join(str(e).split())}") from None
+    text, spans, start = [], [], 0
+    for piece in marked.split(_OPEN):
+        body, closed, rest = piece.partition(_CLOSE)
+        if not closed:  # the text before the first block
+            text.append(piece)
+            start += len(piece)
+            continue
+        spans.append((start, start + len(body)))
+        text += [body, rest]
+        start += len(body) + len(rest)
+    return "".join(text), spans
 
 
-__all__ = ["load_chat_rows", "render_with_mask", "encode_with_starts", "chat_template_of", "render_chat"]
+__all__ = ["load_chat_rows", "render_with_mask", "encode_with_starts", "chat_template_of", "render_chat",
+           "render_chat_spans"]
