@@ -9,8 +9,8 @@
                     [--device-kind KIND | --profile FILE] [--verify] [--config.parallel.field=VALUE ...]
     jaxpar probe    [--out FILE]
     jaxpar schedule [--schedule NAME] --pipe P --microbatches M [--chunks V] [--png FILE]
-    jaxpar convert  --from DIR | --from-hf HF_DIR   --to DIR2 | --to-hf HF_DIR2   [--step N] [--dtype bfloat16]
-                    [--drop-mtp]
+    jaxpar convert  --from DIR | --from-hf HF_DIR   --to DIR2 | --to-hf HF_DIR2 | --to-peft DIR2   [--step N]
+                    [--dtype bfloat16] [--drop-mtp]
     jaxpar launch   --processes N [--devices-per-process K] -- jaxpar train ...
     jaxpar serve    --model DIR|HF_DIR [--tensor T] [--host 127.0.0.1 --port 8000] [--api-key KEY]
                     [--quantize int8|int4] [--max-batch B] [--page-size S] [--prefill-chunk C] [--max-queue Q]
@@ -232,6 +232,19 @@ def _schedule(args, overrides: list[str]) -> int:
 
 
 def _convert(args, overrides: list[str]) -> int:
+    if args.dst_peft is not None:  # LoRA's adapters alone, as PEFT writes them
+        if args.src is None or args.dst is not None or args.dst_hf is not None or args.src_hf is not None:
+            raise UsageError("--to-peft takes a workdir trained with adapters: `jaxpar convert --from WORKDIR "
+                             "--to-peft DIR`")
+        if args.quantize or args.group_size is not None or args.dtype or args.drop_mtp:
+            raise UsageError("--to-peft writes the adapters as trained (float32); drop --quantize, --group-size, "
+                             "--dtype and --drop-mtp")
+        from jaxpar.interop.peft import export_peft
+
+        step = export_peft(args.src, args.dst_peft, step=args.step)
+        print(f"exported the LoRA adapters of step {step} of {args.src} to {args.dst_peft} (PEFT: "
+              "adapter_model.safetensors + adapter_config.json)")
+        return 0
     if (args.src is None) == (args.src_hf is None) or (args.dst is None) == (args.dst_hf is None):
         raise UsageError("convert needs exactly one of --from/--from-hf and one of --to/--to-hf, e.g. "
                          "`jaxpar convert --from-hf DIR --to WORKDIR`")
@@ -385,7 +398,8 @@ def build_parser() -> argparse.ArgumentParser:
     conv.add_argument("--from", dest="src", help="a jaxpar train workdir")
     conv.add_argument("--from-hf", dest="src_hf", help="a Hugging Face model directory (safetensors + config.json)")
     conv.add_argument("--to", dest="dst", help="the new jaxpar workdir (params-only)")
-    conv.add_argument("--to-hf", dest="dst_hf", help="the new Hugging Face model directory")
+    conv.add_argument("--to-hf", dest="dst_hf", help="the new Hugging Face model directory (LoRA adapters merged)")
+    conv.add_argument("--to-peft", dest="dst_peft", help="the new PEFT directory: a LoRA workdir's adapters alone")
     conv.add_argument("--step", type=int, default=None, help="checkpoint step (default: latest)")
     conv.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None)
     conv.add_argument("--quantize", choices=("int8", "int4"), default=None,

@@ -8,7 +8,8 @@ torchtitan's float8 converters do it:
     plain (this file)      stored float weight → cast to the activation's dtype → einsum, float32 accumulation
     int8 / int4 (this file) stored `Quantized(q, scale)` → dequantized to the activation's dtype → the same einsum
     fp8 (later)            a scaled low-precision dot, float32 accumulation
-    LoRA (later)           x·W + (x·A)·B, with W frozen
+    LoRA (this file)       stored `Adapted(W, A, B)` → x·W + (α/r)·(x·A)·B, W in whatever form it is stored
+                           (float, or `Quantized`: QLoRA), A and B cast like any weight
 
 Policies are chosen per *role* (`ROLES`: attention, mlp, experts, router, embedding, head). Each matrix's family
 `Param` carries its role, the model names the same role where it calls the context (`par.column(…, "mlp")`), and
@@ -99,6 +100,49 @@ class Quantized:
 QUANT_DTYPES = {"int8": (jnp.int8, 127), "int4": (jnp.int4, 7)}  # format → (storage dtype, largest |q|)
 
 
+@functools.partial(jax.tree_util.register_dataclass, data_fields=("base", "a", "b"), meta_fields=("scale",))
+@dataclasses.dataclass
+class Adapted:
+    """A weight matrix with low-rank adapters (LoRA, Hu et al. 2021): W_eff = W + scale·A·B, contracted unmerged as
+    x·W + scale·(x·A)·B — the base W [in…, out…] frozen (float or `Quantized`), A [in…, r] and B [r, out…] trained,
+    scale = alpha / r. The product is never formed: the adapter's cost is O(tokens·r·(in + out)), and no gradient
+    of W is derived.
+
+    Under tensor parallelism A and B shard as the dims they share with W do: a column-parallel W (heads or the MLP
+    width split) has A whole and B split like W's outputs; a row-parallel W has A split like W's inputs and B whole,
+    so (x·A_local)·B is a partial sum that joins W's in the same all-reduce. Layer parameters arrive in this form
+    from `model.Blocks.stacked` (`name`, `name_lora_a`, `name_lora_b`)."""
+
+    base: object
+    a: Array
+    b: Array
+    scale: float
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.base.shape
+
+    @property
+    def ndim(self) -> int:
+        return self.base.ndim
+
+
+@functools.lru_cache(maxsize=None)
+def lora_equations(equation: str) -> tuple[str, str]:
+    """The two contractions of an adapter for a weight contracted by `equation` ("btd,dhe->bthe"): x·A over W's
+    input dims ("btd,dr->btr") and (x·A)·B into W's output dims ("btr,rhe->bthe"). W's input dims lead its
+    subscripts (families.base.Param.contract)."""
+    inputs, out = equation.replace(" ", "").split("->")
+    xs, ws = inputs.split(",")
+    ins = "".join(c for c in ws if c in xs)
+    outs = ws[len(ins):]
+    if ws != ins + outs or any(c not in out for c in outs):
+        raise ValueError(f"{equation}: a weight's contracted dims must lead its subscripts for an adapter")
+    r = next(c for c in "rzyxwvuqponmlkjig" if c not in equation)
+    rest = "".join(c for c in xs if c not in ins)
+    return f"{xs},{ins}{r}->{rest}{r}", f"{rest}{r},{r}{outs}->{out}"
+
+
 def _split(shape, groups) -> list[int]:
     """Each dim d of `shape` as (n, d/n) for its n groups."""
     return [x for d, n in zip(shape, groups) for x in (n, d // n)]
@@ -134,11 +178,18 @@ class Einsum:
         dequantized). A function of w alone, and idempotent: operand(operand(w)) = operand(w). (The pipeline
         executor prepares a chunk's weights with it once a tick and runs the model on them, so what its backward
         closes over is one copy; the model's own call prepares them again, which must change nothing.)"""
+        if isinstance(w, Adapted):
+            return Adapted(self.operand(w.base, dtype), w.a.astype(dtype), w.b.astype(dtype), w.scale)
         return w.dequantize(dtype) if isinstance(w, Quantized) else w.astype(dtype)
 
     def contract(self, equation: str, x: Array, w: Array) -> Array:
         """einsum(equation, x, w) → float32 on a prepared operand w. Linear in x: the collective matmul's backward
-        takes its vjp with respect to x once, at any primal of x's shape."""
+        takes its vjp with respect to x once, at any primal of x's shape. An `Adapted` operand adds its adapters'
+        scale·(x·A)·B, the rank-r activation x·A rounded to x's dtype between the two (as PEFT's lora_B(lora_A(x)))."""
+        if isinstance(w, Adapted):
+            down, up = lora_equations(equation)
+            low = token_einsum(down, x, w.a).astype(x.dtype)
+            return self.contract(equation, x, w.base) + w.scale * token_einsum(up, low, w.b)
         return token_einsum(equation, x, w)
 
     def ragged(self, x: Array, w: Array, group_sizes: Array) -> Array:

@@ -32,6 +32,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import zlib
 from typing import Callable, NamedTuple
 
 import jax
@@ -42,7 +43,7 @@ from flax import nnx
 
 from jaxpar.config import ModelConfig
 from jaxpar.families import Param, attention_kind, family
-from jaxpar.matmul import QUANT_DTYPES, Quantized, quantize
+from jaxpar.matmul import QUANT_DTYPES, Adapted, Quantized, quantize
 from jaxpar.parallel.context import SINGLE_DEVICE, Parallel, segment_mask
 from jaxpar.parallel.tensor import NEG_INF
 from jaxpar.sharding import constrain
@@ -64,11 +65,13 @@ REMAT_POLICIES = {
 
 
 def _param(rngs: nnx.Rngs, spec: Param, cfg: ModelConfig, *, layers: int | None = None,
-           pad: tuple[tuple[int, int], ...] | None = None, dtype=None, axis: str = "layers") -> nnx.Param:
+           pad: tuple[tuple[int, int], ...] | None = None, dtype=None, axis: str = "layers",
+           frozen: bool | None = None) -> nnx.Param:
     """A parameter from its family spec: stacked on a leading axis of `layers` entries when given (logical axis
     `axis`: see `Blocks`), then zero `pad`, in `dtype` (default `param_dtype`); its logical axes and weight-decay
-    flag ride along as metadata. Only the normal initialisers draw from `rngs`, so the draws (and the values a seed
-    gives) follow the order the family lists its parameters in."""
+    flag ride along as metadata, and so does `frozen` (default: whether the model has LoRA adapters, which are then
+    the only parameters that train: `learnable`). Only the normal initialisers draw from `rngs`, so the draws (and
+    the values a seed gives) follow the order the family lists its parameters in."""
     shape, axes = spec.shape, spec.axes
     if layers is not None:
         shape, axes = (layers, *shape), (axis, *axes)
@@ -79,7 +82,24 @@ def _param(rngs: nnx.Rngs, spec: Param, cfg: ModelConfig, *, layers: int | None 
         value = jnp.full(shape, 1.0 if spec.init == "ones" else 0.0, jnp.float32)
     if pad is not None:
         value = jnp.pad(value, pad)
-    return nnx.Param(value.astype(jnp.dtype(dtype or cfg.param_dtype)), logical_axes=axes, weight_decay=spec.decay)
+    frozen = bool(cfg.lora.rank) if frozen is None else frozen
+    return nnx.Param(value.astype(jnp.dtype(dtype or cfg.param_dtype)), logical_axes=axes, weight_decay=spec.decay,
+                     **({"frozen": True} if frozen else {}))
+
+
+def _adapters(spec: Param, cfg: ModelConfig, name: str, layers: int, axis: str) -> tuple[nnx.Param, nnx.Param]:
+    """LoRA's A [layers, in…, r] and B [layers, r, out…] for the matrix `spec` (`Param.contract`: its input dims),
+    with the input and output dims' logical axes (so they shard as the matrix does) and an unsplit rank. B starts at
+    zero, so the adapted model starts as the base; A ~ U(±1/√fan_in) (PEFT's default, kaiming-uniform with a = √5),
+    drawn from a key of its own (the stack and the name), so adding adapters changes no other value."""
+    n_in, r = len(spec.contract), cfg.lora.rank
+    fan_in = math.prod(spec.shape[:n_in])
+    key = jax.random.PRNGKey(zlib.crc32(f"{axis}/{name}".encode()))
+    a = jax.random.uniform(key, (layers, *spec.shape[:n_in], r), jnp.float32, -1.0, 1.0) / math.sqrt(fan_in)
+    dtype = jnp.dtype(cfg.param_dtype)
+    return (nnx.Param(a.astype(dtype), logical_axes=(axis, *spec.axes[:n_in], None), weight_decay=False),
+            nnx.Param(jnp.zeros((layers, r, *spec.shape[n_in:]), dtype),
+                      logical_axes=(axis, None, *spec.axes[n_in:]), weight_decay=False))
 
 
 class Blocks(nnx.Module):
@@ -111,6 +131,10 @@ class Blocks(nnx.Module):
                                                       dtype=jnp.float32, axis=axis))
             else:
                 setattr(self, name, _param(rngs, spec, cfg, layers=layers, axis=axis))
+        for name, spec in cfg.lora_params(moe).items():  # LoRA: the adapters, the only parameters that train
+            a, b = _adapters(spec, cfg, name, layers, axis)
+            setattr(self, name + "_lora_a", a)
+            setattr(self, name + "_lora_b", b)
         for name, spec in layer_buffers(cfg, moe).items():  # no draws: the parameters' values are unchanged
             setattr(self, name, Buffer(jnp.full((layers, *spec.shape), spec.init, jnp.float32),
                                        logical_axes=(axis, *spec.axes)))
@@ -122,7 +146,10 @@ class Blocks(nnx.Module):
         as constants (no gradient reaches them through the layer)."""
         values = {name: v[...] for name, v in vars(self).items() if isinstance(v, nnx.Param)}
         out = {name: Quantized(a, values[name + "_scale"]) if name + "_scale" in values else a
-               for name, a in values.items() if not name.endswith("_scale")}
+               for name, a in values.items() if not name.endswith(("_scale", "_lora_a", "_lora_b"))}
+        scale = self.cfg.lora.alpha / max(self.cfg.lora.rank, 1)
+        for name in [n for n in out if n + "_lora_a" in values]:  # LoRA: W, A and B as one weight
+            out[name] = Adapted(out[name], values[name + "_lora_a"], values[name + "_lora_b"], scale)
         out.update(forward_buffers({name: v for name, v in vars(self).items() if isinstance(v, Buffer)}, self.cfg))
         return out
 
@@ -288,8 +315,24 @@ merge_state = getattr(nnx, "merge_state", None) or nnx.State.merge
 
 
 def trainable(state: nnx.State) -> nnx.State:
-    """The parameters of a model state (what the optimizer updates); `buffers_of` the rest."""
+    """The parameters of a model state (the weights a checkpoint or an export holds); `buffers_of` the rest."""
     return nnx.split_state(state, nnx.Param, ...)[0]
+
+
+def _learns(path, v) -> bool:
+    return isinstance(v, nnx.Param) and not getattr(v, "frozen", False)
+
+
+def learnable(state: nnx.State) -> nnx.State:
+    """The parameters that train (what is differentiated and what the optimizer updates): every parameter, or with
+    LoRA adapters (`ModelConfig.lora`) the adapters alone — the rest carry `frozen` metadata (`frozen_of`)."""
+    return nnx.split_state(state, _learns, ...)[0]
+
+
+def frozen_of(state: nnx.State) -> nnx.State:
+    """Everything in a model state that does not train: the frozen parameters and the buffers (`learnable`'s
+    complement)."""
+    return nnx.split_state(state, _learns, ...)[1]
 
 
 def buffers_of(state: nnx.State) -> nnx.State:
@@ -1228,6 +1271,30 @@ def quantize_state(params: nnx.State, cfg: ModelConfig, shardings: nnx.State | N
     placed = None if shardings is None else nnx.to_pure_dict(shardings)
     nnx.replace_by_pure_dict(out, jax.jit(quantized, out_shardings=placed)(pure))
     return out
+
+
+def merge_adapters(params: nnx.State, cfg: ModelConfig) -> tuple[nnx.State, ModelConfig]:
+    """A LoRA model's state (`cfg.lora`; any vocab padding, layers in model order) → (the plain model's state, its
+    config): each adapted W becomes W + (alpha/r)·A·B in float32, rounded to W's dtype once, and the adapters are
+    dropped. Quantized weights (QLoRA) are dequantized first: the merged model is a float model."""
+    lora = cfg.lora
+    plain = dataclasses.replace(cfg, lora=dataclasses.replace(lora, rank=0), weights="float")
+    pure = nnx.to_pure_dict(params)
+    dtype = jnp.dtype(cfg.param_dtype)
+    for stack, layers in pure.items():
+        if not isinstance(layers, dict):
+            continue
+        for name in [n for n in layers if n + "_scale" in layers]:  # a quantized matrix, back to float
+            layers[name] = Quantized(layers[name], layers.pop(name + "_scale")).dequantize(dtype)
+        for name in [n.removesuffix("_lora_a") for n in layers if n.endswith("_lora_a")]:
+            a, b, w = layers.pop(name + "_lora_a"), layers.pop(name + "_lora_b"), layers[name]
+            L, r = a.shape[0], a.shape[-1]
+            product = jnp.matmul(a.reshape(L, -1, r).astype(jnp.float32), b.reshape(L, r, -1).astype(jnp.float32))
+            layers[name] = (w.astype(jnp.float32) + lora.alpha / lora.rank * product.reshape(w.shape)).astype(w.dtype)
+    _, like = abstract_model(plain, pure["embed"].shape[0])
+    state = jax.tree.map(lambda x: x, like)
+    nnx.replace_by_pure_dict(state, pure)
+    return state, plain
 
 
 def abstract_model(cfg: ModelConfig, padded_vocab: int | None = None) -> tuple[nnx.GraphDef, nnx.State]:

@@ -245,7 +245,7 @@ def test_model_with_a_bias_matches_one_device(reference, layout):
     np.testing.assert_allclose(loss, want_loss, rtol=1e-5)
     assert np.abs(np.asarray(trainable(want_grads)["mtp"]["eh_proj"][...])).max() > 0  # the MTP module trains
     assert_grads_match(trainable(grads), trainable(want_grads))
-    np.testing.assert_array_equal(buffers_of(grads)["blocks"]["e_score_correction_bias"][...], 0.0)
+    assert not jax.tree.leaves(buffers_of(grads))  # no gradient is even formed for the bias: a constant of the loss
     np.testing.assert_array_equal(sums["load"], want_sums["load"])
     np.testing.assert_array_equal(sums["mtp"]["count"], want_sums["mtp"]["count"])
     np.testing.assert_allclose(sums["mtp"]["ce"], want_sums["mtp"]["ce"], rtol=1e-5)

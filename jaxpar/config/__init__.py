@@ -21,11 +21,11 @@ from jaxpar.config.load import MAX_YAML_NODES, config_from_dict, load_config
 from jaxpar.config.reference import reference_markdown
 from jaxpar.config.schema import (ATTENTION_IMPLS, AUTO_KEEPS, CONTEXT_IMPLS, DEFAULT_GROUP, DTYPES, OVERLAPS, PLANNED,
                                   REMAT_POLICIES, ROPE_SCALINGS, SECTIONS, SOURCES, WEIGHT_FORMATS, CheckpointConfig,
-                                  Config, DataConfig, ModelConfig, MoEConfig, ParallelConfig, TrainConfig,
+                                  Config, DataConfig, LoRAConfig, ModelConfig, MoEConfig, ParallelConfig, TrainConfig,
                                   check_layout, resolve_attention)
 from jaxpar.errors import ConfigError
 
 __all__ = ["ATTENTION_IMPLS", "AUTO_KEEPS", "CONTEXT_IMPLS", "DEFAULT_GROUP", "DTYPES", "MAX_YAML_NODES", "OVERLAPS",
            "PLANNED", "REMAT_POLICIES", "ROPE_SCALINGS", "SECTIONS", "SOURCES", "WEIGHT_FORMATS", "CheckpointConfig",
-           "Config", "ConfigError", "DataConfig", "ModelConfig", "MoEConfig", "ParallelConfig", "TrainConfig",
+           "Config", "ConfigError", "DataConfig", "LoRAConfig", "ModelConfig", "MoEConfig", "ParallelConfig", "TrainConfig",
            "check_layout", "config_from_dict", "load_config", "reference_markdown", "resolve_attention"]

@@ -13,7 +13,7 @@ from typing import Any
 import yaml
 
 from jaxpar.config.checks import (reject_unknown, type_hints)
-from jaxpar.config.schema import PLANNED, SECTIONS, Config
+from jaxpar.config.schema import NESTED, PLANNED, SECTIONS, Config
 from jaxpar.errors import ConfigError
 
 def config_from_dict(d: dict) -> Config:
@@ -22,14 +22,14 @@ def config_from_dict(d: dict) -> Config:
         raise ConfigError("config", type(d).__name__, "must be a mapping of sections", "write sections like model: {...}")
     reject_unknown(d, SECTIONS, prefix="")
     sections = {}
-    for name in sorted(SECTIONS, key=lambda n: n != "moe"):  # moe first: the model config holds it
+    for name in sorted(SECTIONS, key=lambda n: n not in NESTED):  # moe, lora first: the model config holds them
         cls, raw = SECTIONS[name], d.get(name, {}) or {}
         if not isinstance(raw, dict):
             raise ConfigError(name, raw, "must be a mapping of fields", f"write {name}: {{field: value}}")
         names = {f.name: f for f in dataclasses.fields(cls) if not f.metadata.get("section")}
         reject_unknown(raw, names, prefix=f"{name}.")
-        if name == "model":  # the moe section, already built, rides inside the model config
-            raw = dict(raw, moe=sections.pop("moe"))
+        if name == "model":  # the moe and lora sections, already built, ride inside the model config
+            raw = dict(raw, **{k: sections.pop(k) for k in NESTED})
         if name == "parallel" and raw.get("auto") is True:  # what the user set stays: the planner keeps it
             train = d.get("train") if isinstance(d.get("train"), dict) else {}
             named = [k for k in raw if k in PLANNED] + (["grad_accum"] if "grad_accum" in train else [])

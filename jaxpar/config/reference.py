@@ -19,7 +19,8 @@ def reference_markdown() -> str:
         for f in dataclasses.fields(cls):
             if f.metadata.get("section"):
                 continue
-            kind = "list[int]" if typing.get_origin(hints[f.name]) is tuple else hints[f.name].__name__
+            hint = hints[f.name]
+            kind = f"list[{typing.get_args(hint)[0].__name__}]" if typing.get_origin(hint) is tuple else hint.__name__
             lines.append(f"| `{section}.{f.name}` | {kind} | `{f.default!r}` | {f.metadata['help']} |")
         lines.append("")
     return "\n".join(lines).rstrip() + "\n"

@@ -44,6 +44,23 @@ SCORINGS = ("softmax", "sigmoid")  # MoEConfig.scoring (jaxpar.parallel.expert.r
 
 
 @dataclasses.dataclass(frozen=True)
+class LoRAConfig:
+    """Low-rank adapters (LoRA): W x + (alpha/rank)·B·A x on the named weight matrices, every other weight frozen."""
+
+    rank: int = _f(0, "the adapters' rank r (0: no adapters, every weight trains)")
+    alpha: float = _f(16.0, "the adapters' scale is alpha / rank (PEFT's lora_alpha)")
+    targets: tuple[str, ...] = _f(("wq", "wk", "wv", "wo"), "the layer weight matrices that get adapters, by jaxpar name "
+                        "(llama: wq, wk, wv, wo, w_gate, w_up, w_down; PEFT's q_proj … down_proj)")
+
+    def __post_init__(self):
+        check_fields(self, "lora")
+        check_positive("lora.rank", self.rank, allow_zero="no adapters")
+        check_positive("lora.alpha", self.alpha)
+        if self.rank and not self.targets:
+            raise ConfigError("lora.targets", [], "names no weight to adapt", "name some, e.g. [wq, wv]")
+
+
+@dataclasses.dataclass(frozen=True)
 class MoEConfig:
     """Mixture of experts: a router and stacked SwiGLU experts in place of each layer's MLP (n_experts 0: dense)."""
 
@@ -253,10 +270,14 @@ class ModelConfig:
     # config files and in config.json it is its own section `moe.*` (config_from_dict / Config.to_dict move it).
     moe: MoEConfig = dataclasses.field(default_factory=MoEConfig, metadata={
         "section": "moe", "help": "the mixture-of-experts section (`moe.*`, below)"})
+    lora: LoRAConfig = dataclasses.field(default_factory=LoRAConfig, metadata={
+        "section": "lora", "help": "the low-rank adapters section (`lora.*`, below)"})
 
     def __post_init__(self):
         if isinstance(self.moe, dict):  # config.json written before `moe` moved out, or a dict from a caller
             object.__setattr__(self, "moe", MoEConfig(**self.moe))
+        if isinstance(self.lora, dict):
+            object.__setattr__(self, "lora", LoRAConfig(**self.lora))
         check_fields(self, "model")
         check_choice("model.family", self.family, tuple(FAMILIES))
         check_choice("model.dtype", self.dtype, DTYPES)
@@ -335,6 +356,30 @@ class ModelConfig:
         check_positive("model.weight_group", self.weight_group)
         if self.weights == "int4":
             self._check_groups()
+        if self.lora.rank:
+            self._check_lora()
+
+    def lora_params(self, moe: bool) -> dict:
+        """The matrices of one layer (of kind `moe`) that get adapters: {name: family Param} (none without LoRA)."""
+        if not self.lora.rank:
+            return {}
+        params = FAMILIES[self.family].layer_params(self, moe)
+        return {k: params[k] for k in self.lora.targets if k in params}
+
+    def _check_lora(self):
+        """Adapters go on the block's dense matrices the model contracts through the matmul seam (attention's
+        and the MLP's): each target must be one of those in some layer of this model."""
+        kinds = set(self.layer_kinds)
+        adaptable = sorted({k for moe in kinds for k, p in FAMILIES[self.family].layer_params(self, moe).items()
+                            if p.contract and p.role in ("attention", "mlp")})
+        unknown = [t for t in self.lora.targets if t not in adaptable]
+        if unknown:
+            raise ConfigError("lora.targets", list(self.lora.targets), f"{unknown} is no weight matrix of the "
+                              f"{self.family} family's layers that LoRA adapts (experts, routers, embeddings and "
+                              "norms are not adapted)", f"choose from {adaptable}")
+        if self.mtp_depth:
+            raise ConfigError("lora.rank", self.lora.rank, "the MTP modules' blocks would train whole beside the "
+                              "adapters", "set model.mtp_depth=0 (or import with --drop-mtp)")
 
     def _check_attention_pattern(self):
         """The per-layer attention pattern (full layers among windowed ones, a local RoPE) needs a window and RoPE;
@@ -727,6 +772,10 @@ def check_layout(m: ModelConfig, p: ParallelConfig) -> None:
     rest; `jaxpar.infer.text.load` for an inference layout): the attention kind's heads (its `check`) and the MLP
     widths against `tensor`, the layers against the pipeline's chunks, and the mixture-of-experts rules. The
     embedding needs none: it is padded to a multiple of `tensor` (jaxpar.sharding)."""
+    if m.lora.rank and p.pipe > 1 and p.schedule != "circular":
+        raise ConfigError("parallel.schedule", p.schedule, "runs each chunk's backward as an explicit B/W split over "
+                          "the matmul weights it records, and LoRA's adapters ride inside their frozen weight "
+                          "(not supported yet)", "use parallel.schedule=circular with lora.rank > 0")
     attention_kind(m).check(m, p.tensor)  # its heads (or latent dims) against the tensor degree
     check_divides("model.d_ff", m.d_ff, "parallel.tensor", p.tensor, "the MLP hidden dim is split over tensor")
     stages = p.pipe * p.repeats
@@ -855,14 +904,17 @@ class Config:
         return self.model.moe
 
     def to_dict(self) -> dict:
-        """The config as nested plain dicts (what config.json and checkpoints store); `moe` is its own section."""
+        """The config as nested plain dicts (what config.json and checkpoints store); `moe` and `lora` are sections
+        of their own."""
         d = dataclasses.asdict(self)
-        return {"model": d["model"], "moe": d["model"].pop("moe"), **{k: v for k, v in d.items() if k != "model"}}
+        return {"model": d["model"], **{k: d["model"].pop(k) for k in NESTED},
+                **{k: v for k, v in d.items() if k != "model"}}
 
     def to_json(self) -> str:
         """The config as sorted, indented JSON (config.json); `config_from_dict` reads it back."""
         return json.dumps(self.to_dict(), indent=2, sort_keys=True)
 
 
-SECTIONS: dict[str, type] = {"model": ModelConfig, "moe": MoEConfig, "parallel": ParallelConfig, "train": TrainConfig,
-            "data": DataConfig, "checkpoint": CheckpointConfig}
+SECTIONS: dict[str, type] = {"model": ModelConfig, "moe": MoEConfig, "lora": LoRAConfig, "parallel": ParallelConfig,
+                             "train": TrainConfig, "data": DataConfig, "checkpoint": CheckpointConfig}
+NESTED = ("moe", "lora")  # sections that ride inside the model config (ModelConfig.moe, .lora)

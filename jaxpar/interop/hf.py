@@ -71,7 +71,7 @@ from jaxpar.families import FAMILIES, Rule, family
 from jaxpar.families.moe_hf import FUSED, ExpertRule, ZeroRule
 from jaxpar.interop.safetensors_files import (INDEX, SINGLE, HFError, SafetensorsDir, check_members, inside, member,
                                              model_dir, write_shards)
-from jaxpar.model import abstract_model, buffers_of, initial_buffers, merge_state, trainable
+from jaxpar.model import abstract_model, buffers_of, initial_buffers, merge_adapters, merge_state, trainable
 from jaxpar.plan import Plan
 from jaxpar.sharding import layer_axis, vocab_dims
 from jaxpar.store import checkpoint
@@ -303,6 +303,8 @@ def load_params(path: str | pathlib.Path, cfg: ModelConfig, abstract: nnx.State,
     which a family's table otherwise refuses by name — an explicit choice, never a default.
     """
     path = pathlib.Path(path)
+    if cfg.weights != "float":  # QLoRA: the float weights read, then quantized where they are
+        return _load_quantized(path, cfg, abstract, layout, shardings, drop_mtp=drop_mtp)
     files = SafetensorsDir(path)
     dropped = beyond_layers(files.names(), cfg.n_layers) if drop_mtp else set()
     table = _rules(cfg, files.names() - dropped)
@@ -395,6 +397,28 @@ def load_params(path: str | pathlib.Path, cfg: ModelConfig, abstract: nnx.State,
     return state
 
 
+def _load_quantized(path: pathlib.Path, cfg: ModelConfig, state: nnx.State, layout: Plan,
+                    shardings: nnx.State | None, *, drop_mtp: bool) -> nnx.State:
+    """`load_params` for a model whose weights are stored quantized (`cfg.weights`: a frozen base under LoRA
+    adapters): the float model's weights read into `layout`, then quantized as `jaxpar convert --quantize` does
+    (`quantize_state`, each device its own share). `state` holds the run's start values: its adapters and
+    buffers are kept."""
+    from jaxpar.model import quantize_state
+    from jaxpar.sharding import param_shardings
+
+    plain = dataclasses.replace(cfg, weights="float")
+    _, like = abstract_model(plain, layout.padded_vocab)
+    placed = None if shardings is None else param_shardings(like, layout.mesh, layout.rules, layout.param_zero_data)
+    read = nnx.to_pure_dict(load_params(path, plain, like, layout, placed, drop_mtp=drop_mtp))
+    start = nnx.to_pure_dict(state)
+    for stack, layers in read.items():  # the adapters: not in the file, so the run's own start values
+        if isinstance(layers, dict):
+            layers.update({k: v for k, v in start[stack].items() if k.endswith(("_lora_a", "_lora_b"))})
+    float_state = jax.tree.map(lambda x: x, like)
+    nnx.replace_by_pure_dict(float_state, read)
+    return quantize_state(float_state, cfg, shardings)
+
+
 def _named(tree: dict) -> dict[str, Any]:
     """The leaves of a pure dict by dotted path ("blocks.wq")."""
     out: dict[str, Any] = {}
@@ -403,7 +427,8 @@ def _named(tree: dict) -> dict[str, Any]:
 
 
 def _carried(state: nnx.State, rules: dict[str, Rule]) -> dict:
-    """The pure dict of what a Hugging Face checkpoint holds of model state `state`: every parameter, and each
+    """The pure dict of what a Hugging Face checkpoint holds of model state `state`: every parameter but LoRA's
+    adapters (a run's own: they keep the values they start at on import, and an export merges them), and each
     buffer a rule names (a buffer without a tensor, like expert_load, is left out: it starts at its initial value
     on import and is not exported)."""
     buffers = _named(nnx.to_pure_dict(buffers_of(state)))
@@ -415,7 +440,7 @@ def _carried(state: nnx.State, rules: dict[str, Rule]) -> dict:
             if isinstance(v, dict):
                 if sub := keep(v, name + "."):
                     out[k] = sub
-            elif name not in buffers or name in rules:
+            elif (name not in buffers or name in rules) and not k.endswith(("_lora_a", "_lora_b")):
                 out[k] = v
         return out
 
@@ -622,7 +647,8 @@ def checkpoint_names(path: str | pathlib.Path) -> set[str]:
 # Workdirs: import, export, and starting a training run from Hugging Face weights
 
 SOURCE = "hf_source.json"  # written into an imported workdir: the HF config.json and tensor names, for export
-_NUMERICS = ("dtype", "param_dtype", "attention")  # a run's own choices, not properties of the checkpoint
+# a run's own choices, not properties of the checkpoint: the numerics, and LoRA's adapters over its weights
+_NUMERICS = ("dtype", "param_dtype", "attention", "lora", "weights", "weight_group")
 
 
 def init_config(config, path: str | pathlib.Path):
@@ -656,6 +682,7 @@ def check_sizes(path: str | pathlib.Path, cfg: ModelConfig) -> None:
     builds anything of the model's size (a training run initializes its state before it reads the weights)."""
     path = model_dir(path)
     files = SafetensorsDir(path)
+    cfg = dataclasses.replace(cfg, weights="float")  # (a quantized base is read as float, then quantized)
     _, abstract = abstract_model(cfg)
     rules = {r.param: r for r in _rules(cfg, files.names()) if not isinstance(r, ZeroRule)}
     _check_shapes(files, cfg, _carried(abstract, rules), rules, vocab_dims(abstract), path)
@@ -703,6 +730,9 @@ def export_workdir(src: str | pathlib.Path, dst: str | pathlib.Path, *, step: in
     check_outside(src, dst, "--to-hf")
     check_new_output(dst, "--to-hf")  # before seconds of reading; the publication re-checks it atomically
     config, params, step = checkpoint.read_canonical(src, step)
+    if config.model.lora.rank:  # LoRA: the adapters merged into their weights, W + (alpha/r)·A·B
+        params, model = merge_adapters(params, config.model)
+        config = dataclasses.replace(config, model=model)
     source = json.loads((src / SOURCE).read_text()) if (src / SOURCE).is_file() else {}
     # The byte tokenizer has no file to copy (and "bytes" must not be read as a path relative to the cwd).
     tokenizer = pathlib.Path(config.data.tokenizer) if config.data.tokenizer != "bytes" else None

@@ -37,7 +37,7 @@ from typing import Sequence
 import jax
 import jax.numpy as jnp
 
-from jaxpar.matmul import Einsum
+from jaxpar.matmul import Adapted, Einsum
 from jaxpar.parallel import overlap, sequence as seq
 from jaxpar.parallel.vma import vary
 
@@ -200,8 +200,12 @@ class TensorParallel:
         if self.kv_replicas == 1:
             return w
         head = jax.lax.axis_index(self.axis) // self.kv_replicas
+        cut = lambda w: jax.tree.map(  # noqa: E731
+            lambda a: jax.lax.dynamic_slice_in_dim(copy_to_tensor(a, self.axis), head, 1, axis=-2), w)
+        if isinstance(w, Adapted):  # the heads are the base's and B's output dims; A (the inputs') is whole
+            return Adapted(cut(w.base), copy_to_tensor(w.a, self.axis), cut(w.b), w.scale)
         # tree.map: a quantized weight (jaxpar.matmul.Quantized) slices its integers and its scales alike
-        return jax.tree.map(lambda a: jax.lax.dynamic_slice_in_dim(copy_to_tensor(a, self.axis), head, 1, axis=-2), w)
+        return cut(w)
 
     def embed(self, table: Array, tokens: Array) -> Array:
         """Vocab-parallel lookup. table [V/t, D] (compute dtype), tokens [B, T] (full sequence) → float32

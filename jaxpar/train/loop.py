@@ -63,9 +63,11 @@ class Trainer:
 
 
 def _check_trainable(model) -> None:
-    """Integers have no gradient: quantization is applied to a trained model, for inference."""
-    if model.weights != "float":
-        raise ConfigError("model.weights", model.weights, "is an inference format: quantized weights cannot train",
+    """Integers have no gradient: quantization is applied to a trained model, for inference — or frozen under LoRA's
+    adapters (QLoRA), which are what trains."""
+    if model.weights != "float" and not model.lora.rank:
+        raise ConfigError("model.weights", model.weights, "is an inference format: quantized weights cannot train "
+                          "(but can stay frozen under LoRA adapters: lora.rank > 0)",
                           "train with model.weights=float, then quantize with `jaxpar convert --quantize "
                           f"{model.weights}` or load(..., quantize='{model.weights}')")
 

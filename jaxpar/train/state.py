@@ -18,7 +18,7 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxpar.config import ModelConfig, TrainConfig
-from jaxpar.model import MODEL_STATE, Transformer, abstract_model, trainable
+from jaxpar.model import MODEL_STATE, Transformer, abstract_model, learnable
 from jaxpar.plan import Plan
 from jaxpar.sharding import param_shardings
 
@@ -27,7 +27,7 @@ from jaxpar.sharding import param_shardings
 class TrainState:
     """step: int32 []; params: nnx.State, the model's state — its fp32 master weights (nnx.Param) and its buffers
     (jaxpar.model.Buffer: updated by the step outside the gradient); opt_state: optax state mirroring the weights
-    alone (`jaxpar.model.trainable(params)`).
+    that train (`jaxpar.model.learnable(params)`: every weight, or with LoRA the adapters alone).
 
     One tree for weights and buffers: everything that moves a model (layouts, checkpoints, convert, exports,
     fingerprints) carries both with no code of its own; the step and the optimizer split them."""
@@ -88,7 +88,7 @@ def create_state(model_cfg: ModelConfig, tx: optax.GradientTransformation, seed:
         model = Transformer(model_cfg, rngs=nnx.Rngs(params=seed), padded_vocab=plan.padded_vocab)
         # Built in model order (already vocab-padded); the plan stores the layers in pipeline order.
         params = plan.from_canonical(nnx.state(model, MODEL_STATE))
-        return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(trainable(params)))
+        return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(learnable(params)))
 
     graphdef, _ = abstract_model(model_cfg, plan.padded_vocab)
     if plan.mesh is None:

@@ -31,8 +31,8 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh, PartitionSpec as P
 
-from jaxpar.model import (buffers_of, default_positions, forward_buffers, layer_masks, merge_state, moe_objective,
-                          mtp_targets, run_layers, stats_total, trainable)
+from jaxpar.model import (buffers_of, default_positions, forward_buffers, frozen_of, layer_masks, learnable,
+                          merge_state, moe_objective, mtp_targets, run_layers, stats_total, trainable)
 from jaxpar.parallel import circular, executor, schedule as tables
 from jaxpar.parallel.axes import DATA, EXPERT, PIPE
 from jaxpar.parallel.pipeline import Pipeline
@@ -420,22 +420,29 @@ def loss_and_grads(graphdef: nnx.GraphDef, *, grad_accum: int = 1, remat: str = 
     """
     scale = 1.0 / pipe.stages if pipe is not None else 1.0
 
-    def objective(p, b, density):  # (what is differentiated: the loss plus the MoE terms, (the loss, MoE sums))
-        p = merge_state(trainable(p), jax.tree.map(jax.lax.stop_gradient, buffers_of(p)))  # buffers: constants
+    def objective(learn, rest, b, density):  # (what is differentiated: the loss plus the MoE terms, (the loss,
+        # MoE sums)) as a function of the parameters that train; the rest — frozen parameters, buffers — constants
+        p = merge_state(learn, jax.tree.map(jax.lax.stop_gradient, rest))
         value, (loss, sums) = next_token_loss(graphdef, p, b, remat, par, pipe, objective=True, mtp_weight=mtp_weight,
                                               density=density)
         return scale * value, (scale * loss, sums)
 
     differentiate = jax.value_and_grad(objective, has_aux=True)
 
-    def grad_fn(p, b, density):
-        (_, (loss, sums)), grads = differentiate(p, b, density)
+    def grad_fn(p, b, density):  # → (loss, the gradients of `learnable(p)`, sums)
+        (_, (loss, sums)), grads = differentiate(learnable(p), frozen_of(p), b, density)
         return loss, grads, sums
 
     if pipe is not None and pipe.schedule != "circular":
         def grad_fn(p, b, density):
-            return scheduled_loss_and_grads(graphdef, p, b, pipe=pipe, remat=remat, par=par, mtp_weight=mtp_weight,
-                                            density=density)
+            loss, grads, sums = scheduled_loss_and_grads(graphdef, p, b, pipe=pipe, remat=remat, par=par,
+                                                         mtp_weight=mtp_weight, density=density)
+            return loss, learnable(grads), sums
+
+    # the trees that describe each gradient (the parameters that train)
+    pipe_replicated, grad_dims, expert_split = (None if t is None else learnable(t)
+                                                for t in (pipe_replicated, grad_dims, expert_split))
+    zero_grad_dims = None if zero_dims is None else learnable(zero_dims)
 
     batch_axes = tuple(grad_axes) + ((PIPE,) if pipe is not None else ())
 
@@ -460,7 +467,7 @@ def loss_and_grads(graphdef: nnx.GraphDef, *, grad_accum: int = 1, remat: str = 
                 loss, grads, sums = grad_fn(params, chunk, density)
                 return (loss_sum + loss, jax.tree.map(jnp.add, grad_sum, grads)), sums
 
-            zeros = jax.tree.map(jnp.zeros_like, params)
+            zeros = jax.tree.map(jnp.zeros_like, learnable(params))
             # the loss carry starts typed like the per-chunk losses it sums (varying over the batch axes: check_vma)
             loss_zero = vary(jnp.zeros((), jnp.float32), batch_axes)
             (loss_sum, grad_sum), sums = jax.lax.scan(accumulate, (loss_zero, zeros), chunks)
@@ -472,7 +479,7 @@ def loss_and_grads(graphdef: nnx.GraphDef, *, grad_accum: int = 1, remat: str = 
             sums = jax.tree.map(lambda a: jax.lax.psum(a, PIPE), sums)  # each stage counted its own layers
         if grad_axes:
             loss = jax.lax.pmean(loss, grad_axes)
-            dims = next((d for d in (grad_dims, zero_dims) if d is not None), None)
+            dims = next((d for d in (grad_dims, zero_grad_dims) if d is not None), None)
             dims = dims if dims is not None else jax.tree.map(lambda _: -1, grads)
             split = expert_split if expert_split is not None else jax.tree.map(lambda _: False, grads)
             grads = jax.tree.map(lambda g, d, e: _mean(g, d, grad_axes, e), grads, dims, split)
@@ -528,7 +535,7 @@ def sharded_loss_and_grads(graphdef: nnx.GraphDef, plan: Plan, *, grad_accum: in
                            pipe=plan.pipeline, pipe_replicated=replicated, zero_dims=_zero_dims(param_specs),
                            grad_dims=None if grad_specs is None else _zero_dims(grad_specs),
                            expert_split=expert_split, stats=stats, mtp_weight=mtp_weight)
-    grad_specs = param_specs if grad_specs is None else grad_specs
+    grad_specs = learnable(param_specs if grad_specs is None else grad_specs)  # the parameters that train
     out_specs = (P(), grad_specs, P()) if stats else (P(), grad_specs)
     mapped = jax.shard_map(local, mesh=plan.mesh, in_specs=(param_specs, plan.batch_spec, P()), out_specs=out_specs,
                            check_vma=True)
@@ -561,12 +568,14 @@ def make_train_step(grads_of: Callable[[nnx.State, jax.Array], tuple[jax.Array, 
     def step(state: TrainState, batch: jax.Array) -> tuple[TrainState, Metrics]:
         loss, grads, *sums = grads_of(state.params, batch)
         mtp = sums[0].pop("mtp", None) if sums and sums[0] else None
-        grads, weights, buffers = trainable(grads), trainable(state.params), buffers_of(state.params)
+        # the optimizer sees what trains (every weight, or LoRA's adapters); frozen weights and buffers pass by
+        grads, weights, buffers = learnable(grads), learnable(state.params), buffers_of(state.params)
+        frozen = trainable(frozen_of(state.params))
         updates, opt_state = tx.update(grads, state.opt_state, weights)
         weights = optax.apply_updates(weights, updates)
         if update_buffers is not None and sums and sums[0]:
             buffers = update_buffers(buffers, sums[0])
-        params = merge_state(weights, buffers)
+        params = merge_state(weights, frozen, buffers)
         grad_norm = global_norm(grads)
         # A non-finite loss, gradient or updated parameter skips the step: the state stays as it was, so no
         # NaN/Inf ever reaches the parameters (or a checkpoint). The loop counts and limits consecutive skips.
