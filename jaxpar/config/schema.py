@@ -903,6 +903,11 @@ class Config:
         """The `moe` section (held by the model config: it is part of the model's shape)."""
         return self.model.moe
 
+    @property
+    def lora(self) -> LoRAConfig:
+        """The `lora` section (held by the model config: the adapters are parameters of the model)."""
+        return self.model.lora
+
     def to_dict(self) -> dict:
         """The config as nested plain dicts (what config.json and checkpoints store); `moe` and `lora` are sections
         of their own."""
