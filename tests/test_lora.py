@@ -162,9 +162,9 @@ def test_the_lora_recipe_learns_and_keeps_the_base(lora_run):
 
 
 def test_merged_and_peft_exports(lora_run, tmp_path):
-    """--to-hf writes W + (alpha/r)·A·B: the exported model's logits equal the adapted model's; --to-peft writes
-    PEFT's tensors and config (and, where torch and peft are installed, PEFT loads them onto the base model with the
-    adapted model's logits)."""
+    """--to-hf writes W + (alpha/r)·A·B: the exported model's logits equal the adapted model's, and so do the
+    serving engine's greedy tokens on the adapted workdir; --to-peft writes PEFT's tensors and config (PEFT itself
+    loads them in `test_transformers_and_peft_load_the_exports`, where it is installed)."""
     import json
 
     from safetensors.numpy import load_file
@@ -188,6 +188,18 @@ def test_merged_and_peft_exports(lora_run, tmp_path):
     a = tensors["base_model.model.model.layers.1.self_attn.q_proj.lora_A.weight"]
     b = tensors["base_model.model.model.layers.1.self_attn.q_proj.lora_B.weight"]
     assert a.shape == (8, 64) and b.shape == (64, 8)  # [r, hidden], [heads·head_dim, r]
+    # the serving engine runs the adapted workdir as it is (adapters unmerged, tensor 2): its greedy tokens are the
+    # merged export's plain greedy generation's
+    from jaxpar.serve import Engine, EngineConfig, SamplingParams
+
+    prompts = [[7, 300, 41, 12, 99], [3, 5, 8, 13, 21, 34, 55, 89, 144]]
+    want = merged.generate(prompts, max_new_tokens=16, return_prompt=False)
+    served = load(workdir, tensor=2)
+    engine = Engine(served.model, EngineConfig(max_batch=4, page_size=4, prefill_chunk=8, prefill_rows=2),
+                    plan=served.plan)
+    with jax.set_mesh(served.mesh):
+        got = engine.generate(prompts, SamplingParams(max_tokens=16, ignore_eos=True))
+    assert got == np.asarray(want).tolist()
 
 
 def test_transformers_and_peft_load_the_exports(lora_run, tmp_path):
@@ -237,22 +249,3 @@ def test_qlora_trains_adapters_over_int8_weights(monkeypatch, tmp_path):
     assert merged.config.model.weights == "float"
     np.testing.assert_allclose(merged.model(ids)[..., :515], load(tmp_path / "w").model(ids)[..., :515], rtol=0,
                                atol=1e-4)
-
-
-def test_the_engine_serves_the_adapted_model(lora_run, tmp_path):
-    """The serving engine runs a LoRA workdir as it is (adapters unmerged, tensor 2): its greedy tokens are those of
-    the merged export's plain greedy generation."""
-    from jaxpar.cli import main
-    from jaxpar.infer.text import load
-    from jaxpar.serve import Engine, EngineConfig, SamplingParams
-
-    workdir, _ = lora_run
-    assert main(["convert", "--from", str(workdir), "--to-hf", str(tmp_path / "merged")]) == 0
-    prompts = [[7, 300, 41, 12, 99], [3, 5, 8, 13, 21, 34, 55, 89, 144]]
-    want = load(tmp_path / "merged").generate(prompts, max_new_tokens=16, return_prompt=False)
-    loaded = load(workdir, tensor=2)
-    engine = Engine(loaded.model, EngineConfig(max_batch=4, page_size=4, prefill_chunk=8, prefill_rows=2),
-                    plan=loaded.plan)
-    with jax.set_mesh(loaded.mesh):
-        got = engine.generate(prompts, SamplingParams(max_tokens=16, ignore_eos=True))
-    assert got == np.asarray(want).tolist()

@@ -73,8 +73,6 @@ LAYOUTS = {
     "(data, pipe, tensor) = (2, 2, 2) 1f1b": (dict(data=2, pipe=2, tensor=2, microbatches=4, schedule="1f1b"), 1),
     "(pipe, expert, tensor) = (2, 2, 2) zbv": (dict(pipe=2, expert=2, tensor=2, repeats=2, microbatches=4,
                                                      schedule="zbv"), 1),
-    "(data, expert, tensor) = (2, 2, 2) SP, accumulation 2": (
-        dict(data=2, expert=2, tensor=2, sequence_parallel=True), 2),
     "(data, context, tensor) = (2, 2, 2) SP ring": (dict(data=2, context=2, tensor=2, sequence_parallel=True,
                                                          context_impl="ring"), 1),
     "(data, context) = (2, 4) all-gather": (dict(data=2, context=4, context_impl="all_gather"), 1),
