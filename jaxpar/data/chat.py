@@ -126,10 +126,8 @@ def render_with_mask(tokenizer: Tokenizer, template: tuple[str, dict], messages:
         return (text, spans) if marked else text
 
     text, spans = render(messages, False, marked=True)
-    if spans:  # the template marks what the assistant generates itself ({% generation %}): as transformers does
-        ids, starts = encode_with_starts(tokenizer, text)
-        return ids, [int(any(a <= s < b for a, b in spans)) for s in starts]
-    for i, m in enumerate(messages):
+    # the template's own marks ({% generation %}, as transformers reads them), else the assistant turns' prefixes
+    for i, m in enumerate(messages if not spans else ()):
         if m["role"] != "assistant":
             continue
         before, through = render(messages[:i], True), render(messages[:i + 1], False)
@@ -140,8 +138,7 @@ def render_with_mask(tokenizer: Tokenizer, template: tuple[str, dict], messages:
                               "use a template whose prefixes extend (every ChatML / Llama 3 template does)")
         spans.append((len(before), len(through)))
     ids, starts = encode_with_starts(tokenizer, text)
-    scored = [int(any(a <= s < b for a, b in spans)) for s in starts]
-    return ids, scored
+    return ids, [int(any(a <= s < b for a, b in spans)) for s in starts]
 
 
 def _prompt_completion(tokenizer: Tokenizer, row: dict, path: str, n: int) -> tuple[list[int], list[int]]:

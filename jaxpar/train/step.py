@@ -282,8 +282,8 @@ def pipeline_loss(model, batch: Batch, pipe: Pipeline, remat: str, par: Parallel
     all_rows = jax.tree.map(lambda a: jax.lax.all_gather(a.reshape(q, mb, a.shape[1]), PIPE), batch)
     # microbatch label j is stage −⌊j/q⌋ mod p's slot j mod q (circular's module docstring): rows in label order
     label = [(-(j // q)) % p * q + j % q for j in range(m)]
-    side = microbatch_side(sequence_share(jax.tree.map(lambda a: a.reshape(p * q * mb, -1), all_rows), par),
-                           p * q, order=label)
+    side = None if own.segments is None else microbatch_side(
+        sequence_share(jax.tree.map(lambda a: a.reshape(p * q * mb, -1), all_rows), par), p * q, order=label)
 
     def stage(layers, h, side=None):
         positions, masks = layer_inputs(cfg, par, side, own.positions[:mb])  # unpacked: every row's positions alike
