@@ -133,6 +133,16 @@ class Plan:
             params = permute_layers(params, lambda n: np.argsort(self.stack_order(n)))
         return pad_vocab(params, self.model.vocab_size)
 
+    def without_pipeline(self) -> "Plan":
+        """This plan with each stage's layers whole on every `pipe` rank: `pipe` then splits rows only, as `data`
+        does (`batch_axes` keep it). For a forward pass beside a pipelined run that should not need the schedule:
+        DPO's reference model (jaxpar.train.step.make_reference_step). Params move over with `to_canonical` here
+        and `from_canonical` there."""
+        if self.pipeline is None:
+            return self
+        rules = tuple((name, None if name == "layers" else axes) for name, axes in self.rules)
+        return dataclasses.replace(self, pipeline=None, rules=rules)
+
     @property
     def parallel(self) -> Parallel:
         """The context the model calls at its parallel boundaries (jaxpar.parallel.context)."""

@@ -74,16 +74,16 @@ def lay_out(cfg, params, plan):
 
 
 def on_layout(cfg, params, batch, parallel, *, remat: str = "none", grad_accum: int = 1, stats: bool = False,
-              matmul=None, mtp_weight: float = 0.0):
+              matmul=None, mtp_weight: float = 0.0, dpo=None):
     """The same parameters laid out for `parallel` (a ParallelConfig) on all devices — vocab padded, layers in the
     plan's order, ZeRO-3 split if asked — through `sharded_loss_and_grads` → (loss, gradients in model order), and
     with `stats` the MoE statistics summed over the step third. matmul: the plan's matmul policies (default plain);
-    mtp_weight: the MTP loss's weight (a model with MTP modules)."""
+    mtp_weight: the MTP loss's weight (a model with MTP modules); dpo: the preference loss (jaxpar.train.dpo.DPO)."""
     plan = make_plan(cfg, parallel, jax.devices(), **({} if matmul is None else {"matmul": matmul}))
     graphdef, laid_out = lay_out(cfg, params, plan)
     specs = param_specs(laid_out, plan.rules, plan.param_zero_data)
     fn = sharded_loss_and_grads(graphdef, plan, param_specs=specs, remat=remat, grad_accum=grad_accum, stats=stats,
-                                mtp_weight=mtp_weight)
+                                mtp_weight=mtp_weight, dpo=dpo)
     loss, grads, *sums = jax.jit(fn)(laid_out, jax.device_put(batch, plan.batch_sharding))
     return (loss, plan.to_canonical(grads), *sums)
 

@@ -17,6 +17,12 @@ add_generation_prompt=True) — its content and the template's end-of-turn (Chat
 learns to stop. A token is scored when its first character lies in such a span. A template whose longer prefixes
 do not extend the shorter ones (and that marks nothing) cannot be split this way and is refused by name.
 
+Preference pairs for DPO (`data.source = "pairs"`, `load_pair_rows`) are TRL's rows: {"prompt": messages, "chosen":
+messages, "rejected": messages} (the answers' messages follow the prompt's), {"chosen": messages, "rejected":
+messages} (each a whole conversation: the prompt implicit), or {"prompt": "…", "chosen": "…", "rejected": "…"}
+(plain text, as prompt/completion rows). Both conversations of a pair go in one row — the chosen one as segment 1,
+the rejected one as segment 2 (jaxpar.train.dpo) — each rendered and scored as above.
+
 A row is [T + 1] tokens (T = train.seq_len): the conversation, then the tokenizer's eos (or 0) as padding, which is
 never scored and — after the conversation, under causal attention — never seen by it. A conversation longer than a
 row is refused (raise train.seq_len, or shorten it) rather than cut: a truncated answer teaches the model to stop
@@ -41,39 +47,101 @@ HELD_OUT_EVERY = 20  # conversation i is held out when i % 20 == 19
 def load_chat_rows(data: DataConfig, tokenizer: Tokenizer, split: str, seq_len: int) -> dict[str, np.ndarray]:
     """The conversations of `split` as rows: {"tokens": int32 [N, T+1], "mask": int32 [N, T+1], "lengths": int32
     [N]} (mask[:, t]: token t is an assistant token, scored as a target; a row's tokens after its length are
-    padding, which the loader marks as segment 0 or drops when it packs). Raises ConfigError naming the field and the line for a missing
-    template, a row that is not a conversation, one with no assistant turn, or one longer than a row."""
+    padding, which the loader marks as segment 0 or drops when it packs). Raises ConfigError naming the field and
+    the line for a missing template, a row that is not a conversation, one with no assistant turn, or one longer
+    than a row."""
+    renderer = _Renderer(data, tokenizer)
+    rows = _load(data, split, seq_len, tokenizer, "conversations",
+                 lambda line, n: [renderer.document(_parse(line, data.path, n), n)])
+    rows.pop("segments")
+    return rows
+
+
+def load_pair_rows(data: DataConfig, tokenizer: Tokenizer, split: str, seq_len: int) -> dict[str, np.ndarray]:
+    """The preference pairs of `split` (module docstring), one a row: {"tokens", "mask", "segments"} int32 [N, T+1]
+    (segments: 1 the chosen conversation, 2 the rejected one, 0 padding) and "lengths" [N]. Raises ConfigError
+    naming the field and the line for a row that is not a pair, a missing template, an answer with nothing scored,
+    or a pair longer than a row."""
+    renderer = _Renderer(data, tokenizer)
+
+    def documents(line: str, n: int) -> list[tuple[list[int], list[int]]]:
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise ConfigError("data.path", data.path, f"line {n} is not JSON ({e.msg})", "one JSON object per line"
+                              ) from None
+        if not isinstance(row, dict) or not {"chosen", "rejected"} <= set(row):
+            keys = sorted(row) if isinstance(row, dict) else type(row).__name__
+            raise ConfigError("data.path", data.path, f"line {n} is not a preference pair (it has {keys}); DPO "
+                              "needs a 'chosen' and a 'rejected' answer in every row",
+                              'write {"prompt": …, "chosen": …, "rejected": …} rows (TRL\'s preference format)')
+        prompt = row.get("prompt", [] if isinstance(row["chosen"], list) else "")
+        out = []
+        for side in ("chosen", "rejected"):
+            answer = row[side]
+            if isinstance(prompt, list) and isinstance(answer, list):
+                one = {"messages": prompt + answer}
+            elif isinstance(prompt, str) and isinstance(answer, str):
+                one = {"prompt": prompt, "completion": answer}
+            else:
+                raise ConfigError("data.path", data.path, f"line {n}: 'prompt' and '{side}' must both be lists of "
+                                  "messages or both strings", "write the pair in one of the two forms")
+            out.append(renderer.document(_parse(json.dumps(one), data.path, n), n))
+        return out
+
+    return _load(data, split, seq_len, tokenizer, "pairs", documents)
+
+
+class _Renderer:
+    """One row's parsed form (`_parse`) → (its token ids, 1 for each scored token else 0); the chat template is read
+    once, when the first conversation of messages needs it."""
+
+    def __init__(self, data: DataConfig, tokenizer: Tokenizer):
+        self.data, self.tokenizer, self.template = data, tokenizer, None
+
+    def document(self, row: dict, n: int) -> tuple[list[int], list[int]]:
+        if "messages" not in row:
+            return _prompt_completion(self.tokenizer, row, self.data.path, n)
+        if self.template is None:
+            self.template = _template(self.data, self.tokenizer)
+        return render_with_mask(self.tokenizer, self.template, row["messages"], self.data.path, n)
+
+
+def _load(data: DataConfig, split: str, seq_len: int, tokenizer: Tokenizer, what: str, documents
+          ) -> dict[str, np.ndarray]:
+    """The lines of data.path in `split` (every 20th held out) → rows {"tokens", "mask", "segments"} [N, T+1],
+    "lengths" [N]: each line's `documents(line, n)` (its (ids, scored) documents) one after another in one row,
+    numbered 1, 2, … in "segments"."""
     path = pathlib.Path(data.path).expanduser()
     if not path.is_file():
-        raise ConfigError("data.path", data.path, "no such file; data.source 'chat' reads a JSONL file of "
-                          "conversations", "point data.path at a .jsonl file")
+        raise ConfigError("data.path", data.path, f"no such file; data.source {data.source!r} reads a JSONL file of "
+                          f"{what}", "point data.path at a .jsonl file")
     lines = [(n, line) for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1) if line.strip()]
     if not lines:
-        raise ConfigError("data.path", data.path, "holds no conversations", "add JSONL rows of {\"messages\": [...]}")
-    held = {i for i in range(len(lines)) if i % HELD_OUT_EVERY == HELD_OUT_EVERY - 1} or {len(lines) - 1}
+        raise ConfigError("data.path", data.path, f"holds no {what}", "add JSONL rows (jaxpar.data.chat)")
     if len(lines) == 1:
-        raise ConfigError("data.path", data.path, "holds one conversation; training and its held-out split need "
-                          "two at least", "add conversations")
-    chosen = [lines[i] for i in range(len(lines)) if (i in held) == (split == "eval")]
-    template = None
+        raise ConfigError("data.path", data.path, f"holds one row of {what}; training and its held-out split need "
+                          "two at least", "add rows")
+    held = {i for i in range(len(lines)) if i % HELD_OUT_EVERY == HELD_OUT_EVERY - 1} or {len(lines) - 1}
+    mine = [lines[i] for i in range(len(lines)) if (i in held) == (split == "eval")]
     pad = tokenizer.eos_id if tokenizer.eos_id is not None else 0
-    tokens = np.full((len(chosen), seq_len + 1), pad, np.int32)
-    mask = np.zeros((len(chosen), seq_len + 1), np.int32)
-    lengths = np.zeros((len(chosen),), np.int32)
-    for r, (n, line) in enumerate(chosen):
-        row = _parse(line, data.path, n)
-        if "messages" in row:
-            if template is None:
-                template = _template(data, tokenizer)
-            ids, scored = render_with_mask(tokenizer, template, row["messages"], data.path, n)
-        else:
-            ids, scored = _prompt_completion(tokenizer, row, data.path, n)
-        if len(ids) > seq_len + 1:
-            raise ConfigError("train.seq_len", seq_len, f"line {n} of data.path is {len(ids)} tokens, more than a "
+    out = {"tokens": np.full((len(mine), seq_len + 1), pad, np.int32),
+           **{k: np.zeros((len(mine), seq_len + 1), np.int32) for k in ("mask", "segments")},
+           "lengths": np.zeros((len(mine),), np.int32)}
+    for r, (n, line) in enumerate(mine):
+        docs = documents(line, n)
+        length = sum(len(ids) for ids, _ in docs)
+        if length > seq_len + 1:
+            raise ConfigError("train.seq_len", seq_len, f"line {n} of data.path is {length} tokens, more than a "
                               f"row holds (train.seq_len + 1 = {seq_len + 1}); jaxpar does not cut conversations",
-                              f"raise train.seq_len to {len(ids) - 1} or more, or shorten that conversation")
-        tokens[r, :len(ids)], mask[r, :len(ids)], lengths[r] = ids, scored, len(ids)
-    return {"tokens": tokens, "mask": mask, "lengths": lengths}
+                              f"raise train.seq_len to {length - 1} or more, or shorten that row")
+        at = 0
+        for segment, (ids, scored) in enumerate(docs, 1):
+            out["tokens"][r, at:at + len(ids)], out["mask"][r, at:at + len(ids)] = ids, scored
+            out["segments"][r, at:at + len(ids)] = segment
+            at += len(ids)
+        out["lengths"][r] = length
+    return out
 
 
 def _parse(line: str, path: str, n: int) -> dict:

@@ -246,5 +246,20 @@ class Parallel:
         otherwise. The step takes tokens, targets and positions through it before the model sees them."""
         return x if self.context is None else self.context.shard(x)
 
+    def sequence_sum(self, x: Array) -> Array:
+        """The sum over the whole sequence of a quantity this rank summed over its part (x [R, …]: per row): itself,
+        or under context parallelism the sum of every rank's — typed as varying over `context` (an all-gather, not
+        a psum), so that autodiff hands each rank the whole cotangent for its own part, as a loss that is a
+        nonlinear function of per-row sums (DPO's) needs: a psum's result is typed invariant, and the step's mean
+        over `context` would then scale every rank's gradient by 1/c."""
+        if self.context is None:
+            return x
+        return jax.lax.all_gather(x, self.context.axis).sum(0)
+
+    def sequence_total(self, x: Array) -> Array:
+        """`sequence_sum` typed invariant over `context` (a psum): for values that leave a shard_map whole, and
+        take no gradient."""
+        return x if self.context is None else jax.lax.psum(x, self.context.axis)
+
 
 SINGLE_DEVICE = Parallel()

@@ -40,6 +40,8 @@ from jaxpar.plan import Plan, batch_sharding
 from jaxpar.parallel.context import SINGLE_DEVICE, Parallel
 from jaxpar.parallel.vma import vary
 from jaxpar.sharding import constrain
+from jaxpar.train import dpo as preference
+from jaxpar.train.dpo import DPO
 from jaxpar.train.state import TrainState
 
 Metrics = dict[str, jax.Array]
@@ -49,11 +51,13 @@ Metrics = dict[str, jax.Array]
 #               column 0 is never a target (no token comes before it);
 #   "segments"  packed documents: one id per document (1, 2, …; 0 for padding). Attention stays inside a document,
 #               positions restart at each one, and a token is a target only of the token before it in its own
-#               document (the first token of a document is nobody's target; padding never is).
+#               document (the first token of a document is nobody's target; padding never is);
+#   "ref"       DPO (`dpo`): float32 [B, 2], the reference model's summed log-probabilities of each row's pair of
+#               answers (segments 1 and 2: jaxpar.train.dpo), per row — not cut along the sequence.
 # All are cut along rows alike (data, pipe, accumulation) and along the sequence alike (context), so every piece of a
 # step carries the mask and the documents of its own tokens.
 Batch = jax.Array | dict[str, jax.Array]
-BATCH_KEYS = ("tokens", "mask", "segments")
+BATCH_KEYS = ("tokens", "mask", "segments", "ref")
 
 
 def rows_of(batch: Batch) -> tuple[jax.Array, jax.Array | None, jax.Array | None]:
@@ -61,7 +65,7 @@ def rows_of(batch: Batch) -> tuple[jax.Array, jax.Array | None, jax.Array | None
     if isinstance(batch, dict):
         unknown = set(batch) - set(BATCH_KEYS)
         if unknown or "tokens" not in batch:
-            raise ValueError(f"a batch holds 'tokens' and optionally 'mask' and 'segments', not {sorted(batch)}")
+            raise ValueError(f"a batch holds 'tokens' and optionally {BATCH_KEYS[1:]}, not {sorted(batch)}")
         return batch["tokens"], batch.get("mask"), batch.get("segments")
     return batch, None, None
 
@@ -121,9 +125,33 @@ def masked_mean(ce: jax.Array, weights: jax.Array | None, density: jax.Array | N
     return (ce * weights).mean() / jnp.maximum(density, jnp.finfo(jnp.float32).tiny)
 
 
+def head_loss(logits: jax.Array, held: Share, rows: Batch, density: jax.Array | None, par: Parallel,
+              dpo: DPO | None = None) -> tuple[jax.Array, dict]:
+    """The loss of some rows from their logits [R, T(/c), V_local] and `Share` `held` (rows: the rows themselves,
+    [R, T+1] each) → (the (masked) mean cross-entropy, {}), or with `dpo` the preference loss of the pairs the rows
+    hold against their "ref" sums (jaxpar.train.dpo) and the sums it reports, {"dpo": …}. Wherever rows are
+    scored: the whole step's on one device, a stage's held microbatches, a schedule table's head."""
+    ce = par.cross_entropy(logits, held.targets)  # [R, T(/c)]
+    if dpo is None:
+        return masked_mean(ce, held.weights, density), {}
+    logps, counts = preference.completion_logps(ce, held.weights, held.segments, par)
+    shares = 1 if par.context is None else par.context.degree  # ranks that hold the same pairs' sums
+    loss, sums = preference.pair_loss(logps, counts, rows["ref"], dpo, shares)
+    return loss, {"dpo": sums}
+
+
+def check_pairs(batch: Batch) -> None:
+    """DPO scores pairs: a batch with "mask", "segments" (1: chosen, 2: rejected) and "ref" (`Batch`)."""
+    if not isinstance(batch, dict) or {"mask", "segments", "ref"} - set(batch):
+        keys = sorted(batch) if isinstance(batch, dict) else "token rows alone"
+        raise ValueError(f"DPO takes pairs — a batch with 'tokens', 'mask', 'segments' (1: chosen, 2: rejected) and "
+                         f"'ref' (the reference's log-probabilities [B, 2]) — not {keys}; load them with "
+                         "data.source=pairs")
+
+
 def next_token_loss(graphdef: nnx.GraphDef, params: nnx.State, batch: Batch, remat: str = "none",
                     par: Parallel = SINGLE_DEVICE, pipe: Pipeline | None = None, objective: bool = False,
-                    mtp_weight: float = 0.0, density: jax.Array | None = None):
+                    mtp_weight: float = 0.0, density: jax.Array | None = None, dpo: DPO | None = None):
     """Mean cross-entropy (float32, nats/token) of predicting rows[:, 1:] from rows[:, :-1]. batch: token rows int
     [B, T+1], or with a loss mask (`Batch`) the mean over the masked-in targets: `masked_mean`, whose `density` is
     the whole step's (`target_density`; default: these rows', right when they are the whole step).
@@ -138,7 +166,10 @@ def next_token_loss(graphdef: nnx.GraphDef, params: nnx.State, batch: Batch, rem
     With MTP (model.mtp_depth = n > 0, `objective`): the objective also adds mtp_weight/n · Σ_k (depth k's mean
     cross-entropy over its valid positions, `mtp_loss`), and the statistics gain "mtp": {"ce": [n] the summed
     cross-entropy of each depth over these rows' valid positions, "count": [n] how many} — sums, so the step's
-    mtp_loss is exact at any layout."""
+    mtp_loss is exact at any layout.
+
+    dpo: the loss is the preference loss of the pairs the rows hold (`head_loss`; the batch: `check_pairs`), and
+    the statistics gain "dpo" (its sums: jaxpar.train.dpo.pair_loss)."""
     model = nnx.merge(graphdef, params)
     mtp = objective and model.cfg.mtp_depth > 0
     rows, mask, segments = rows_of(batch)
@@ -146,22 +177,24 @@ def next_token_loss(graphdef: nnx.GraphDef, params: nnx.State, batch: Batch, rem
         raise ValueError("a loss mask or packed documents with the MTP modules (model.mtp_depth > 0) are not "
                          "supported: their targets lie 2.. tokens ahead and would need the mask's own share per "
                          "depth; train with model.mtp_depth=0 (or --drop-mtp on import)")
+    if dpo is not None:
+        check_pairs(batch)
     density = target_density(batch) if density is None else density
     if pipe is not None:
-        loss, stats, extra = pipeline_loss(model, batch, pipe, remat, par, mtp=mtp, density=density)
+        loss, stats, extra, sums = pipeline_loss(model, batch, pipe, remat, par, mtp=mtp, density=density, dpo=dpo)
     else:
         share = sequence_share(batch, par)
         # logits [B, T(/c), V_local], then the last hidden states [B, T(/c), D] (what the MTP modules read)
         logits, stats, h = model(share.tokens, positions=share.positions, segment_ids=share.segments, remat=remat,
                                  par=par, stats=True, hidden=True)
-        loss = masked_mean(par.cross_entropy(logits, share.targets), share.weights, density)
+        loss, sums = head_loss(logits, share, batch, density, par, dpo)
         extra = mtp_objective(model, h, rows, share.positions, remat, par) if mtp else None
     if not objective:
         return loss
     value = loss + moe_objective(stats, model.cfg, rows.shape[0])
     if mtp:
         value, stats = value + mtp_weight * extra[0], {**stats, "mtp": extra[1]}
-    return value, (loss, stats)
+    return value, (loss, {**stats, **sums})
 
 
 def mtp_objective(model, h: jax.Array, rows: jax.Array, positions: jax.Array, remat: str, par: Parallel
@@ -252,13 +285,14 @@ def in_model_order(stats: dict, pipe: Pipeline) -> dict:
 
 
 def pipeline_loss(model, batch: Batch, pipe: Pipeline, remat: str, par: Parallel, mtp: bool = False,
-                  density: jax.Array | None = None) -> tuple[jax.Array, dict, tuple | None]:
+                  density: jax.Array | None = None, dpo: DPO | None = None
+                  ) -> tuple[jax.Array, dict, tuple | None, dict]:
     """Embed this stage's rows (and run a dense prefix on them: `ModelConfig.prefix_layers`), run the other layers
     through the circular pipeline, then head and loss on the microbatches the stage holds at the end (paired with
     their token rows, which are all-gathered over `pipe`). → (loss, the MoE statistics of this stage's layers over
     all m microbatches (`in_model_order`) — m·mb = p·R rows, p times the stage's own R: the caller's objective
     divides by R, and the pipeline step's 1/p scale makes it p·R —, and with `mtp` the MTP modules' `mtp_objective`
-    on the held microbatches, else None).
+    on the held microbatches, else None, and the sums `head_loss` reports for them (DPO's)).
 
     The prefix and the MTP modules run where embedding and head do, each stage on its own R rows — no stage idles
     while another runs them, and their parameters, which every stage holds whole, get the pipeline step's psum
@@ -298,12 +332,13 @@ def pipeline_loss(model, batch: Batch, pipe: Pipeline, remat: str, par: Parallel
     held_rows = jax.tree.map(lambda a: a[held // q, held % q].reshape(R, a.shape[-1]), all_rows)  # [R, T+1]
     share = sequence_share(held_rows, par)
     extra = mtp_objective(model, h, rows_of(held_rows)[0], own.positions, remat, par) if mtp else None
-    return masked_mean(par.cross_entropy(logits, share.targets), share.weights, density), stats, extra
+    loss, sums = head_loss(logits, share, held_rows, density, par, dpo)
+    return loss, stats, extra, sums
 
 
 def scheduled_loss_and_grads(graphdef: nnx.GraphDef, params: nnx.State, batch: Batch, pipe: Pipeline,
-                             remat: str, par: Parallel, mtp_weight: float = 0.0, density: jax.Array | None = None
-                             ) -> tuple[jax.Array, nnx.State, dict]:
+                             remat: str, par: Parallel, mtp_weight: float = 0.0, density: jax.Array | None = None,
+                             dpo: DPO | None = None) -> tuple[jax.Array, nnx.State, dict]:
     """This stage's share of (loss, gradients, its layers' MoE statistics over every row) under a schedule table
     (`executor.execute`): the table, not autodiff of a loop, decides when each microbatch's backward runs and what
     stays alive.
@@ -359,13 +394,12 @@ def scheduled_loss_and_grads(graphdef: nnx.GraphDef, params: nnx.State, batch: B
 
     def head_loss_fn(r: nnx.State, y: jax.Array, rows: Batch) -> tuple[jax.Array, dict]:
         model = nnx.merge(graphdef, r, blocks)
-        held = sequence_share(rows, par)
-        loss = masked_mean(par.cross_entropy(model.logits(y, par), held.targets), held.weights, density)
+        loss, sums = head_loss(model.logits(y, par), sequence_share(rows, par), rows, density, par, dpo)
         if not mtp:
-            return loss, {}
-        extra, sums = mtp_objective(model, y, rows_of(rows)[0], positions, remat, par)
+            return loss, sums
+        extra, mtp_sums = mtp_objective(model, y, rows_of(rows)[0], positions, remat, par)
         # the MTP loss joins the objective (weight λ, per microbatch 1/m as the loss) but not the loss reported
-        return executor.add_to_objective(loss, extra, mtp_weight / m), {"mtp": sums}
+        return executor.add_to_objective(loss, extra, mtp_weight / m), {**sums, "mtp": mtp_sums}
 
     loss, layer_grads, rest_grads, stats, head_sums = executor.execute(
         pipe.program, chunk_fn, layers, rest,
@@ -381,7 +415,7 @@ def scheduled_loss_and_grads(graphdef: nnx.GraphDef, params: nnx.State, batch: B
 def loss_and_grads(graphdef: nnx.GraphDef, *, grad_accum: int = 1, remat: str = "none",
                    par: Parallel = SINGLE_DEVICE, grad_axes: tuple[str, ...] = (), pipe: Pipeline | None = None,
                    pipe_replicated=None, zero_dims=None, grad_dims=None, expert_split=None, stats: bool = False,
-                   mtp_weight: float = 0.0) -> Callable[..., tuple[jax.Array, nnx.State]]:
+                   mtp_weight: float = 0.0, dpo: DPO | None = None) -> Callable[..., tuple[jax.Array, nnx.State]]:
     """(params, batch, density=None) → (mean loss, gradients), on whatever rows it is given (batch: token rows int
     [B, T+1], or with a loss mask, `Batch`; density: the whole step's `target_density`, default these rows'); with
     `stats`, also the MoE layers' statistics summed over every row, per MoE layer in model order (each leaf
@@ -417,6 +451,10 @@ def loss_and_grads(graphdef: nnx.GraphDef, *, grad_accum: int = 1, remat: str = 
     by the expert degree and averaged over the other gradient axes only.
 
     mtp_weight: λ of the MTP loss (model.mtp_depth > 0: `next_token_loss`); the statistics then hold "mtp".
+
+    dpo: the preference loss of pairs instead of the next-token loss (`next_token_loss`); the statistics then hold
+    "dpo". A pair is one row, so every way of cutting rows above keeps pairs whole, and its equal-sized pieces'
+    means of per-pair losses average to the step's, as the cross-entropy's do.
     """
     scale = 1.0 / pipe.stages if pipe is not None else 1.0
 
@@ -424,7 +462,7 @@ def loss_and_grads(graphdef: nnx.GraphDef, *, grad_accum: int = 1, remat: str = 
         # MoE sums)) as a function of the parameters that train; the rest — frozen parameters, buffers — constants
         p = merge_state(learn, jax.tree.map(jax.lax.stop_gradient, rest))
         value, (loss, sums) = next_token_loss(graphdef, p, b, remat, par, pipe, objective=True, mtp_weight=mtp_weight,
-                                              density=density)
+                                              density=density, dpo=dpo)
         return scale * value, (scale * loss, sums)
 
     differentiate = jax.value_and_grad(objective, has_aux=True)
@@ -436,7 +474,7 @@ def loss_and_grads(graphdef: nnx.GraphDef, *, grad_accum: int = 1, remat: str = 
     if pipe is not None and pipe.schedule != "circular":
         def grad_fn(p, b, density):
             loss, grads, sums = scheduled_loss_and_grads(graphdef, p, b, pipe=pipe, remat=remat, par=par,
-                                                         mtp_weight=mtp_weight, density=density)
+                                                         mtp_weight=mtp_weight, density=density, dpo=dpo)
             return loss, learnable(grads), sums
 
     # the trees that describe each gradient (the parameters that train)
@@ -458,9 +496,9 @@ def loss_and_grads(graphdef: nnx.GraphDef, *, grad_accum: int = 1, remat: str = 
         if grad_accum == 1:
             loss, grads, sums = grad_fn(params, batch, density)
         else:
-            B, T1 = rows_of(batch)[0].shape
-            chunks = jax.tree.map(lambda a: constrain(a.reshape(B // grad_accum, grad_accum, T1).swapaxes(0, 1),
-                                                      (None, "batch", None)), batch)  # [A, B/A, T+1]
+            A, B = grad_accum, rows_of(batch)[0].shape[0]
+            chunks = jax.tree.map(lambda a: constrain(a.reshape(B // A, A, *a.shape[1:]).swapaxes(0, 1),
+                                                      (None, "batch", None)), batch)  # [A, B/A, T+1] ("ref": 2)
 
             def accumulate(carry, chunk):
                 loss_sum, grad_sum = carry
@@ -520,7 +558,7 @@ def _zero_dims(param_specs: nnx.State):
 
 def sharded_loss_and_grads(graphdef: nnx.GraphDef, plan: Plan, *, grad_accum: int = 1, remat: str = "none",
                            param_specs: nnx.State | None = None, grad_specs: nnx.State | None = None,
-                           stats: bool = False, mtp_weight: float = 0.0):
+                           stats: bool = False, mtp_weight: float = 0.0, dpo: DPO | None = None):
     """`loss_and_grads` over the global batch: under shard_map on the plan's mesh when the plan is sharded (params
     laid out by `param_specs`, rows over the batch axes), else as one global computation (single device, or GSPMD
     on a mesh). grad_specs: how the gradients leave (default param_specs); ZeRO-1 passes the optimizer state's
@@ -528,13 +566,14 @@ def sharded_loss_and_grads(graphdef: nnx.GraphDef, plan: Plan, *, grad_accum: in
     if not plan.sharded:
         if plan.pipeline is not None:  # make_plan refuses this combination; never drop a pipeline silently
             raise ValueError("a pipeline needs the explicit shard_map step (an explicit plan)")
-        return loss_and_grads(graphdef, grad_accum=grad_accum, remat=remat, stats=stats, mtp_weight=mtp_weight)
+        return loss_and_grads(graphdef, grad_accum=grad_accum, remat=remat, stats=stats, mtp_weight=mtp_weight,
+                              dpo=dpo)
     replicated = jax.tree.map(lambda spec: PIPE not in _mesh_axes(spec), param_specs)
     expert_split = jax.tree.map(lambda spec: EXPERT in _mesh_axes(spec), param_specs)
     local = loss_and_grads(graphdef, grad_accum=grad_accum, remat=remat, par=plan.parallel, grad_axes=plan.grad_axes,
                            pipe=plan.pipeline, pipe_replicated=replicated, zero_dims=_zero_dims(param_specs),
                            grad_dims=None if grad_specs is None else _zero_dims(grad_specs),
-                           expert_split=expert_split, stats=stats, mtp_weight=mtp_weight)
+                           expert_split=expert_split, stats=stats, mtp_weight=mtp_weight, dpo=dpo)
     grad_specs = learnable(param_specs if grad_specs is None else grad_specs)  # the parameters that train
     out_specs = (P(), grad_specs, P()) if stats else (P(), grad_specs)
     mapped = jax.shard_map(local, mesh=plan.mesh, in_specs=(param_specs, plan.batch_spec, P()), out_specs=out_specs,
@@ -568,6 +607,7 @@ def make_train_step(grads_of: Callable[[nnx.State, jax.Array], tuple[jax.Array, 
     def step(state: TrainState, batch: jax.Array) -> tuple[TrainState, Metrics]:
         loss, grads, *sums = grads_of(state.params, batch)
         mtp = sums[0].pop("mtp", None) if sums and sums[0] else None
+        pairs = sums[0].pop("dpo", None) if sums and sums[0] else None
         # the optimizer sees what trains (every weight, or LoRA's adapters); frozen weights and buffers pass by
         grads, weights, buffers = learnable(grads), learnable(state.params), buffers_of(state.params)
         frozen = trainable(frozen_of(state.params))
@@ -590,6 +630,8 @@ def make_train_step(grads_of: Callable[[nnx.State, jax.Array], tuple[jax.Array, 
             metrics["packing"] = (segments > 0).astype(jnp.float32).mean()
         if sums and sums[0]:
             metrics.update(moe_metrics(stats_total(sums[0]), rows.shape[0], moe_layers, sums[0]["load"]))
+        if pairs is not None:
+            metrics.update(preference.metrics(pairs, rows.shape[0]))
         if mtp is not None:
             metrics["mtp_loss"] = (mtp["ce"] / jnp.maximum(mtp["count"], 1.0)).mean()
         if schedule is not None:
@@ -614,17 +656,18 @@ def moe_metrics(sums: dict[str, jax.Array], rows: int, layers: int, layer_load: 
     return out
 
 
-def make_eval_step(graphdef: nnx.GraphDef, plan: Plan, *, param_specs: nnx.State | None = None
-                   ) -> Callable[[nnx.State, Batch], jax.Array]:
-    """(params, batch) → mean next-token loss (over the masked-in targets with a loss mask)."""
+def make_eval_step(graphdef: nnx.GraphDef, plan: Plan, *, param_specs: nnx.State | None = None,
+                   dpo: DPO | None = None) -> Callable[[nnx.State, Batch], jax.Array]:
+    """(params, batch) → mean next-token loss (over the masked-in targets with a loss mask; with `dpo`, the
+    preference loss of the batch's pairs)."""
     if not plan.sharded:
-        return lambda params, batch: next_token_loss(graphdef, params, batch)
+        return lambda params, batch: next_token_loss(graphdef, params, batch, dpo=dpo)
 
     zero_dims = _zero_dims(param_specs)
 
     def local(params, batch, density):
         loss = next_token_loss(graphdef, gather_zero(params, zero_dims), batch, par=plan.parallel, pipe=plan.pipeline,
-                               density=density)
+                               density=density, dpo=dpo)
         if plan.pipeline is not None:
             loss = jax.lax.pmean(loss, PIPE)
         return jax.lax.pmean(loss, plan.grad_axes)
@@ -632,6 +675,30 @@ def make_eval_step(graphdef: nnx.GraphDef, plan: Plan, *, param_specs: nnx.State
     mapped = jax.shard_map(local, mesh=plan.mesh, in_specs=(param_specs, plan.batch_spec, P()), out_specs=P(),
                            check_vma=True)
     return lambda params, batch: mapped(params, batch, target_density(batch))
+
+
+def make_reference_step(graphdef: nnx.GraphDef, plan: Plan, *, param_specs: nnx.State | None = None
+                        ) -> Callable[[nnx.State, Batch], jax.Array]:
+    """(params, pairs: a DPO batch without "ref") → float32 [B, 2]: each row's summed log-probabilities of its two
+    answers (jaxpar.train.dpo.completion_logps) under `params` — the reference model's, which the step's batches
+    carry as "ref". A forward pass alone, laid out like the batch's rows (over the batch axes), on a plan without a
+    pipeline (`Plan.without_pipeline`: a pipeline holds each row's result on whichever stage finished it)."""
+    if plan.pipeline is not None:
+        raise ValueError("the reference pass runs without a pipeline: make it on plan.without_pipeline()")
+
+    def logps(params, batch, par):
+        share = sequence_share(batch, par)
+        logits = nnx.merge(graphdef, params)(share.tokens, positions=share.positions, segment_ids=share.segments,
+                                             par=par)
+        ce = par.cross_entropy(logits, share.targets)
+        return preference.completion_logps(ce, share.weights, share.segments, par, differentiable=False)[0]
+
+    if not plan.sharded:
+        return lambda params, batch: logps(params, batch, SINGLE_DEVICE)
+    zero_dims = _zero_dims(param_specs)
+    local = lambda params, batch: logps(gather_zero(params, zero_dims), batch, plan.parallel)  # noqa: E731
+    return jax.shard_map(local, mesh=plan.mesh, in_specs=(param_specs, plan.batch_spec), out_specs=plan.batch_spec,
+                         check_vma=True)
 
 
 def compile_steps(train_step, eval_step, mesh: Mesh | None, shardings):
