@@ -6,6 +6,8 @@ The reference pass (the reference model's sums, `make_reference_step`) is checke
 the layouts' pipeline-free plans."""
 
 import functools
+import json
+import pathlib
 
 import jax
 import jax.numpy as jnp
@@ -14,7 +16,9 @@ import pytest
 from flax import nnx
 
 from _parity import assert_grads_match, lay_out, on_layout
-from jaxpar.config import MoEConfig, ModelConfig, ParallelConfig
+from jaxpar.config import DataConfig, MoEConfig, ModelConfig, ParallelConfig
+from jaxpar.data.chat import load_chat_rows, load_pair_rows
+from jaxpar.data.tokenizers import make_tokenizer
 from jaxpar.model import Transformer
 from jaxpar.plan import make_plan
 from jaxpar.sharding import param_specs
@@ -144,3 +148,53 @@ def test_dpo_on_every_layout_is_the_plain_formula(layout):
     pairs_only = jax.device_put({k: v for k, v in batch.items() if k != "ref"}, plan.batch_sharding)
     want = plain_logps(reference(kind)[1], params, alone)
     np.testing.assert_allclose(jax.jit(fn)(laid_out, pairs_only), jnp.stack([want[:B], want[B:]], 1), rtol=1e-5)
+
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+LLAMA = ROOT / "tests" / "fixtures" / "hf" / "llama"
+
+
+def test_pairs_load_in_each_of_trls_forms(tmp_path):
+    """A pair row holds the chosen conversation as segment 1 and the rejected as segment 2, each exactly as chat
+    data renders and scores it alone (the llama fixture's ChatML template): explicit prompt messages, an implicit
+    prompt (whole conversations), and plain strings."""
+    ask = [{"role": "user", "content": "2 + 3?"}]
+    good, bad = [{"role": "assistant", "content": "5."}], [{"role": "assistant", "content": "Five, I think."}]
+    rows = [{"prompt": ask, "chosen": good, "rejected": bad}, {"chosen": ask + good, "rejected": ask + bad},
+            {"prompt": "2+3=", "chosen": "5", "rejected": "6"}]
+    alone = [{"messages": ask + good}, {"messages": ask + bad}] * 2 + [
+        {"prompt": "2+3=", "completion": "5"}, {"prompt": "2+3=", "completion": "6"}]
+    tokenizer = make_tokenizer(str(LLAMA / "tokenizer.json"))
+
+    def load(name, source, lines, loader):
+        path = tmp_path / name
+        path.write_text("".join(json.dumps(r) + "\n" for r in lines + lines[-1:]))  # the last: the held-out row
+        config = DataConfig(source=source, path=str(path), tokenizer=str(LLAMA / "tokenizer.json"))
+        return loader(config, tokenizer, "train", 200)
+
+    pairs = load("pairs.jsonl", "pairs", rows, load_pair_rows)
+    singles = load("alone.jsonl", "chat", alone, load_chat_rows)
+    for r in range(len(rows)):
+        for side in (0, 1):
+            at = pairs["segments"][r] == side + 1
+            n = singles["lengths"][2 * r + side]
+            np.testing.assert_array_equal(pairs["tokens"][r][at], singles["tokens"][2 * r + side, :n])
+            np.testing.assert_array_equal(pairs["mask"][r][at], singles["mask"][2 * r + side, :n])
+        assert pairs["lengths"][r] == (pairs["segments"][r] > 0).sum()
+        assert pairs["mask"][r].sum() > 0
+
+
+def test_the_dpo_recipe_prefers_the_chosen_answers(monkeypatch, tmp_path):
+    """recipes/dpo_tiny.yaml from the llama fixture at (data, pipe, tensor) = (2, 2, 2) SP, 30 steps. Step 1's
+    policy is its reference (the same weights, the reference pass laid out without the pipeline): the loss is
+    log 2 and the margin 0 to rounding. Then the held-out DPO loss falls below 0.5 (measured 0.693 → 0.32) and
+    most of the step's pairs are ranked right with a positive margin (measured 0.81 and 3.7 at step 30)."""
+    from jaxpar.config import load_config
+    from jaxpar.interop import hf
+    from jaxpar.train import fit
+
+    monkeypatch.chdir(ROOT)
+    config = load_config("recipes/dpo_tiny.yaml", ["train.steps=30", "train.eval_every=30", "train.log_every=30"])
+    first, last = fit(hf.init_config(config, LLAMA), tmp_path / "w", progress=False).history
+    assert abs(first["loss"] - np.log(2)) < 1e-5 and abs(first["reward_margin"]) < 1e-4, first
+    assert last["eval_loss"] < 0.5 and last["reward_accuracy"] > 0.6 and last["reward_margin"] > 1.0, last

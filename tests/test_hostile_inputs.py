@@ -96,7 +96,9 @@ class Paths:
         self.chat.mkdir()
         talk = [{"role": "user", "content": "2 + 2?"}, {"role": "assistant", "content": "4."}]
         for name, row in {"messages": {"messages": talk}, "no_assistant": {"messages": talk[:1]},
-                          "long": {"prompt": "x" * 40, "completion": "y"}, "no_pairs": {"text": "x"}}.items():
+                          "long": {"prompt": "x" * 40, "completion": "y"}, "no_pairs": {"text": "x"},
+                          "half_pair": {"prompt": "2+2=", "chosen": "4"},  # preference pairs for DPO
+                          "mixed_pair": {"prompt": "2+2=", "chosen": talk[1:], "rejected": "5"}}.items():
             (self.chat / f"{name}.jsonl").write_text((json.dumps(row) + "\n") * 2)
         self.hf = {kind: self._bad_hf(kind) for kind in HF_DAMAGE}
         from jaxpar.planner import profile as machine  # a probed profile, as another machine would have written it
@@ -507,6 +509,22 @@ CASES = [
     Case("train-chat-with-mtp", TRAIN + "--config.data.source=chat --config.data.path={chat}/messages.jsonl "
          "--config.model.mtp_depth=1", "model.mtp_depth", lambda c, t: load_config("configs/tiny.py", [
              "data.source=chat", f"data.path={c.chat}/messages.jsonl", "model.mtp_depth=1"])),
+    # DPO: without pairs, pairs without DPO, a bad beta / loss / reference / objective, rows that are no pair
+    Case("train-dpo-without-pairs", TRAIN + "--config.train.objective=dpo --config.data.source=chat "
+         "--config.data.path={chat}/messages.jsonl", "train.objective", lambda c, t: load_config(
+             "configs/tiny.py", ["train.objective=dpo", "data.source=chat", f"data.path={c.chat}/messages.jsonl"])),
+    Case("train-pairs-without-dpo", TRAIN + "--config.data.source=pairs --config.data.path={chat}/half_pair.jsonl",
+         "data.source", lambda c, t: load_config("configs/tiny.py", ["data.source=pairs",
+                                                                     f"data.path={c.chat}/half_pair.jsonl"])),
+    *[Case(f"train-dpo-{field}-{value}", TRAIN + f"--config.train.{field}={value}", f"train.{field}",
+           lambda c, t, field=field, value=value: load_config("configs/tiny.py", [f"train.{field}={value}"]))
+      for field, value in [("objective", "ppo"), ("dpo_beta", "0"), ("dpo_loss", "hinge"), ("dpo_reference", "sft")]],
+    *[Case(f"train-dpo-{name}", TRAIN + SMALL + " --config.train.objective=dpo --config.data.source=pairs "
+           f"--config.data.path={{chat}}/{name}.jsonl", needle, lambda c, t, name=name: fit(load_config(
+               "configs/tiny.py", ONE + ["train.objective=dpo", "data.source=pairs",
+                                         f"data.path={c.chat / name}.jsonl"]),
+               t / "w", devices=jax.devices()[:1], progress=False))
+      for name, needle in [("half_pair", "line 1 is not a preference pair"), ("mixed_pair", "must both be lists")]],
     # train: the workdir
     Case("train-workdir-is-file", "train --no-progress --config configs/tiny.py --workdir {file} " + SMALL,
          "not a directory", _train_api(workdir=lambda c: c.file)),

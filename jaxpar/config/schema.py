@@ -39,7 +39,10 @@ AUTO_KEEPS = PLANNED + ("grad_accum",)
 ATTENTION_IMPLS = ("auto", "xla", "cudnn")
 ROPE_SCALINGS = ("none", "linear", "llama3", "yarn")
 MLA_FIELDS = ("q_lora_rank", "kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim")
-SOURCES = ("default", "synthetic", "text", "tokens", "chat")
+SOURCES = ("default", "synthetic", "text", "tokens", "chat", "pairs")
+OBJECTIVES = ("lm", "dpo")  # train.objective
+DPO_LOSSES = ("sigmoid", "ipo")  # train.dpo_loss (jaxpar.train.dpo)
+DPO_REFERENCES = ("model", "none")  # train.dpo_reference
 SCORINGS = ("softmax", "sigmoid")  # MoEConfig.scoring (jaxpar.parallel.expert.route)
 
 
@@ -696,6 +699,13 @@ class TrainConfig:
                                 "(logged as mtp_loss; the reported loss stays the next-token loss)")
     init_from_hf: str = _f("", "a Hugging Face model directory whose weights start the run (the model section must "
                            "match it: `jaxpar train --init-from-hf DIR` fills it in); '' starts from random weights")
+    objective: str = _f("lm", "'lm': next-token cross-entropy (over the loss mask's tokens with chat data); 'dpo': "
+                        "direct preference optimisation on data.source=pairs (jaxpar.train.dpo)")
+    dpo_beta: float = _f(0.1, "DPO's beta: how far the policy may move from the reference (larger: closer)")
+    dpo_loss: str = _f("sigmoid", "'sigmoid' (DPO: -log sigmoid of the reward margin) or 'ipo' (the squared loss "
+                       "of Azar et al., on per-token mean log-probabilities)")
+    dpo_reference: str = _f("model", "'model': the model the run starts from (its log-probabilities computed by a "
+                            "forward pass before each step); 'none': reference-free (log pi_ref = 0)")
 
     def __post_init__(self):
         check_fields(self, "train")
@@ -707,6 +717,10 @@ class TrainConfig:
         if self.seed >= 2**32:
             raise ConfigError("train.seed", self.seed, "must lie in [0, 2**32) (it seeds the data order too)",
                               "pick a smaller seed")
+        check_choice("train.objective", self.objective, OBJECTIVES)
+        check_choice("train.dpo_loss", self.dpo_loss, DPO_LOSSES)
+        check_choice("train.dpo_reference", self.dpo_reference, DPO_REFERENCES)
+        check_positive("train.dpo_beta", self.dpo_beta)
         for name in ("min_lr_ratio", "b1", "b2"):
             value = getattr(self, name)
             if not 0.0 <= value <= 1.0:
@@ -718,8 +732,9 @@ class DataConfig:
     """Where tokens come from."""
 
     source: str = _f("default", "'default' (this Python's stdlib sources), 'synthetic', 'text' (files/dir/JSONL), "
-                     "'tokens' (memmap), 'chat' (JSONL conversations, one per row, the assistant's tokens scored)")
-    path: str = _f("", "file or directory for source 'text' or 'tokens'; the .jsonl file for 'chat'")
+                     "'tokens' (memmap), 'chat' (JSONL conversations, one per row, the assistant's tokens scored), "
+                     "'pairs' (JSONL preference pairs for train.objective=dpo: prompt, chosen, rejected)")
+    path: str = _f("", "file or directory for source 'text' or 'tokens'; the .jsonl file for 'chat' or 'pairs'")
     tokenizer: str = _f("bytes", "'bytes' (vocab 256) or a path to a Hugging Face tokenizer.json")
     pack: bool = _f(False, "with source 'chat': best-fit pack conversations several a row (attention and positions "
                     "kept inside each, segment ids); false: one conversation a row, padded")
@@ -731,7 +746,7 @@ class DataConfig:
             raise ConfigError("data.pack", self.pack, f"packs whole documents, and data.source = {self.source!r} is "
                               "a token stream cut into windows (which fill every slot already)",
                               "set data.source=chat, or data.pack=false")
-        if self.source in ("text", "tokens", "chat") and not self.path:
+        if self.source in ("text", "tokens", "chat", "pairs") and not self.path:
             raise ConfigError("data.path", self.path, f"data.source = {self.source!r} needs a path",
                               "set data.path to a file or directory")
 
@@ -866,10 +881,17 @@ class Config:
         if self.data.tokenizer == "bytes" and m.vocab_size < 256:
             raise ConfigError("model.vocab_size", m.vocab_size, "the byte tokenizer needs 256 ids",
                               "set model.vocab_size >= 256")
-        if self.data.source == "chat" and m.mtp_depth:
-            raise ConfigError("model.mtp_depth", m.mtp_depth, "chat data scores the assistant's tokens only (a loss "
-                              "mask), and the MTP modules' losses take no mask yet",
+        if self.data.source in ("chat", "pairs") and m.mtp_depth:
+            raise ConfigError("model.mtp_depth", m.mtp_depth, f"{self.data.source} data scores the assistant's "
+                              "tokens only (a loss mask), and the MTP modules' losses take no mask yet",
                               "set model.mtp_depth=0 (or import with --drop-mtp)")
+        if t.objective == "dpo" and self.data.source != "pairs":
+            raise ConfigError("train.objective", t.objective, f"DPO trains on preference pairs, and data.source = "
+                              f"{self.data.source!r} holds none", "set data.source=pairs and data.path to a JSONL of "
+                              '{"prompt": …, "chosen": …, "rejected": …} rows')
+        if self.data.source == "pairs" and t.objective != "dpo":
+            raise ConfigError("data.source", self.data.source, "preference pairs train with DPO (each row holds a "
+                              "chosen and a rejected answer)", "set train.objective=dpo, or data.source=chat")
 
     def _check_batch(self, data: int):
         p, t = self.parallel, self.train

@@ -52,7 +52,8 @@ class _Windows:
 class _Rows:
     """Random-access view of whole documents ({"tokens", "mask"} [N, T + 1], each document padded to a row, and
     "lengths" [N]: `jaxpar.data.chat`). Element i is document i: its row with "segments" (1 on the document, 0 on
-    the padding), or with `trimmed` the document alone ({"tokens", "mask"} [lengths[i]]), for packing."""
+    the padding; rows that bring their own — a preference pair's two documents — keep them), or with `trimmed`
+    the document alone ({"tokens", "mask"} [lengths[i]]), for packing."""
 
     def __init__(self, rows: dict[str, np.ndarray], seq_len: int, trimmed: bool = False):
         arrays = {k: a for k, a in rows.items() if k != "lengths"}
@@ -70,7 +71,8 @@ class _Rows:
         if self.trimmed:
             return {k: a[i, :n] for k, a in self.arrays.items()}
         row = {k: a[i] for k, a in self.arrays.items()}
-        row["segments"] = (np.arange(len(row["tokens"])) < n).astype(np.int32)
+        if "segments" not in row:  # (preference pairs bring theirs: 1 chosen, 2 rejected)
+            row["segments"] = (np.arange(len(row["tokens"])) < n).astype(np.int32)
         return row
 
 

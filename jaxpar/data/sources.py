@@ -11,6 +11,7 @@ tokenizer's eos id, else the bytes "\\n\\n") after every document.
 | "text"      | data.path: a text/.jsonl file or a directory of them     | by file as above; last 5% if one-sided    |
 | "tokens"    | data.path: a raw uint16 .bin memmap, or a .npy           | last 5% of the ids                        |
 | "chat"      | data.path: JSONL conversations, one per row (data.chat)  | every 20th conversation                   |
+| "pairs"     | data.path: JSONL preference pairs, one per row (DPO)     | every 20th pair                           |
 
 Splitting by a hash of the file's relative path (not by position) keeps the split stable when files are added, and
 keeps a whole file on one side, so the held-out loss measures generalisation to unseen files rather than to the
@@ -31,8 +32,8 @@ import zlib
 
 import numpy as np
 
-from jaxpar.config import ConfigError, DataConfig
-from jaxpar.data.chat import load_chat_rows
+from jaxpar.config import SOURCES, ConfigError, DataConfig
+from jaxpar.data.chat import load_chat_rows, load_pair_rows
 from jaxpar.data.tokenizers import Tokenizer, encode_documents
 
 SPLITS = ("train", "eval")
@@ -49,7 +50,8 @@ SKIP_DIRS = {"site-packages", "dist-packages", "__pycache__"}
 def load_tokens(data: DataConfig, tokenizer: Tokenizer, split: str, *, seq_len: int, seed: int = 0
                 ) -> np.ndarray | dict[str, np.ndarray]:
     """The token stream of `split` -> integer [n_tokens], with n_tokens >= seq_len + 1 — or for "chat" the rows
-    themselves, {"tokens", "mask"} int32 [N, seq_len + 1] each (jaxpar.data.chat), which the `Loader` batches whole.
+    themselves, {"tokens", "mask"} int32 [N, seq_len + 1] each (jaxpar.data.chat), which the `Loader` batches whole
+    (and for "pairs" their "segments" too: jaxpar.data.chat.load_pair_rows).
 
     int32 for the "default", "synthetic" and "text" sources. For "tokens" it is a read-only memory-mapped view in
     the file's own integer dtype (uint16 for .bin), so a file larger than memory is never copied; the `Loader`
@@ -70,8 +72,10 @@ def load_tokens(data: DataConfig, tokenizer: Tokenizer, split: str, *, seq_len: 
         tokens, field, value = _file_tokens(data.path, tokenizer.vocab_size, split), "data.path", data.path
     elif data.source == "chat":  # whole rows with their loss mask, not a stream
         return load_chat_rows(data, tokenizer, split, seq_len)
+    elif data.source == "pairs":  # whole rows, a chosen and a rejected conversation each (segments 1 and 2)
+        return load_pair_rows(data, tokenizer, split, seq_len)
     else:  # unreachable for a DataConfig, which validates `source`; kept so a new source cannot fall through
-        raise ConfigError("data.source", data.source, "unknown source", "use default, synthetic, text, tokens or chat")
+        raise ConfigError("data.source", data.source, "unknown source", "use one of " + ", ".join(SOURCES))
     if len(tokens) < seq_len + 1:
         raise ConfigError(field, value, f"the {split!r} split holds {len(tokens)} tokens, fewer than one sequence "
                           f"needs (train.seq_len + 1 = {seq_len + 1})", "add more data or lower train.seq_len")

@@ -10,6 +10,7 @@ import time
 from typing import Callable
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
@@ -26,9 +27,11 @@ from jaxpar.store import checkpoint
 from jaxpar.store.lock import WorkdirLock
 from jaxpar.train.metrics import MetricsWriter, StepProfiler
 from jaxpar.plan import Plan, make_plan
-from jaxpar.sharding import param_specs
+from jaxpar.sharding import param_shardings, param_specs
 from jaxpar.train.state import TrainState, create_state, lr_schedule, make_optimizer
-from jaxpar.train.step import compile_steps, make_eval_step, make_train_step, sharded_loss_and_grads
+from jaxpar.train.dpo import DPO
+from jaxpar.train.step import (compile_steps, make_eval_step, make_reference_step, make_train_step,
+                               sharded_loss_and_grads)
 
 
 @dataclasses.dataclass
@@ -42,6 +45,7 @@ class Trainer:
     eval_step: Callable  # (params, batch) -> loss; jitted
     plan: Plan
     loss_and_grads: Callable  # (params, batch) -> (loss, grads): the train step's gradients alone, not jitted
+    dpo: DPO | None = None  # the preference objective (train.objective = "dpo"), else None
 
     @property
     def mesh(self) -> Mesh | None:
@@ -60,6 +64,46 @@ class Trainer:
         t = config.train
         rows = np.random.default_rng(seed).integers(0, config.model.vocab_size, (t.batch_size, t.seq_len + 1))
         return self.put(rows.astype(np.int32))
+
+
+def dpo_of(config: Config) -> DPO | None:
+    """The run's preference objective (jaxpar.train.dpo), or None for next-token training."""
+    t = config.train
+    return DPO(t.dpo_beta, t.dpo_loss) if t.objective == "dpo" else None
+
+
+def reference_pass(trainer: Trainer, params: nnx.State) -> Callable[[dict], dict]:
+    """DPO's reference: a copy of `params` (the model the run starts from) on the trainer's devices, laid out
+    without the pipeline (`Plan.without_pipeline`: its forward needs no schedule), and batch → the batch with its
+    "ref" sums (`make_reference_step`), computed before the step that uses them. The copy costs one more set of
+    weights per device (each stage's share of the layers becomes every layer under a pipeline)."""
+    plan = trainer.plan
+    if plan.mesh is None:
+        ref, forward = jax.tree.map(jnp.copy, params), jax.jit(make_reference_step(trainer.graphdef, plan))
+        return lambda batch: {**batch, "ref": forward(ref, batch)}
+    flat = plan.without_pipeline()
+    shardings = param_shardings(params, plan.mesh, flat.rules, flat.param_zero_data)
+    with jax.set_mesh(plan.mesh):
+        ref = jax.jit(lambda p: flat.from_canonical(plan.to_canonical(p)), out_shardings=shardings)(params)
+    step = make_reference_step(trainer.graphdef, flat,
+                               param_specs=param_specs(params, flat.rules, flat.param_zero_data))
+    forward = jax.jit(step, in_shardings=(shardings, plan.batch_sharding), out_shardings=plan.batch_sharding)
+
+    def add_ref(batch: dict) -> dict:
+        with jax.set_mesh(plan.mesh):
+            return {**batch, "ref": forward(ref, batch)}
+
+    return add_ref
+
+
+def no_reference(trainer: Trainer) -> Callable[[dict], dict]:
+    """Reference-free DPO (train.dpo_reference = "none"): batch → the batch with "ref" zeros [B, 2]."""
+    where = None if trainer.mesh is None else trainer.plan.batch_sharding
+
+    def add_ref(batch: dict) -> dict:
+        return {**batch, "ref": jnp.zeros((batch["tokens"].shape[0], 2), jnp.float32, device=where)}
+
+    return add_ref
 
 
 def _check_trainable(model) -> None:
@@ -89,10 +133,12 @@ def build_trainer(config: Config, devices: list | Mesh | None, *, explicit: bool
     # ZeRO-1: the gradients leave split as the optimizer state is (a reduce-scatter, not an all-reduce)
     grad_specs = (param_specs(state.params, plan.rules, plan.opt_zero_data)
                   if plan.mesh is not None and plan.opt_zero_data != plan.param_zero_data else None)
+    dpo = dpo_of(config)
     grads_of, step_grads = (sharded_loss_and_grads(graphdef, plan, grad_accum=config.train.grad_accum,
                                                    remat=parallel.remat, param_specs=specs, grad_specs=grad_specs,
-                                                   stats=stats, mtp_weight=config.train.mtp_loss_weight)
-                            for stats in (False, model.moe.enabled or model.mtp_depth > 0))  # MoE / MTP statistics
+                                                   stats=stats, mtp_weight=config.train.mtp_loss_weight, dpo=dpo)
+                            for stats in (False, model.moe.enabled or model.mtp_depth > 0 or dpo is not None))
+    # (the statistics: the MoE layers', MTP's, DPO's rewards)
     moe_layers = model.moe_layer_count
 
     def update_in_layout(buffers, stats):  # the buffers live in the plan's layer order, the rule reads model order
@@ -101,8 +147,9 @@ def build_trainer(config: Config, devices: list | Mesh | None, *, explicit: bool
     update = update_in_layout if jax.tree.leaves(buffers_of(state.params)) else None
     train_step, eval_step = compile_steps(make_train_step(step_grads, tx, lr_schedule(config.train), moe_layers,
                                                           update),
-                                          make_eval_step(graphdef, plan, param_specs=specs), plan.mesh, shardings)
-    return Trainer(graphdef, state, shardings, train_step, eval_step, plan, grads_of)
+                                          make_eval_step(graphdef, plan, param_specs=specs, dpo=dpo), plan.mesh,
+                                          shardings)
+    return Trainer(graphdef, state, shardings, train_step, eval_step, plan, grads_of, dpo)
 
 
 @dataclasses.dataclass
@@ -205,11 +252,10 @@ def _run(config: Config, workdir: pathlib.Path, devices: list, progress: bool, t
     train, model_cfg = config.train, config.model
     state, shardings, train_step, to_device = trainer.state, trainer.shardings, trainer.train_step, trainer.put
 
-    def evaluate(params) -> float:
-        eval_loader = data_lib.make_loader(eval_tokens, seed=0, shuffle=False, **loader_args)
-        losses = [trainer.eval_step(params, to_device(next(eval_loader))) for _ in range(train.eval_batches)]
-        return float(np.mean(jax.device_get(losses)))
-
+    initial = state.params  # the model the run starts from (DPO's reference, also when the run resumes)
+    if train.init_from_hf:  # a fresh run that starts from Hugging Face weights (Adam's moments start at zero)
+        initial = hf.load_params(train.init_from_hf, model_cfg, state.params, trainer.plan,
+                                 None if shardings is None else shardings.params)
     if mngr.all_steps():
         state, data_state = checkpoint.restore_train(mngr, state, shardings, trainer.plan, model_cfg.vocab_size)
         try:
@@ -217,9 +263,19 @@ def _run(config: Config, workdir: pathlib.Path, devices: list, progress: bool, t
         except ValueError as e:
             raise CheckpointError(f"the data stream differs from the one {workdir}'s checkpoints were saved from "
                                   f"({e}); restore the data files, or start a new --workdir") from None
-    elif train.init_from_hf:  # a fresh run that starts from Hugging Face weights (Adam's moments start at zero)
-        state = state.replace(params=hf.load_params(train.init_from_hf, model_cfg, state.params, trainer.plan,
-                                                    None if shardings is None else shardings.params))
+    else:
+        state = state.replace(params=initial)
+    # DPO: each batch gains its reference sums before its step (a copy of the starting model's weights: the step
+    # donates the state's)
+    with_ref = (lambda batch: batch) if trainer.dpo is None else (
+        reference_pass(trainer, initial) if train.dpo_reference == "model" else no_reference(trainer))
+    del initial
+
+    def evaluate(params) -> float:
+        eval_loader = data_lib.make_loader(eval_tokens, seed=0, shuffle=False, **loader_args)
+        losses = [trainer.eval_step(params, with_ref(to_device(next(eval_loader))))
+                  for _ in range(train.eval_batches)]
+        return float(np.mean(jax.device_get(losses)))
     if jax.process_index() == 0:  # (the workdir exists: taking its lock made it)
         try:
             (workdir / "config.json").write_text(config.to_json())
@@ -280,7 +336,7 @@ def _run(config: Config, workdir: pathlib.Path, devices: list, progress: bool, t
         with preemption:
             for step in range(start + 1, train.steps + 1):
                 profiler.before(step)
-                state, metrics = train_step(state, next(loader))
+                state, metrics = train_step(state, with_ref(next(loader)))
                 profiler.after(step, state)
                 writer.advance()
                 if pending is not None:
