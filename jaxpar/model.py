@@ -144,14 +144,21 @@ class Blocks(nnx.Module):
         """The stacked parameters by name, each [n, …] (the local share of the stack inside shard_map); a quantized
         matrix as one `Quantized(name, name_scale)`; and the buffers the layer's forward reads (`BufferSpec.forward`),
         as constants (no gradient reaches them through the layer)."""
-        values = {name: v[...] for name, v in vars(self).items() if isinstance(v, nnx.Param)}
-        out = {name: Quantized(a, values[name + "_scale"]) if name + "_scale" in values else a
-               for name, a in values.items() if not name.endswith(("_scale", "_lora_a", "_lora_b"))}
-        scale = self.cfg.lora.alpha / max(self.cfg.lora.rank, 1)
-        for name in [n for n in out if n + "_lora_a" in values]:  # LoRA: W, A and B as one weight
-            out[name] = Adapted(out[name], values[name + "_lora_a"], values[name + "_lora_b"], scale)
+        out = layer_operands({name: v[...] for name, v in vars(self).items() if isinstance(v, nnx.Param)}, self.cfg)
         out.update(forward_buffers({name: v for name, v in vars(self).items() if isinstance(v, Buffer)}, self.cfg))
         return out
+
+
+def layer_operands(values: dict[str, Array], cfg: ModelConfig) -> dict[str, Array]:
+    """A stack's parameter arrays by name → the operands its layers contract: a quantized matrix as one
+    `Quantized(name, name_scale)`, an adapted one (LoRA) as `Adapted(W, name_lora_a, name_lora_b)`, the rest as
+    they are. (`Blocks.stacked`, and a schedule table's chunk, which holds its trained and frozen arrays apart.)"""
+    out = {name: Quantized(a, values[name + "_scale"]) if name + "_scale" in values else a
+           for name, a in values.items() if not name.endswith(("_scale", "_lora_a", "_lora_b"))}
+    scale = cfg.lora.alpha / max(cfg.lora.rank, 1)
+    for name in [n for n in out if n + "_lora_a" in values]:  # LoRA: W, A and B as one weight
+        out[name] = Adapted(out[name], values[name + "_lora_a"], values[name + "_lora_b"], scale)
+    return out
 
 
 class MTP(nnx.Module):

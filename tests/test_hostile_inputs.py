@@ -485,7 +485,7 @@ CASES = [
                            ("long", "line 1 of data.path is 41 tokens"), ("no_pairs", "line 1 is neither")]],
     Case("train-chat-path-missing", TRAIN + "--config.data.source=chat --config.data.path={tmp}/none.jsonl",
          "data.path"),
-    # LoRA: a target that is no adaptable matrix, a negative rank, a zero alpha, with a schedule table; --to-peft
+    # LoRA: a target that is no adaptable matrix, a negative rank, a zero alpha; --to-peft
     # from a run without adapters, and with a flag it does not take
     Case("train-lora-target-unknown", TRAIN + "--config.lora.rank=4 --config.lora.targets=[q_proj]", "lora.targets",
          lambda c, t: load_config("configs/tiny.py", ["lora.rank=4", "lora.targets=[q_proj]"])),
@@ -495,9 +495,6 @@ CASES = [
          lambda c, t: load_config("configs/tiny.py", ["lora.rank=-2"])),
     Case("train-lora-alpha-zero", TRAIN + "--config.lora.rank=4 --config.lora.alpha=0", "lora.alpha",
          lambda c, t: load_config("configs/tiny.py", ["lora.rank=4", "lora.alpha=0"])),
-    Case("train-lora-schedule-table", TRAIN + "--config.lora.rank=4 --config.parallel.schedule=interleaved_1f1b",
-         "parallel.schedule", lambda c, t: load_config("configs/tiny.py", [
-             "lora.rank=4", "parallel.schedule=interleaved_1f1b"])),
     Case("convert-peft-without-adapters", "convert --from {workdir} --to-peft {tmp}/peft", "lora.rank",
          lambda c, t: __import__("jaxpar.interop.peft", fromlist=["x"]).export_peft(c.workdir, t / "peft")),
     Case("convert-peft-with-quantize", "convert --from {workdir} --to-peft {tmp}/peft --quantize int8", "--to-peft"),

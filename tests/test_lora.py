@@ -96,6 +96,8 @@ LAYOUTS = {
                                                           overlap="collective_matmul"), 1),
     "(data, context, tensor) = (2, 2, 2) SP ring": (dict(data=2, context=2, tensor=2, sequence_parallel=True,
                                                          context_impl="ring"), 1),
+    "(pipe, expert, tensor) = (2, 2, 2) ZB-H1 SP": (dict(pipe=2, expert=2, tensor=2, microbatches=4,
+                                                          sequence_parallel=True, schedule="zb_h1"), 1),
 }
 
 

@@ -787,10 +787,6 @@ def check_layout(m: ModelConfig, p: ParallelConfig) -> None:
     rest; `jaxpar.infer.text.load` for an inference layout): the attention kind's heads (its `check`) and the MLP
     widths against `tensor`, the layers against the pipeline's chunks, and the mixture-of-experts rules. The
     embedding needs none: it is padded to a multiple of `tensor` (jaxpar.sharding)."""
-    if m.lora.rank and p.pipe > 1 and p.schedule != "circular":
-        raise ConfigError("parallel.schedule", p.schedule, "runs each chunk's backward as an explicit B/W split over "
-                          "the matmul weights it records, and LoRA's adapters ride inside their frozen weight "
-                          "(not supported yet)", "use parallel.schedule=circular with lora.rank > 0")
     attention_kind(m).check(m, p.tensor)  # its heads (or latent dims) against the tensor degree
     check_divides("model.d_ff", m.d_ff, "parallel.tensor", p.tensor, "the MLP hidden dim is split over tensor")
     stages = p.pipe * p.repeats

@@ -77,9 +77,11 @@ class Chunk:
                                  "the executor prepares each weight once, by one role's policy")
         self.is_matmul = [id(leaf) in role_of for leaf in param_leaves]
         self.roles = [role_of[id(leaf)] for leaf in param_leaves if id(leaf) in role_of]  # part(…, True)'s
-        if not any(self.is_matmul):
+        if measured.weights and not any(self.is_matmul):
             raise ValueError("the chunk contracts none of its parameters through Parallel.column / Parallel.row: "
                              "the executor's W has no weight gradients to derive")
+        # (a chunk run without a tape — LoRA's, whose weight gradients are the small adapters' — records no group:
+        # B derives every gradient, and W has nothing to do)
         k = measured.steps  # the chunk's scan runs k periods of layers (k layers in a uniform stack)
         self.probe_ref = [[like(jnp.zeros((k, *y.shape), y.dtype), y) for y in ys] for ys in measured.outputs]
         # the groups' inputs, flat (a group's input may be a pytree: the MoE experts' tokens and routing)
@@ -298,6 +300,8 @@ def execute(program: Program, chunk_fn: Callable, layers, rest, tokens: Array, t
     def weight_grads(g, params_r, consts_r, tape_buf, dys_buf):
         """W: Σ xᵀ·dy over the chunk's matmuls, each group replayed on its stashed input."""
         stash, tape, dys, msg, d_chunk, d_rest, loss, stats, sums = nothing()
+        if not any(chunk.is_matmul):  # no tape (LoRA's chunks): B derived every gradient
+            return stash, tape, dys, msg, d_chunk, d_rest, loss, stats, sums
         others = chunk.part(params_r, False)
 
         def replay(weights):

@@ -31,8 +31,8 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh, PartitionSpec as P
 
-from jaxpar.model import (buffers_of, default_positions, forward_buffers, frozen_of, layer_masks, learnable,
-                          merge_state, moe_objective, mtp_targets, run_layers, stats_total, trainable)
+from jaxpar.model import (buffers_of, default_positions, forward_buffers, frozen_of, layer_masks, layer_operands,
+                          learnable, merge_state, moe_objective, mtp_targets, run_layers, stats_total, trainable)
 from jaxpar.parallel import circular, executor, schedule as tables
 from jaxpar.parallel.axes import DATA, EXPERT, PIPE
 from jaxpar.parallel.pipeline import Pipeline
@@ -339,7 +339,8 @@ def pipeline_loss(model, batch: Batch, pipe: Pipeline, remat: str, par: Parallel
 def scheduled_loss_and_grads(graphdef: nnx.GraphDef, params: nnx.State, batch: Batch, pipe: Pipeline,
                              remat: str, par: Parallel, mtp_weight: float = 0.0, density: jax.Array | None = None,
                              dpo: DPO | None = None) -> tuple[jax.Array, nnx.State, dict]:
-    """This stage's share of (loss, gradients, its layers' MoE statistics over every row) under a schedule table
+    """This stage's share of (loss, gradients of what trains (`learnable`), its layers' MoE statistics over every
+    row) under a schedule table
     (`executor.execute`): the table, not autodiff of a loop, decides when each microbatch's backward runs and what
     stays alive.
 
@@ -360,24 +361,35 @@ def scheduled_loss_and_grads(graphdef: nnx.GraphDef, params: nnx.State, batch: B
     # the stacks the chunks hold: those on the `layers` axis (a dense prefix joins the embedding, in `rest`)
     stack_names = tuple(name for name in cfg.layer_stacks if not (cfg.prefix_layers and name == "dense_blocks"))
     in_chunks = lambda path, _: path[0] in stack_names  # noqa: E731  (top-level: never mtp/blocks)
-    blocks, rest = nnx.split_state(params, in_chunks, ...)  # the layers | the rest
-    # The layers' weights (differentiated) | their buffers: constants of the executor, which computes no gradient
-    # for them (zeros stand in for theirs below, where the state's tree wants one)
-    weights, buffers = trainable(blocks), buffers_of(blocks)
+    blocks, everything_else = nnx.split_state(params, in_chunks, ...)  # the layers | the rest
+    # What trains (differentiated) | what does not — the layers' buffers, and with LoRA every frozen weight:
+    # constants of the executor, which computes no gradient for them. Of the rest (embedding, final norm, head),
+    # the part that trains is the executor's `rest`; a frozen part rides in the closures.
+    weights, fixed = learnable(blocks), frozen_of(blocks)
+    rest, frozen_rest = learnable(everything_else), frozen_of(everything_else)
     # [v·k, …] in storage order → [v, k, …]: chunk r of this stage is row r (pipeline_order), in every stack
     per_chunk = lambda tree: jax.tree.map(lambda a: a.reshape(v, a.shape[0] // v, *a.shape[1:]), tree)  # noqa: E731
-    layers, constants = per_chunk(weights), per_chunk(buffers)
+    layers, constants = per_chunk(weights), per_chunk(fixed)
+    # LoRA: every weight gradient is an adapter's (r·(in + out) a matrix) — B derives them with the input gradient
+    # and W has nothing to defer, so the chunk runs without a tape (its base weights are constants)
+    tape_on = not cfg.lora.rank
 
     def chunk_fn(chunk: nnx.State, x: jax.Array, tape, consts):
-        # consts: the chunk's buffers, or with packed rows (its buffers, the microbatch's side: `execute`)
+        # consts: the chunk's constants, or with packed rows (its constants, the microbatch's side: `execute`)
         consts, mside = consts if side is not None else (consts, None)
-        # the layers' weights, and the buffers their forward reads (the routing's correction bias) as constants
-        stacked = {stack: {**{name: var[...] for name, var in chunk[stack].items() if isinstance(var, nnx.Param)},
+
+        def arrays(state, stack):  # a stack's parameters (Params) in `state`, by name
+            return {name: var[...] for name, var in state[stack].items() if isinstance(var, nnx.Param)} \
+                if stack in state else {}
+
+        # the layers' weights (trained, and frozen ones), and the buffers their forward reads (the routing's
+        # correction bias) as constants
+        stacked = {stack: {**layer_operands({**arrays(chunk, stack), **arrays(consts, stack)}, cfg),
                            **forward_buffers(dict(consts[stack].items()) if stack in consts else {}, cfg)}
                    for stack in stack_names}
         at, masks = layer_inputs(cfg, par, mside, positions)
-        y, stats = run_layers(stacked, x, at, masks, cfg, remat=remat, par=par.with_tape(tape), stats=True,
-                              first_layer=cfg.prefix_layers)
+        y, stats = run_layers(stacked, x, at, masks, cfg, remat=remat, par=par.with_tape(tape if tape_on else None),
+                              stats=True, first_layer=cfg.prefix_layers)
         # F of an MoE chunk (a tape's MEASURE and REPLAY report no statistics: `Tape.scan`): its layers' aux losses
         # over this microbatch join the objective like its loss
         if stats:
@@ -385,7 +397,7 @@ def scheduled_loss_and_grads(graphdef: nnx.GraphDef, params: nnx.State, batch: B
         return y, stats  # the statistics are summed over the F ticks (logged, not differentiated)
 
     def embed_fn(r: nnx.State, inputs: dict) -> jax.Array:  # a microbatch's tokens (and side, packed)
-        model = nnx.merge(graphdef, r, blocks)
+        model = nnx.merge(graphdef, r, frozen_rest, blocks)
         at, masks = layer_inputs(cfg, par, inputs.get("side"), positions)
         x = model.embed_tokens(inputs["tokens"], at, par)
         if cfg.prefix_layers:
@@ -393,7 +405,7 @@ def scheduled_loss_and_grads(graphdef: nnx.GraphDef, params: nnx.State, batch: B
         return x
 
     def head_loss_fn(r: nnx.State, y: jax.Array, rows: Batch) -> tuple[jax.Array, dict]:
-        model = nnx.merge(graphdef, r, blocks)
+        model = nnx.merge(graphdef, r, frozen_rest, blocks)
         loss, sums = head_loss(model.logits(y, par), sequence_share(rows, par), rows, density, par, dpo)
         if not mtp:
             return loss, sums
@@ -408,8 +420,7 @@ def scheduled_loss_and_grads(graphdef: nnx.GraphDef, params: nnx.State, batch: B
         embed_fn, head_loss_fn, axis=PIPE, operand=lambda w, role: par.policy(role).operand(w, cfg.dtype),
         constants=constants, side=side)
     block_grads = jax.tree.map(lambda a: a.reshape(a.shape[0] * a.shape[1], *a.shape[2:]), layer_grads)
-    no_grads = jax.tree.map(jnp.zeros_like, buffers)  # the buffers' places in the gradients' tree (dropped: trainable)
-    return loss, merge_state(rest_grads, block_grads, no_grads), {**in_model_order(stats, pipe), **head_sums}
+    return loss, merge_state(rest_grads, block_grads), {**in_model_order(stats, pipe), **head_sums}
 
 
 def loss_and_grads(graphdef: nnx.GraphDef, *, grad_accum: int = 1, remat: str = "none",
