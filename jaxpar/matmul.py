@@ -7,7 +7,8 @@ torchtitan's float8 converters do it:
 
     plain (this file)      stored float weight → cast to the activation's dtype → einsum, float32 accumulation
     int8 / int4 (this file) stored `Quantized(q, scale)` → dequantized to the activation's dtype → the same einsum
-    fp8 (later)            a scaled low-precision dot, float32 accumulation
+    fp8 (jaxpar.fp8)       `Fp8Rowwise`: e4m3 inputs and weights, e5m2 output gradients, scales per row,
+                           float32 accumulation, the weight gradient in the compute dtype
     LoRA (this file)       stored `Adapted(W, A, B)` → x·W + (α/r)·(x·A)·B, W in whatever form it is stored
                            (float, or `Quantized`: QLoRA), A and B cast like any weight
 
@@ -183,14 +184,27 @@ class Einsum:
         return w.dequantize(dtype) if isinstance(w, Quantized) else w.astype(dtype)
 
     def contract(self, equation: str, x: Array, w: Array) -> Array:
-        """einsum(equation, x, w) → float32 on a prepared operand w. Linear in x: the collective matmul's backward
-        takes its vjp with respect to x once, at any primal of x's shape. An `Adapted` operand adds its adapters'
-        scale·(x·A)·B, the rank-r activation x·A rounded to x's dtype between the two (as PEFT's lora_B(lora_A(x)))."""
+        """einsum(equation, x, w) → float32 on a prepared operand w. Linear in x — or, for a scaled format, with an
+        input gradient that does not depend on x —: the collective matmul's backward takes its vjp with respect to
+        x once, at any primal of x's shape. An `Adapted` operand adds its adapters' scale·(x·A)·B, the rank-r
+        activation x·A rounded to x's dtype between the two (as PEFT's lora_B(lora_A(x))), always by the plain
+        product: the adapters are small and train in the compute dtype."""
         if isinstance(w, Adapted):
             down, up = lora_equations(equation)
             low = token_einsum(down, x, w.a).astype(x.dtype)
             return self.contract(equation, x, w.base) + w.scale * token_einsum(up, low, w.b)
+        return self.product(equation, x, w)
+
+    def product(self, equation: str, x: Array, w: Array) -> Array:
+        """The contraction of x with one prepared array w (`contract` without adapters) → float32."""
         return token_einsum(equation, x, w)
+
+    def along(self, inputs: str | None = None, outputs: str | None = None) -> "Einsum":
+        """This policy for a weight whose input (contracted) dims are split over mesh axis `inputs` (a
+        row-parallel weight) or whose output dims are split over `outputs` (column-parallel): tensor parallelism
+        says so where it contracts (jaxpar.parallel.tensor). A policy whose scales span a whole dim (FP8's) reduces
+        them over that axis; the plain policy needs nothing."""
+        return self
 
     def ragged(self, x: Array, w: Array, group_sizes: Array) -> Array:
         """Grouped matmul (the experts of an MoE layer): rows x [M, K] sorted by group, w [G, K, N], group_sizes

@@ -1087,7 +1087,7 @@ def moe(p: dict[str, Array], h: Array, cfg: ModelConfig, par: Parallel = SINGLE_
                         topk_group=m.topk_group, routed_scale=m.routed_scale,
                         bias=None if bias is None else jax.lax.stop_gradient(bias))
     ffn = functools.partial(grouped_swiglu, dot=par.policy("experts"), dtype=cfg.dtype, limit=m.swiglu_limit,
-                            alpha=m.swiglu_alpha)
+                            alpha=m.swiglu_alpha, split=None if par.tensor is None else par.tensor.axis)
     weights = (p["we_gate"], p["we_up"], p["we_down"])
     if "we_gate_b" in p:  # the gate and up biases ride with their matrices into the experts' region (split alike)
         weights += (p["we_gate_b"], p["we_up_b"])
@@ -1119,14 +1119,18 @@ def moe_objective(stats: dict[str, Array], cfg: ModelConfig, rows: int) -> Array
 
 
 def grouped_swiglu(rows: Array, group_sizes: Array, weights, *, dot, dtype, limit: float = 0.0,
-                   alpha: float = 1.702) -> Array:
+                   alpha: float = 1.702, split: str | None = None) -> Array:
     """The experts' SwiGLU on rows sorted by expert: rows [M, D] (compute dtype), group_sizes [X] (rows of each
     expert, in order; the rest are padding), weights (we_gate, we_up [X, D, F], we_down [X, F, D][, we_gate_b,
     we_up_b [X, F]: each row's expert's bias added to its gate and up]) → [M, D] float32.
 
     limit > 0: gpt-oss's clamped SwiGLU, (clip(up, −limit, limit) + 1) · g · σ(alpha · g) with g = min(gate, limit)
-    (transformers' GptOssExperts), in float32."""
+    (transformers' GptOssExperts), in float32.
+
+    split: the mesh axis splitting the experts' hidden width F (tensor parallelism: gate and up split their
+    outputs over it, down its inputs — `Einsum.along`), or None."""
     w_gate, w_up, w_down, *biases = weights
+    dot, down = dot.along(outputs=split), dot.along(inputs=split)
     rows = checkpoint_name(rows, "expert_in")  # (named for the memory planner; no policy saves it)
     gate, up = dot.ragged(rows, w_gate, group_sizes), dot.ragged(rows, w_up, group_sizes)  # [M, F] float32
     if biases:  # row r belongs to expert ids[r] (the padding after Σ group_sizes to the last: its output is unused)
@@ -1138,7 +1142,7 @@ def grouped_swiglu(rows: Array, group_sizes: Array, weights, *, dot, dtype, limi
         hidden = (jnp.clip(up, -limit, limit) + 1.0) * g * jax.nn.sigmoid(alpha * g)
     else:
         hidden = jax.nn.silu(gate) * up
-    return checkpoint_name(dot.ragged(checkpoint_name(hidden.astype(dtype), "mlp_hidden"), w_down, group_sizes),
+    return checkpoint_name(down.ragged(checkpoint_name(hidden.astype(dtype), "mlp_hidden"), w_down, group_sizes),
                            "expert_out")
 
 

@@ -29,6 +29,7 @@ import jax
 
 from jaxpar.config import ConfigError, ModelConfig, ParallelConfig, resolve_attention
 from jaxpar.families import attention_kind
+from jaxpar import fp8
 from jaxpar.matmul import Policies
 from jaxpar.mesh import make_mesh
 from jaxpar.parallel.axes import (AXES, BATCH_AXES, CONTEXT, DATA, EXPERT, GRAD_AXES, MESH_AXES, PIPE, RULES, SEQ_AXES,
@@ -171,7 +172,7 @@ def batch_sharding(mesh: Mesh) -> NamedSharding:
 
 
 def make_plan(model: ModelConfig, parallel: ParallelConfig | None = None, devices: Sequence | Mesh | None = None,
-              explicit: bool = True, matmul: Policies = Policies()) -> Plan:
+              explicit: bool = True, matmul: Policies | None = None) -> Plan:
     """The plan of `model` with `parallel` on `devices` — a list of devices (a mesh is built over them), an existing
     mesh with the axes of the table, or None for the single-device reference.
 
@@ -180,9 +181,10 @@ def make_plan(model: ModelConfig, parallel: ParallelConfig | None = None, device
     sequence parallelism: asking it for either is a ConfigError.
 
     matmul: the policy that contracts each weight role's matmuls (jaxpar.matmul.Policies: e.g.
-    `Policies.blocks(fp8)` for the block's matmuls, router, embedding and head in float); every role plain by
-    default.
+    `Policies.blocks(fp8)` for the block's matmuls, router, embedding and head in float); default: the model's
+    `model.matmul` for the block's roles (`model_policies`), every role plain for "float".
     """
+    matmul = model_policies(model) if matmul is None else matmul
     if devices is None:
         return Plan(padded_vocab=model.vocab_size, explicit=explicit, model=resolve_attention(model, jax.devices()[0]),
                     matmul=matmul)
@@ -224,6 +226,11 @@ def make_plan(model: ModelConfig, parallel: ParallelConfig | None = None, device
     expert = ExpertParallel(EXPERT if degrees[EXPERT] > 1 else None, degrees[EXPERT])
     return Plan(mesh, degrees, rules, padded_vocab(model, t), tensor, pipeline, parallel.zero, explicit,
                 runs, context, expert, matmul)
+
+
+def model_policies(model: ModelConfig) -> Policies:
+    """The matmul policies `model.matmul` asks for: a recipe of jaxpar.fp8 on the block's roles, or every role plain."""
+    return Policies() if model.matmul == "float" else Policies.blocks(fp8.RECIPES[model.matmul])
 
 
 def padded_vocab(model: ModelConfig, tensor: int) -> int:

@@ -29,6 +29,7 @@ def _f(default: Any, help: str) -> Any:
 
 DTYPES = ("float32", "bfloat16", "float16")
 WEIGHT_FORMATS = ("float", "int8", "int4")  # jaxpar.matmul.Quantized
+MATMULS = ("float", "fp8_rowwise")  # model.matmul: the block's matmul policy (jaxpar.fp8.RECIPES)
 DEFAULT_GROUP = 128  # int4's group size when none is given: the largest up to this that fits the model (int4_groups)
 REMAT_POLICIES = ("none", "full", "dots", "selective")
 # What `parallel.auto` chooses (the planner's search, jaxpar.planner.search): these parallel fields and
@@ -268,6 +269,9 @@ class ModelConfig:
     weight_group: int = _f(128, "int4: consecutive inputs of an output channel sharing one scale; must divide "
                            "every quantized matrix's input width (d_model, heads*head_dim, d_ff). `jaxpar convert "
                            "--quantize int4` without --group-size picks the largest up to 128 that does")
+    matmul: str = _f("float", "the block's matmuls (attention, MLP, experts; router, embedding and head stay float): "
+                     "'float' (the compute dtype) or 'fp8_rowwise' (e4m3 inputs and weights, e5m2 output gradients, "
+                     "a scale per row, the weight gradient in the compute dtype: jaxpar.fp8)")
     # The `moe` section is part of the model's shape, so it rides inside ModelConfig (everything that builds a model
     # from a ModelConfig — the plan, checkpoints, Hugging Face import — gets it for free); on the command line, in
     # config files and in config.json it is its own section `moe.*` (config_from_dict / Config.to_dict move it).
@@ -356,6 +360,11 @@ class ModelConfig:
                                   f"leaves none of the {self.n_layers} layers an MoE layer",
                                   "set moe.n_experts=0 for a dense model, or make some layer MoE")
         check_choice("model.weights", self.weights, WEIGHT_FORMATS)
+        check_choice("model.matmul", self.matmul, MATMULS)
+        if self.matmul != "float" and self.weights != "float":
+            raise ConfigError("model.matmul", self.matmul, f"quantizes float weights, and model.weights = "
+                              f"{self.weights!r} stores integers (an inference format)",
+                              "use model.matmul=float with quantized weights, or model.weights=float")
         check_positive("model.weight_group", self.weight_group)
         if self.weights == "int4":
             self._check_groups()
@@ -782,11 +791,28 @@ def _layer_config(m: ModelConfig, window: int) -> ModelConfig:
     return dataclasses.replace(m, sliding_window=window, full_attention_every=0, local_rope_theta=0.0, **local)
 
 
+def check_fp8_layout(m: ModelConfig, p: ParallelConfig) -> None:
+    """The layouts FP8's scales cannot yet be global on (jaxpar.fp8): each is refused by name rather than run with
+    scales that differ from one device's."""
+    if p.overlap == "collective_matmul" and p.sequence_parallel and p.tensor > 1:
+        raise ConfigError("parallel.overlap", p.overlap, f"with model.matmul = {m.matmul!r}: the ring contracts a "
+                          "different sequence chunk on each rank at each step, so a per-token scale reduced over "
+                          "'tensor' there would mix tokens (not supported yet)",
+                          "use parallel.overlap=none with FP8")
+    if p.tensor > 1 and m.n_kv_heads and m.n_kv_heads % p.tensor:
+        raise ConfigError("model.matmul", m.matmul, f"with kv heads replicated over tensor (n_kv_heads = "
+                          f"{m.n_kv_heads} < parallel.tensor = {p.tensor}): each rank holds only its queries' part "
+                          "of a shared head's output gradient, and quantizing a part is not quantizing the whole",
+                          f"use parallel.tensor <= {m.n_kv_heads} (dividing it) with FP8, or model.matmul=float")
+
+
 def check_layout(m: ModelConfig, p: ParallelConfig) -> None:
     """The rules between a model and its layout, for training and inference alike (`Config` checks them with the
     rest; `jaxpar.infer.text.load` for an inference layout): the attention kind's heads (its `check`) and the MLP
     widths against `tensor`, the layers against the pipeline's chunks, and the mixture-of-experts rules. The
     embedding needs none: it is padded to a multiple of `tensor` (jaxpar.sharding)."""
+    if m.matmul != "float":
+        check_fp8_layout(m, p)
     attention_kind(m).check(m, p.tensor)  # its heads (or latent dims) against the tensor degree
     check_divides("model.d_ff", m.d_ff, "parallel.tensor", p.tensor, "the MLP hidden dim is split over tensor")
     stages = p.pipe * p.repeats

@@ -151,6 +151,7 @@ class TensorParallel:
     def column(self, h: Array, weights: Sequence[Array], equations: Sequence[str], dot: Einsum) -> list[Array]:
         """Column-parallel matmuls sharing one input: h (sequence shard under SP, else replicated) → full-sequence
         float32 outputs with the weights' local column split. One f (or one all-gather) for the whole group."""
+        dot = dot.along(outputs=self.axis)
         if self.sequence:
             gather = overlap.gather_matmuls if self.overlap else seq.gather_matmuls
             return gather(h, tuple(weights), tuple(equations), self.axis, dot)
@@ -161,6 +162,7 @@ class TensorParallel:
         """Row-parallel matmul: local partial product, then g (or reduce-scatter to sequence shards under SP).
         The partial sums cross the wire in the compute dtype (bf16 on GPUs, as Megatron does); the result is
         float32 for the residual stream."""
+        dot = dot.along(inputs=self.axis)
         if self.sequence and self.overlap:
             return overlap.matmul_scatter(x, w, equation, self.axis, dot).astype(jnp.float32)
         return self.exit(dot(equation, x, w).astype(x.dtype)).astype(jnp.float32)

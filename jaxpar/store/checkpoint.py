@@ -321,7 +321,7 @@ def stored_config(mngr: ocp.CheckpointManager, workdir: str | pathlib.Path) -> d
 # Fields a resumed run may change: numerics of the forward pass, layout, schedule, budget and cadence. Everything
 # else in `model` changes the weights' shapes or the function they compute; `train.{batch_size, seq_len, seed}` and
 # `data` define the batch stream whose position the checkpoint holds.
-_RESUMABLE_MODEL = ("dtype", "param_dtype", "attention", "init_std", "scan_unroll")
+_RESUMABLE_MODEL = ("dtype", "param_dtype", "attention", "init_std", "scan_unroll", "matmul")
 _STREAM = {"train": ("batch_size", "seq_len", "seed"), "data": ("source", "path", "tokenizer")}
 
 

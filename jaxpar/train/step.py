@@ -21,6 +21,7 @@ bench/tp.py).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Callable, NamedTuple
 
@@ -578,7 +579,7 @@ def sharded_loss_and_grads(graphdef: nnx.GraphDef, plan: Plan, *, grad_accum: in
         if plan.pipeline is not None:  # make_plan refuses this combination; never drop a pipeline silently
             raise ValueError("a pipeline needs the explicit shard_map step (an explicit plan)")
         return loss_and_grads(graphdef, grad_accum=grad_accum, remat=remat, stats=stats, mtp_weight=mtp_weight,
-                              dpo=dpo)
+                              dpo=dpo, par=whole(plan))
     replicated = jax.tree.map(lambda spec: PIPE not in _mesh_axes(spec), param_specs)
     expert_split = jax.tree.map(lambda spec: EXPERT in _mesh_axes(spec), param_specs)
     local = loss_and_grads(graphdef, grad_accum=grad_accum, remat=remat, par=plan.parallel, grad_axes=plan.grad_axes,
@@ -591,6 +592,12 @@ def sharded_loss_and_grads(graphdef: nnx.GraphDef, plan: Plan, *, grad_accum: in
                            check_vma=True)
     # the step's density of targets, over the global batch (outside the shard_map: the compiler sums over devices)
     return lambda params, batch: mapped(params, batch, target_density(batch))
+
+
+def whole(plan: Plan) -> Parallel:
+    """The context of a step that runs as one global computation (one device, or GSPMD on a mesh): no explicit
+    collectives, the plan's matmul policies (`model.matmul`)."""
+    return dataclasses.replace(SINGLE_DEVICE, matmul=plan.matmul)
 
 
 def _mesh_axes(spec: P) -> set[str]:
@@ -672,7 +679,7 @@ def make_eval_step(graphdef: nnx.GraphDef, plan: Plan, *, param_specs: nnx.State
     """(params, batch) → mean next-token loss (over the masked-in targets with a loss mask; with `dpo`, the
     preference loss of the batch's pairs)."""
     if not plan.sharded:
-        return lambda params, batch: next_token_loss(graphdef, params, batch, dpo=dpo)
+        return lambda params, batch: next_token_loss(graphdef, params, batch, par=whole(plan), dpo=dpo)
 
     zero_dims = _zero_dims(param_specs)
 
@@ -705,7 +712,7 @@ def make_reference_step(graphdef: nnx.GraphDef, plan: Plan, *, param_specs: nnx.
         return preference.completion_logps(ce, share.weights, share.segments, par, differentiable=False)[0]
 
     if not plan.sharded:
-        return lambda params, batch: logps(params, batch, SINGLE_DEVICE)
+        return lambda params, batch: logps(params, batch, whole(plan))
     zero_dims = _zero_dims(param_specs)
     local = lambda params, batch: logps(gather_zero(params, zero_dims), batch, plan.parallel)  # noqa: E731
     return jax.shard_map(local, mesh=plan.mesh, in_specs=(param_specs, plan.batch_spec), out_specs=plan.batch_spec,
