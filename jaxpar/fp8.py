@@ -34,7 +34,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from jaxpar.matmul import Einsum, token_einsum
+from jaxpar.matmul import Adapted, Einsum, lora_equations, token_einsum
 
 Array = jax.Array
 
@@ -67,30 +67,39 @@ def _dims(equation: str) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, .
             tuple(i for i, c in enumerate(ws) if c not in xs), tuple(i for i, c in enumerate(out) if c in ws))
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 3, 4))
-def fp8_einsum(equation: str, x: Array, w: Array, split_in: str | None, split_out: str | None) -> Array:
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 4, 5))
+def fp8_einsum(equation: str, x: Array, w: Array, x_amax: Array | None, split_in: str | None,
+               split_out: str | None) -> Array:
     """einsum(equation, x, w) → float32 by the rowwise FP8 recipe (module docstring). x [tokens…, in…] in the
-    compute dtype, w [in…, out…] prepared (`Einsum.operand`); split_in / split_out: the mesh axis splitting w's
-    input / output dims (tensor parallelism), or None."""
+    compute dtype, w [in…, out…] prepared (`Einsum.operand`); x_amax: x's per-token amaxes if taken from a whole
+    tensor x is a chunk of (collective matmul's ring), else None (taken here); split_in / split_out: the mesh axis
+    splitting w's input / output dims (tensor parallelism), or None."""
     x_in, w_in, _, _ = _dims(equation)
-    xq = qdq(x, _amax(x, x_in, split_in), E4M3, x.dtype)
+    xq = qdq(x, _amax(x, x_in, split_in) if x_amax is None else x_amax, E4M3, x.dtype)
     wq = qdq(w, _amax(w, w_in, split_in), E4M3, x.dtype)
     return token_einsum(equation, xq, wq)
 
 
-def _einsum_fwd(equation, x, w, split_in, split_out):
-    return fp8_einsum(equation, x, w, split_in, split_out), (x, w)
+def _einsum_fwd(equation, x, w, x_amax, split_in, split_out):
+    return fp8_einsum(equation, x, w, x_amax, split_in, split_out), (x, w, x_amax)
+
+
+def input_grad(equation: str, dy: Array, w: Array, x: Array, split_out: str | None,
+               dy_amax: Array | None = None) -> Array:
+    """The FP8 input gradient Q₅(dy)·Q₄(W)ᵀ of `fp8_einsum` (float32): dy per token (its amaxes `dy_amax` when
+    taken from a whole tensor dy is a chunk of), W per input channel; x: any array of the input's shape."""
+    _, _, w_out, y_out = _dims(equation)
+    dyq = qdq(dy, _amax(dy, y_out, split_out) if dy_amax is None else dy_amax, E5M2, x.dtype)
+    wq = qdq(w, _amax(w, w_out, split_out), E4M3, x.dtype)
+    _, vjp = jax.vjp(lambda x_: token_einsum(equation, x_, wq), x)
+    return vjp(dyq.astype(jnp.float32))[0]
 
 
 def _einsum_bwd(equation, split_in, split_out, residuals, dy):
-    x, w = residuals
-    _, _, w_out, y_out = _dims(equation)
-    dyq = qdq(dy, _amax(dy, y_out, split_out), E5M2, x.dtype)
-    wq = qdq(w, _amax(w, w_out, split_out), E4M3, x.dtype)
-    _, input_grad = jax.vjp(lambda x_: token_einsum(equation, x_, wq), x)
+    x, w, x_amax = residuals
     _, weight_grad = jax.vjp(lambda w_: token_einsum(equation, x, w_), w)
-    (dx,), (dw,) = input_grad(dyq.astype(jnp.float32)), weight_grad(dy)
-    return dx.astype(x.dtype), dw.astype(w.dtype)
+    dx, (dw,) = input_grad(equation, dy, w, x, split_out), weight_grad(dy)
+    return dx.astype(x.dtype), dw.astype(w.dtype), None if x_amax is None else jnp.zeros_like(x_amax)
 
 
 fp8_einsum.defvjp(_einsum_fwd, _einsum_bwd)
@@ -138,9 +147,24 @@ class Fp8Rowwise(Einsum):
         """This policy with its amaxes over a weight's input / output dims reduced over those mesh axes."""
         return dataclasses.replace(self, split_in=inputs, split_out=outputs)
 
-    def product(self, equation: str, x: Array, w: Array) -> Array:
-        """`fp8_einsum` of x and one prepared weight."""
-        return fp8_einsum(equation, x, w, self.split_in, self.split_out)
+    def product(self, equation: str, x: Array, w: Array, x_scale: Array | None = None) -> Array:
+        """`fp8_einsum` of x and one prepared weight (x_scale: x's per-token amaxes, taken from the whole tensor)."""
+        return fp8_einsum(equation, x, w, x_scale, self.split_in, self.split_out)
+
+    def scales(self, equation: str, v: Array, side: str) -> Array:
+        """The per-token amaxes of a whole input x (side "input") or output gradient dy ("output"), reduced over
+        the mesh axis that splits the dims they span."""
+        x_in, _, _, y_out = _dims(equation)
+        return _amax(v, x_in, self.split_in) if side == "input" else _amax(v, y_out, self.split_out)
+
+    def input_grad(self, equation: str, dy: Array, w: Array, x: Array, dy_scale: Array | None = None) -> Array:
+        """`input_grad` of the FP8 product (an adapted weight's adapters by the plain rule)."""
+        if isinstance(w, Adapted):
+            down, up = lora_equations(equation)
+            _, vjp = jax.vjp(lambda x_: w.scale * token_einsum(up, token_einsum(down, x_, w.a).astype(x.dtype), w.b),
+                             x)
+            return input_grad(equation, dy, w.base, x, self.split_out, dy_scale) + vjp(dy)[0]
+        return input_grad(equation, dy, w, x, self.split_out, dy_scale)
 
     def ragged(self, x: Array, w: Array, group_sizes: Array) -> Array:
         """`fp8_ragged`: the experts' grouped matmul."""

@@ -183,21 +183,36 @@ class Einsum:
             return Adapted(self.operand(w.base, dtype), w.a.astype(dtype), w.b.astype(dtype), w.scale)
         return w.dequantize(dtype) if isinstance(w, Quantized) else w.astype(dtype)
 
-    def contract(self, equation: str, x: Array, w: Array) -> Array:
+    def contract(self, equation: str, x: Array, w: Array, x_scale: Array | None = None) -> Array:
         """einsum(equation, x, w) → float32 on a prepared operand w. Linear in x — or, for a scaled format, with an
         input gradient that does not depend on x —: the collective matmul's backward takes its vjp with respect to
         x once, at any primal of x's shape. An `Adapted` operand adds its adapters' scale·(x·A)·B, the rank-r
         activation x·A rounded to x's dtype between the two (as PEFT's lora_B(lora_A(x))), always by the plain
-        product: the adapters are small and train in the compute dtype."""
+        product: the adapters are small and train in the compute dtype. x_scale: what `scales(…, "input")` took
+        from the whole tensor x is a chunk of (a ring's), cut like x; None: the policy takes it from x itself."""
         if isinstance(w, Adapted):
             down, up = lora_equations(equation)
             low = token_einsum(down, x, w.a).astype(x.dtype)
-            return self.contract(equation, x, w.base) + w.scale * token_einsum(up, low, w.b)
-        return self.product(equation, x, w)
+            return self.contract(equation, x, w.base, x_scale) + w.scale * token_einsum(up, low, w.b)
+        return self.product(equation, x, w, x_scale)
 
-    def product(self, equation: str, x: Array, w: Array) -> Array:
+    def product(self, equation: str, x: Array, w: Array, x_scale: Array | None = None) -> Array:
         """The contraction of x with one prepared array w (`contract` without adapters) → float32."""
         return token_einsum(equation, x, w)
+
+    def scales(self, equation: str, v: Array, side: str) -> Array | None:
+        """What the policy scales a whole activation (side "input": x of `contract`) or output gradient ("output")
+        by, per token, for a ring to cut beside the tensor (collective matmul contracts chunks of tokens, different
+        ones on each rank at a time, so a scale reduced over ranks must be taken before the cut). None: no scales
+        (the plain policy)."""
+        return None
+
+    def input_grad(self, equation: str, dy: Array, w: Array, x: Array, dy_scale: Array | None = None) -> Array:
+        """The gradient of `contract(equation, x, w)` with respect to x for output gradient dy (float32), at any x
+        of the input's shape and dtype (it does not depend on x); dy_scale: `scales(…, "output")` of the whole
+        output gradient dy is a chunk of, cut like dy."""
+        _, vjp = jax.vjp(lambda x_: self.contract(equation, x_, w), x)
+        return vjp(dy)[0]
 
     def along(self, inputs: str | None = None, outputs: str | None = None) -> "Einsum":
         """This policy for a weight whose input (contracted) dims are split over mesh axis `inputs` (a

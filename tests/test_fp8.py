@@ -46,7 +46,7 @@ def test_the_products_are_the_explicitly_quantized_ones():
     e4, e5 = ml_dtypes.float8_e4m3fn, ml_dtypes.float8_e5m2
     x, w = rng.normal(size=(2, 5, 7)).astype(np.float32), rng.normal(size=(7, 3, 4)).astype(np.float32)
     eq = "btd,dhe->bthe"
-    y, vjp = jax.vjp(lambda a, b: fp8_einsum(eq, a, b, None, None), jnp.asarray(x), jnp.asarray(w))
+    y, vjp = jax.vjp(lambda a, b: fp8_einsum(eq, a, b, None, None, None), jnp.asarray(x), jnp.asarray(w))
     amax = lambda v, axes: np.abs(v).max(axes, keepdims=True)  # noqa: E731
     np.testing.assert_allclose(y, np.einsum(eq, q(x, amax(x, -1), e4), q(w, amax(w, 0), e4)), rtol=1e-6, atol=1e-6)
     assert np.abs(np.asarray(y) - np.einsum(eq, x, w)).max() > 1e-3  # quantized, not the float product
@@ -95,6 +95,8 @@ LAYOUTS = {  # (parallel, accumulation, the model kind)
     "(pipe, expert, tensor) = (2, 2, 2) ZB-H1": (
         dict(pipe=2, expert=2, tensor=2, microbatches=4, schedule="zb_h1"), 1, "moe"),
     "(data, expert, tensor) = (2, 2, 2) SP": (dict(data=2, expert=2, tensor=2, sequence_parallel=True), 1, "moe"),
+    "(data, tensor) = (4, 2) SP, collective matmul": (
+        dict(data=4, tensor=2, sequence_parallel=True, overlap="collective_matmul"), 1, "moe"),
 }
 
 
@@ -112,8 +114,8 @@ def test_fp8_on_every_layout_is_the_single_device_fp8_run(layout):
     difference (a value crossing a rounding boundary of e5m2, whose steps are 25 %, or a near-tie of the router).
     Layouts reassociate sums at that level, so end to end they are held to that band: the loss within 1e-3, and
     the gradients' distance to the single-device FP8 run under half their distance to the float run. A scale
-    reduced over the wrong ranks lands outside it (measured: 1.0 and 3.3e-3 for per-chunk scales in collective
-    matmul's ring, the layout now refused)."""
+    reduced over the wrong ranks lands outside it (measured: 1.0 and a 3.3e-3 loss error for scales taken per ring
+    chunk in collective matmul, before `Einsum.scales`)."""
     parallel, accumulate, kind = LAYOUTS[layout]
     cfg, params, batch, want_loss, want_grads, _ = reference(kind)
     loss, grads = on_layout(cfg, params, batch, ParallelConfig(**parallel), grad_accum=accumulate)
@@ -134,8 +136,9 @@ def place(mesh, arrays, specs):
 
 def test_each_fp8_matmul_is_exact_under_tensor_parallelism():
     """Op by op, where no quantized value depends on an earlier rounding: a column-parallel group and a
-    row-parallel matmul (whole, and under SP: the gather before, the reduce-scatter after) and the experts'
-    grouped SwiGLU, on (data, tensor) = (2, 4), equal one device's FP8 products — outputs and the gradients of
+    row-parallel matmul (whole; under SP, the gather before and the reduce-scatter after; and as collective matmul's
+    rings, whose chunks differ from rank to rank at each step: the per-token scales are taken from the whole tensors
+    before the cut, `Einsum.scales`) and the experts' grouped SwiGLU, on (data, tensor) = (2, 4), equal one device's FP8 products — outputs and the gradients of
     inputs and weights, fp32 rtol 1e-5 — because every amax a tensor split cuts is reduced over `tensor`."""
     mesh = jax.make_mesh((2, 4), ("data", "tensor"))
     rng = np.random.default_rng(2)
@@ -147,8 +150,8 @@ def test_each_fp8_matmul_is_exact_under_tensor_parallelism():
         q = fp8("btd,dhe->bthe", h, wq)
         return fp8("bthe,hed->btd", (q * q).astype(jnp.float32), wo)
 
-    for sequence in (False, True):
-        tp = TensorParallel("tensor", sequence)
+    for sequence, ring in ((False, False), (True, False), (True, True)):
+        tp = TensorParallel("tensor", sequence, overlap=ring)
 
         def local(h, wq, wo):
             (q,) = tp.column(h, (wq,), ("btd,dhe->bthe",), fp8)
@@ -184,14 +187,12 @@ def test_each_fp8_matmul_is_exact_under_tensor_parallelism():
 
 
 def test_fp8_refuses_what_it_cannot_do():
-    """Quantized (integer) weights; collective matmul's ring (per-chunk scales would mix tokens); kv heads
-    replicated over tensor (a rank holds part of a shared head's output gradient)."""
+    """Quantized (integer) weights; kv heads replicated over tensor (a rank holds part of a shared head's output
+    gradient)."""
     from jaxpar.config import check_layout
 
     with pytest.raises(ConfigError, match="model.matmul"):
         ModelConfig(**CFG, matmul="fp8_rowwise", weights="int8")
     cfg = ModelConfig(**CFG, matmul="fp8_rowwise")
-    with pytest.raises(ConfigError, match="parallel.overlap"):
-        check_layout(cfg, ParallelConfig(tensor=2, sequence_parallel=True, overlap="collective_matmul"))
     with pytest.raises(ConfigError, match="n_kv_heads = 2 < parallel.tensor = 4"):
         check_layout(cfg, ParallelConfig(tensor=4))

@@ -794,11 +794,6 @@ def _layer_config(m: ModelConfig, window: int) -> ModelConfig:
 def check_fp8_layout(m: ModelConfig, p: ParallelConfig) -> None:
     """The layouts FP8's scales cannot yet be global on (jaxpar.fp8): each is refused by name rather than run with
     scales that differ from one device's."""
-    if p.overlap == "collective_matmul" and p.sequence_parallel and p.tensor > 1:
-        raise ConfigError("parallel.overlap", p.overlap, f"with model.matmul = {m.matmul!r}: the ring contracts a "
-                          "different sequence chunk on each rank at each step, so a per-token scale reduced over "
-                          "'tensor' there would mix tokens (not supported yet)",
-                          "use parallel.overlap=none with FP8")
     if p.tensor > 1 and m.n_kv_heads and m.n_kv_heads % p.tensor:
         raise ConfigError("model.matmul", m.matmul, f"with kv heads replicated over tensor (n_kv_heads = "
                           f"{m.n_kv_heads} < parallel.tensor = {p.tensor}): each rank holds only its queries' part "

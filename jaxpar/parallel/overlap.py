@@ -124,7 +124,13 @@ def _gm_bwd(equations, axis, dot, residuals, dys):
     t, r = jax.lax.axis_size(axis), jax.lax.axis_index(axis)
     n = h.shape[SEQ]
     operands, d_prepare = jax.vjp(lambda ws: _prepare(ws, dot, h.dtype), weights)  # once, outside the ring
-    _, d_input = jax.vjp(lambda x: _contract(x, operands, equations, dot), h)  # linear in x: any primal of h's shape
+    # a scaled policy's per-token scales of each whole output gradient, taken before the ring cuts it (FP8's)
+    scales = [dot.scales(eq, dy, "output") for eq, dy in zip(equations, dys)]
+
+    def d_input(c):  # Σ over the weights of the input gradient of output-gradient chunk c (at any primal: h)
+        return sum(dot.input_grad(eq, _chunk(dy, c, n), w, h, None if s is None else _chunk(s, c, n))
+                   for eq, dy, w, s in zip(equations, dys, operands, scales))
+
     d_ops, acc, chunk = None, None, h
     for i in range(t):
         # ring 1: the input chunk (r + i) mod t, for the weights' gradient
@@ -132,7 +138,7 @@ def _gm_bwd(equations, axis, dot, residuals, dys):
         _, d_operands = jax.vjp(lambda ops, x=chunk: _contract(x, ops, equations, dot), operands)
         d_ops = _accumulate(d_ops, d_operands([_chunk(dy, c, n) for dy in dys])[0])
         # ring 2: the input gradient's partial sums, chunk (r − 1 − i) mod t, passed up and summed on the way
-        (partial,) = d_input([_chunk(dy, (r - 1 - i) % t, n) for dy in dys])
+        partial = d_input((r - 1 - i) % t)
         acc = partial if acc is None else _pass_up(acc, axis, t) + partial
         if i < t - 1:
             chunk = _pass_down(chunk, axis, t)
@@ -159,9 +165,12 @@ def _matmul_scatter(x, w, equation, axis, dot):
     t, r = jax.lax.axis_size(axis), jax.lax.axis_index(axis)
     n = x.shape[SEQ] // t
     (operand,) = _prepare((w,), dot, x.dtype)
+    scale = dot.scales(equation, x, "input")  # a scaled policy's per-token scales of the whole x (FP8's)
     acc = None
     for i in range(t):
-        partial = dot.contract(equation, _chunk(x, (r - 1 - i) % t, n), operand).astype(x.dtype)
+        c = (r - 1 - i) % t
+        partial = dot.contract(equation, _chunk(x, c, n), operand, None if scale is None else _chunk(scale, c, n))
+        partial = partial.astype(x.dtype)
         acc = partial if acc is None else _pass_up(acc, axis, t) + partial
     return acc
 
@@ -179,11 +188,11 @@ def _ms_bwd(equation, axis, dot, residuals, dz):
     def partial(x_c, operand):
         return dot.contract(equation, x_c, operand).astype(x.dtype)
 
-    _, d_input = jax.vjp(lambda x_c: partial(x_c, operand), _chunk(x, r, n))  # linear in x_c
+    x_like = _chunk(x, r, n)  # the input gradient does not depend on the input: any primal of a chunk's shape
     dxs, d_op, chunk = [], None, dz
     for i in range(t):
         c = (r + i) % t  # the output gradient of chunk c, gathered as it passes
-        (dx_c,) = d_input(chunk)
+        dx_c = dot.input_grad(equation, chunk.astype(jnp.float32), operand, x_like).astype(x.dtype)
         dxs.append(dx_c)
         _, d_operand = jax.vjp(lambda op, x_c=_chunk(x, c, n): partial(x_c, op), operand)
         d_op = _accumulate(d_op, d_operand(chunk)[0])
