@@ -9,7 +9,9 @@
    tokens/s, model TFLOP/s per device (`jaxpar.flops`, causal attention pairs, no recomputation), MFU
    against the datasheet peak and against the measured ceiling, HFU, and peak device memory.
 3b. The `configs/llama_1b.py` preset itself (32 heads of 64, 1.24B parameters, bf16 compute) at the layout one GPU
-   allows, data = tensor = pipe = 1, with remat none, dots and full, each compiled once and timed for up to 10
+   allows, data = tensor = pipe = 1, with remat none, dots and full, then FP8 (model.matmul=fp8_rowwise, remat none:
+   its compiled step's FP8 GEMMs counted — XLA's rewrite of the quantize-dequantize form), each compiled once and
+   timed for up to 10
    steps at section 3's sequences per device: the same figures per row (MFU against the datasheet and against the
    ceiling, HFU with the recompute counted, the compiled step's peak memory). Run right after section 3; a row is
    skipped, with the reason, when the time the previous row took would run into the sections still to come, or
@@ -47,7 +49,9 @@ BUDGET_S = float(os.environ.get("GPU_BENCH_TIMEOUT_S", 470))  # gpu.sh's `timeou
 # Seconds that must remain when each later section starts; the planner compiles its own layout only while more than
 # PLAN_LEFT_S remain (at 470 s: rows end by 270 s, decoding starts by 320 s, the planner compiles until 330 s).
 ROWS_LEFT_S, DECODE_LEFT_S, PLAN_LEFT_S, PROBE_LEFT_S, WATCHDOG_LEFT_S = 200, 150, 140, 60, 10
-REMATS = ("none", "dots", "full")  # section 3b's rows, in order of value: no recompute first
+REMATS = ("none", "dots", "full")  # section 3b's float rows, in order of value: no recompute first
+# section 3b's rows: (remat, model.matmul) — the float rows, then FP8 (jaxpar.fp8) at the first remat
+ROWS = tuple((remat, "float") for remat in REMATS) + (("none", "fp8_rowwise"),)
 ONE_B = ["model.n_heads=16", "model.head_dim=128", "model.n_kv_heads=8", "parallel.data=-1", "parallel.tensor=1",
          "train.grad_accum=1", "train.warmup_steps=10", "data.source=synthetic"]
 PRESET = ["train.grad_accum=1", "train.warmup_steps=10", "data.source=synthetic"]  # section 3b: llama_1b as it is
@@ -158,8 +162,8 @@ def pct(x) -> str:
 
 
 def one_gpu_rows(name: str, load, time_steps, device, ceiling: float, estimate_s: float, left) -> dict:
-    """Section 3b: {'model': name, its shape, 'rows': [one per remat in REMATS]}. `load(remat, more)` gives the
-    config with the overrides `more` added,
+    """Section 3b: {'model': name, its shape, 'rows': [one per (remat, matmul) in ROWS]}. `load(remat, more)` gives
+    the config with the overrides `more` added,
     `time_steps(config)` its (compiled step, compile s, median step s, losses) on `device` alone. A row starts only
     while `left()` less `estimate_s` (the last build-compile-and-time's wall) keeps ROWS_LEFT_S; a row skipped for
     time, or that does not fit or fails, holds 'skipped' with the reason."""
@@ -168,14 +172,16 @@ def one_gpu_rows(name: str, load, time_steps, device, ceiling: float, estimate_s
 
     short = lambda x: "n/a" if x is None else f"{100 * x:.1f}%"  # noqa: E731
     out, rows, more = {"model": name}, [], []
-    for remat in REMATS:
+    for remat, matmul in ROWS:
+        label, kind = f"remat {remat}" + ("" if matmul == "float" else f", {matmul}"), [f"model.matmul={matmul}"]
         if left() - estimate_s < ROWS_LEFT_S:
-            rows.append({"remat": remat, "skipped": f"{left():.0f} s left, a row takes ~{estimate_s:.0f} s and "
-                                                    f"{ROWS_LEFT_S} s are kept for decoding and the planner"})
-            print(f"one GPU, remat {remat}: skipped ({rows[-1]['skipped']})", flush=True)
+            rows.append({"remat": remat, "matmul": matmul,
+                         "skipped": f"{left():.0f} s left, a row takes ~{estimate_s:.0f} s and "
+                                    f"{ROWS_LEFT_S} s are kept for decoding and the planner"})
+            print(f"one GPU, {label}: skipped ({rows[-1]['skipped']})", flush=True)
             continue
         start = time.perf_counter()
-        config = load(remat, more)
+        config = load(remat, more + kind)
         if "params" not in out:
             m, t = config.model, config.train
             out.update(params=count_params(m), heads=[m.n_heads, m.head_dim], seq_len=t.seq_len,
@@ -191,27 +197,36 @@ def one_gpu_rows(name: str, load, time_steps, device, ceiling: float, estimate_s
                 print(f"cuDNN attention failed ({str(e).splitlines()[0][:200]}); retrying with model.attention=xla",
                       flush=True)
                 more.append("model.attention=xla")
-                config = load(remat, more)
+                config = load(remat, more + kind)
                 step, compile_s, step_s, losses = time_steps(config)
         except Exception as e:  # noqa: BLE001 — a row that does not fit is a result; the next remat may
             why = (f"out of memory at {config.train.batch_size} sequences" if is_oom(e)
                    else f"failed: {' '.join(str(e).split())[:300]}")
-            rows.append({"remat": remat, "skipped": why})
-            print(f"one GPU, remat {remat}: {why}", flush=True)
+            rows.append({"remat": remat, "matmul": matmul, "skipped": why})
+            print(f"one GPU, {label}: {why}", flush=True)
             estimate_s = max(estimate_s, time.perf_counter() - start)
             continue
-        row = {"remat": remat, "compile_s": compile_s, **step_figures(config, 1, device, step_s, ceiling),
+        row = {"remat": remat, "matmul": matmul, "compile_s": compile_s,
+               **step_figures(config, 1, device, step_s, ceiling),
                "step_memory_gb": memory(step)["peak_bytes"] / 1e9,  # arguments + outputs + temps, compiled
-               "loss_first_last": [losses[0], losses[-1]]}
+               "loss_first_last": [losses[0], losses[-1]], "fp8_gemms": fp8_gemms(step.as_text())}
         del step
         rows.append(row)
         estimate_s = time.perf_counter() - start
-        print(f"one GPU, remat {remat}: compile {compile_s:.1f} s; step {step_s * 1e3:.1f} ms; "
+        print(f"one GPU, {label}: compile {compile_s:.1f} s; step {step_s * 1e3:.1f} ms; "
               f"{row['tokens_per_s']:,.0f} tokens/s; {row['tflops_per_device']:.3g} TFLOP/s (model FLOPs); "
               f"MFU {short(row['mfu'])} of the datasheet peak, {short(row['mfu_vs_ceiling'])} of the ceiling; "
               f"HFU {short(row['hfu'])}; peak memory {row['step_memory_gb']:.2f} GB (compiled step); "
-              f"attention {row['attention']}", flush=True)
+              f"attention {row['attention']}; FP8 GEMMs {row['fp8_gemms']}", flush=True)
     return {**out, "rows": rows}
+
+
+def fp8_gemms(hlo: str) -> int:
+    """The matmuls of a compiled program that read float8 operands: dots and (cuBLASLt) custom calls with an
+    f8e4m3fn / f8e5m2 operand — what XLA's GPU compiler makes of the quantize–dequantize form; 0 on a CPU, where
+    the FP8 recipe is emulated (dequantized operands, float dots)."""
+    return sum(1 for line in hlo.splitlines()
+               if (" dot(" in line or "custom-call(" in line) and ("f8e4m3fn[" in line or "f8e5m2[" in line))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -24,8 +24,10 @@ SMALL = ONE_DEVICE + ["model.d_model=32", "model.n_layers=2", "model.n_heads=4",
 
 def test_gpu_script_dry_run():
     """bench/gpu.sh --dry-run: the GPU script's whole path on CPU with a tiny model, the one-GPU rows (remat none,
-    dots, full) and the planner's section included. ~45 s on an idle 2-core VM; the timeouts (gpu.sh's own for a dry
+    dots, full; FP8 rowwise) and the planner's section included. ~45 s on an idle 2-core VM; the timeouts (gpu.sh's own for a dry
     run, 840 s, and this one) are safety nets for a loaded machine, not limits the test measures."""
+    from bench import gpu
+
     env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS", "GPU_BENCH_TIMEOUT_S")}
     env["XLA_FLAGS"] = "--xla_backend_optimization_level=0"  # one CPU device; unoptimised kernels (tests/conftest.py)
     proc = subprocess.run(["bash", "bench/gpu.sh", "--dry-run", "--steps", "2"], cwd=ROOT, env=env,
@@ -37,11 +39,12 @@ def test_gpu_script_dry_run():
     assert "MFU vs datasheet peak" in proc.stdout and "stopped" not in result
     one_gpu = result["one_gpu"]  # section 3b: the preset's stand-in on one device at each remat policy
     assert one_gpu["layout"] == {"data": 1, "tensor": 1, "pipe": 1} and one_gpu["params"] == result["params"]
-    assert [row["remat"] for row in one_gpu["rows"]] == ["none", "dots", "full"], one_gpu["rows"]
+    assert [(row["remat"], row["matmul"]) for row in one_gpu["rows"]] == list(gpu.ROWS), one_gpu["rows"]
     for row in one_gpu["rows"]:
         assert row["tokens_per_s"] > 0 and row["tflops_per_device"] > 0 and row["mfu_vs_ceiling"] > 0, row
         assert row["mfu"] is None and row["hfu"] is None and row["step_memory_gb"] > 0, row
-        assert f"one GPU, remat {row['remat']}: compile" in proc.stdout
+        assert row["fp8_gemms"] == 0, row  # emulated on a CPU: dequantized operands, float dots
+    assert "one GPU, remat none, fp8_rowwise: compile" in proc.stdout
     planner = result["planner"]  # section 5: the probe's prediction of the step above, and the planner's own layout
     assert planner["ran"]["predicted_step_s"] > 0 and planner["ran"]["measured_step_s"] == result["step_s"]
     assert planner["planned"]["measured_step_s"] > 0 and planner["planned"]["predicted_gb"] > 0
@@ -66,9 +69,11 @@ def test_gpu_script_skips_rows_without_time_and_stops_at_its_limit():
         raise RuntimeError("RESOURCE_EXHAUSTED: Out of memory while trying to allocate 1 bytes")
 
     out = gpu.one_gpu_rows("tiny", load, untimed, jax.devices()[0], 1e12, 60.0, lambda: gpu.ROWS_LEFT_S + 30)
-    assert [r["remat"] for r in out["rows"]] == list(gpu.REMATS) and all("s left" in r["skipped"] for r in out["rows"])
+    assert [r["remat"] for r in out["rows"]] == [remat for remat, _ in gpu.ROWS]
+    assert all("s left" in r["skipped"] for r in out["rows"])
     out = gpu.one_gpu_rows("tiny", load, oom, jax.devices()[0], 1e12, 0.0, lambda: 1e6)
-    assert [r["skipped"] for r in out["rows"]] == ["out of memory at 4 sequences"] * 3 and out["params"] > 0
+    assert [r["skipped"] for r in out["rows"]] == ["out of memory at 4 sequences"] * len(gpu.ROWS)
+    assert out["params"] > 0
 
     asked = []  # a cuDNN failure is retried once with XLA attention, which the later rows then keep
 
@@ -76,7 +81,8 @@ def test_gpu_script_skips_rows_without_time_and_stops_at_its_limit():
         raise RuntimeError("cuDNN fused attention failed")
     out = gpu.one_gpu_rows("tiny", lambda remat, more: asked.append(list(more)) or config, cudnn,
                            jax.devices()[0], 1e12, 0.0, lambda: 1e6)
-    assert asked == [[], ["model.attention=xla"]] + [["model.attention=xla"]] * 2
+    kinds = [[f"model.matmul={matmul}"] for _, matmul in gpu.ROWS]
+    assert asked == [kinds[0], ["model.attention=xla", *kinds[0]]] + [["model.attention=xla", *k] for k in kinds[1:]]
     assert all(r["skipped"].startswith("failed: cuDNN") for r in out["rows"])
 
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(ROOT), "GPU_BENCH_TIMEOUT_S": "11"}
