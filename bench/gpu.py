@@ -147,7 +147,7 @@ def step_figures(config, n_devices: int, device, step_s: float, ceiling: float) 
     m, t = config.model, config.train
     tokens = t.batch_size * t.seq_len
     attention = resolve_attention(m, device).attention  # the kernel the run used ('auto' resolved)
-    peak = flops.device_peak(device, m.dtype)
+    peak = flops.training_peak(m, t.seq_len, device)  # (FP8 rows: the mix of FP8 and bf16 peaks their FLOPs run at)
     util = flops.utilisation(flops.train_flops_per_token(m, t.seq_len) * tokens, step_s, n_devices, peak)
     full = attention != "cudnn"  # XLA computes the whole score square; cuDNN flash attention skips masked tiles
     hw = flops.hardware_flops_per_token(m, t.seq_len, remat=config.parallel.remat, full_attention=full) * tokens

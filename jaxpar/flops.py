@@ -52,13 +52,14 @@ from jaxpar.families import attention_kind, family
 
 TERA = 1e12
 
-# Dense peak TFLOP/s per GPU by compute type (NVIDIA datasheets; H200 NVL and H100 NVL are the PCIe-form cards).
+# Dense peak TFLOP/s per GPU by compute type (NVIDIA datasheets; H200 NVL and H100 NVL are the PCIe-form cards;
+# float8: e4m3/e5m2 tensor cores, twice bfloat16's).
 PEAK_TFLOPS: dict[str, dict[str, float]] = {
-    "H200 SXM": {"bfloat16": 989.4, "tf32": 494.7, "float32": 66.9},
-    "H200 NVL": {"bfloat16": 835.5, "tf32": 417.5, "float32": 60.0},
-    "H100 SXM": {"bfloat16": 989.4, "tf32": 494.7, "float32": 66.9},
-    "H100 NVL": {"bfloat16": 835.5, "tf32": 417.5, "float32": 60.0},
-    "H100 PCIe": {"bfloat16": 756.0, "tf32": 378.0, "float32": 51.2},
+    "H200 SXM": {"bfloat16": 989.4, "tf32": 494.7, "float32": 66.9, "float8": 1978.9},
+    "H200 NVL": {"bfloat16": 835.5, "tf32": 417.5, "float32": 60.0, "float8": 1671.0},
+    "H100 SXM": {"bfloat16": 989.4, "tf32": 494.7, "float32": 66.9, "float8": 1978.9},
+    "H100 NVL": {"bfloat16": 835.5, "tf32": 417.5, "float32": 60.0, "float8": 1671.0},
+    "H100 PCIe": {"bfloat16": 756.0, "tf32": 378.0, "float32": 51.2, "float8": 1513.0},
     "A100": {"bfloat16": 312.0, "tf32": 156.0, "float32": 19.5},  # SXM4 and PCIe, 40 and 80 GB alike
 }
 
@@ -85,6 +86,8 @@ def peak_flops(device_kind: str, dtype: str, matmul_precision: str | None = None
         return None
     if dtype in ("bfloat16", "float16"):
         key = "bfloat16"
+    elif dtype == "float8":
+        return PEAK_TFLOPS[row]["float8"] * TERA if "float8" in PEAK_TFLOPS[row] else None
     elif dtype == "float32":
         key = "float32" if (matmul_precision or "").lower() in ("highest", "float32", "f32_f32_f32") else "tf32"
     else:
@@ -207,6 +210,23 @@ def utilisation(flops_per_step: float, step_seconds: float, n_devices: int, peak
     if peak:
         out["mfu"] = per_device / peak
     return out
+
+
+def training_peak(cfg: ModelConfig, seq_len: int, device) -> float | None:
+    """The peak FLOP/s an MFU of training `cfg` is measured against on `device`: `device_peak` of the compute dtype,
+    or with FP8 matmuls (`model.matmul`, jaxpar.fp8) the time-weighted mix of peaks its FLOPs run at — the rowwise
+    recipe runs the block's matmuls forward and for the input gradient in FP8 (2 of their 3 passes), their weight
+    gradient, the attention core and the LM head at the compute dtype's peak: P = total / (f8/P8 + f16/P16). A device
+    without an FP8 peak (or a CPU) → `device_peak` alone."""
+    base = device_peak(device, cfg.dtype)
+    if cfg.matmul == "float" or base is None:
+        return base
+    fp8 = peak_flops(device.device_kind, "float8")
+    if fp8 is None:
+        return base
+    fwd = forward_flops_per_token(cfg, seq_len)
+    in_fp8 = 2 * fwd.layers_dense
+    return 3 * fwd.total / (in_fp8 / fp8 + (3 * fwd.total - in_fp8) / base)
 
 
 def device_peak(device, dtype: str) -> float | None:

@@ -11,6 +11,7 @@ and, more tightly, with the HLO's matmul count (`jaxpar.analysis.dot_flops`, whi
 bodies by their trip counts: tests/test_analysis.py checks it at several layers).
 """
 
+import dataclasses
 import jax
 import jax.numpy as jnp
 import pytest
@@ -88,9 +89,30 @@ def test_causal_and_window_key_counts():
     ("NVIDIA A100-SXM4-40GB", "float32", None, 156.0),  # JAX's default precision: TF32 tensor cores
     ("NVIDIA A100 80GB PCIe", "float32", "highest", 19.5),  # true float32
     ("NVIDIA H200", "float32", "float32", 66.9),
+    ("NVIDIA H100 80GB HBM3", "float8", None, 1978.9),
+    ("NVIDIA A100-SXM4-80GB", "float8", None, None),  # no FP8 tensor cores
 ])
 def test_peak_table(kind, dtype, precision, tflops):
-    assert flops.peak_flops(kind, dtype, precision) == pytest.approx(tflops * 1e12)
+    assert flops.peak_flops(kind, dtype, precision) == (None if tflops is None else pytest.approx(tflops * 1e12))
+
+
+def test_an_fp8_run_is_measured_against_the_mix_of_peaks_its_flops_run_at():
+    """model.matmul = fp8_rowwise: the block's matmuls forward and for the input gradient at the FP8 peak, the rest
+    (their weight gradient, the attention core, the head) at bf16's — a time-weighted (harmonic) mix; float runs and
+    devices without FP8 keep the compute dtype's peak."""
+    from types import SimpleNamespace
+
+    cfg = ModelConfig(family="llama", vocab_size=32000, d_model=2048, n_layers=16, n_heads=16, n_kv_heads=8,
+                      head_dim=128, d_ff=5632, max_seq_len=2048, dtype="bfloat16")
+    h100, a100 = SimpleNamespace(device_kind="NVIDIA H100 80GB HBM3"), SimpleNamespace(device_kind="NVIDIA A100")
+    fp8 = dataclasses.replace(cfg, matmul="fp8_rowwise")
+    fwd = flops.forward_flops_per_token(cfg, 2048)
+    f8, rest = 2 * fwd.layers_dense, 3 * fwd.total - 2 * fwd.layers_dense
+    want = 3 * fwd.total / (f8 / 1978.9e12 + rest / 989.4e12)
+    assert flops.training_peak(fp8, 2048, h100) == pytest.approx(want)
+    assert 989.4e12 < want < 1978.9e12
+    assert flops.training_peak(cfg, 2048, h100) == pytest.approx(989.4e12)
+    assert flops.training_peak(fp8, 2048, a100) == pytest.approx(312.0e12)
 
 
 def test_cpu_has_no_peak_and_reports_achieved_flops_only():

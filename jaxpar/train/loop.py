@@ -291,7 +291,7 @@ def _run(config: Config, workdir: pathlib.Path, devices: list, progress: bool, t
     history: list[dict] = []
     tokens_per_step = train.batch_size * train.seq_len
     flops_per_step = flops.train_flops_per_token(model_cfg, train.seq_len) * tokens_per_step  # model FLOPs (MFU's)
-    peak = flops.device_peak(devices[0], model_cfg.dtype)  # None on CPUs: tflops_per_device is logged, mfu is not
+    peak = flops.training_peak(model_cfg, train.seq_len, devices[0])  # None on CPUs: no mfu is logged there
     profiler = StepProfiler(workdir, start + 2, train.profile_steps)  # the run's first step compiles: skip it
     last_time, last_step = time.perf_counter(), start
     bad_streak = skipped_total = 0  # consecutive and total skipped (non-finite) steps, exact
