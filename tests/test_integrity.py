@@ -217,10 +217,16 @@ def test_resume_with_an_incompatible_config_names_the_fields(six_steps, override
 
 
 def test_resume_may_change_layout_budget_and_numerics(six_steps, tmp_path):
+    """… and the matmul precision: a float checkpoint resumes in FP8 (model.matmul, jaxpar.fp8: no state of its
+    own) and back."""
     pristine, _ = six_steps
     workdir = copy_of(pristine, tmp_path / "w")
-    result = run_fit(workdir, "train.steps=7", "train.lr=1e-3", "model.attention=xla", "checkpoint.keep=10")
-    assert int(result.state.step) == 7
+    result = run_fit(workdir, "train.steps=7", "train.lr=1e-3", "model.attention=xla", "checkpoint.keep=10",
+                     "model.matmul=fp8_rowwise")
+    assert int(result.state.step) == 7 and result.config.model.matmul == "fp8_rowwise"
+    result = run_fit(workdir, "train.steps=8", "checkpoint.keep=10")
+    assert int(result.state.step) == 8 and result.config.model.matmul == "float"
+    assert all(np.isfinite(h["loss"]) for h in result.history)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
