@@ -27,7 +27,8 @@ LAYERS = (
      "matmul", "distributed", "perf", "launch"),          # model families as data (pure data, read by config); the
                                                           # matmul seam; process setup and local launch
     ("config",),                                          # typed config, every check
-    ("parallel",),                                        # one file per parallelism: f/g, SP, the pipeline
+    ("parallel", "fp8"),                                  # one file per parallelism: f/g, SP, the pipeline; the
+                                                          # FP8 matmul policies over the seam
     ("mesh", "sharding"),                                 # devices → mesh; logical axes → specs
     ("model", "flops", "data", "plan"),                   # the transformer; FLOPs of its shape; tokens; the
                                                           # layout planner (it builds meshes and specs)

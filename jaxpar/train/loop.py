@@ -252,11 +252,14 @@ def _run(config: Config, workdir: pathlib.Path, devices: list, progress: bool, t
     train, model_cfg = config.train, config.model
     state, shardings, train_step, to_device = trainer.state, trainer.shardings, trainer.train_step, trainer.put
 
-    initial = state.params  # the model the run starts from (DPO's reference, also when the run resumes)
-    if train.init_from_hf:  # a fresh run that starts from Hugging Face weights (Adam's moments start at zero)
+    resuming = bool(mngr.all_steps())
+    reference = trainer.dpo is not None and train.dpo_reference == "model"  # DPO's: the model the run started from
+    # the starting weights: a fresh run's, or (a resumed DPO run) its reference's
+    initial = state.params if not resuming or reference else None
+    if train.init_from_hf and initial is not None:  # Hugging Face weights (Adam's moments start at zero)
         initial = hf.load_params(train.init_from_hf, model_cfg, state.params, trainer.plan,
                                  None if shardings is None else shardings.params)
-    if mngr.all_steps():
+    if resuming:
         state, data_state = checkpoint.restore_train(mngr, state, shardings, trainer.plan, model_cfg.vocab_size)
         try:
             loader.set_state(data_state)
@@ -268,7 +271,7 @@ def _run(config: Config, workdir: pathlib.Path, devices: list, progress: bool, t
     # DPO: each batch gains its reference sums before its step (a copy of the starting model's weights: the step
     # donates the state's)
     with_ref = (lambda batch: batch) if trainer.dpo is None else (
-        reference_pass(trainer, initial) if train.dpo_reference == "model" else no_reference(trainer))
+        reference_pass(trainer, initial) if reference else no_reference(trainer))
     del initial
 
     def evaluate(params) -> float:
