@@ -155,9 +155,8 @@ def layer_operands(values: dict[str, Array], cfg: ModelConfig) -> dict[str, Arra
     they are. (`Blocks.stacked`, and a schedule table's chunk, which holds its trained and frozen arrays apart.)"""
     out = {name: Quantized(a, values[name + "_scale"]) if name + "_scale" in values else a
            for name, a in values.items() if not name.endswith(("_scale", "_lora_a", "_lora_b"))}
-    scale = cfg.lora.alpha / max(cfg.lora.rank, 1)
     for name in [n for n in out if n + "_lora_a" in values]:  # LoRA: W, A and B as one weight
-        out[name] = Adapted(out[name], values[name + "_lora_a"], values[name + "_lora_b"], scale)
+        out[name] = Adapted(out[name], values[name + "_lora_a"], values[name + "_lora_b"], cfg.lora.scale)
     return out
 
 
@@ -1301,7 +1300,7 @@ def merge_adapters(params: nnx.State, cfg: ModelConfig) -> tuple[nnx.State, Mode
             a, b, w = layers.pop(name + "_lora_a"), layers.pop(name + "_lora_b"), layers[name]
             L, r = a.shape[0], a.shape[-1]
             product = jnp.matmul(a.reshape(L, -1, r).astype(jnp.float32), b.reshape(L, r, -1).astype(jnp.float32))
-            layers[name] = (w.astype(jnp.float32) + lora.alpha / lora.rank * product.reshape(w.shape)).astype(w.dtype)
+            layers[name] = (w.astype(jnp.float32) + lora.scale * product.reshape(w.shape)).astype(w.dtype)
     _, like = abstract_model(plain, pure["embed"].shape[0])
     state = jax.tree.map(lambda x: x, like)
     nnx.replace_by_pure_dict(state, pure)

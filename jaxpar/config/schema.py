@@ -56,6 +56,11 @@ class LoRAConfig:
     targets: tuple[str, ...] = _f(("wq", "wk", "wv", "wo"), "the layer weight matrices that get adapters, by jaxpar name "
                         "(llama: wq, wk, wv, wo, w_gate, w_up, w_down; PEFT's q_proj … down_proj)")
 
+    @property
+    def scale(self) -> float:
+        """The adapters' scale alpha / rank (what multiplies A·B; 0 rank: no adapters, scale unused → alpha)."""
+        return self.alpha / max(self.rank, 1)
+
     def __post_init__(self):
         check_fields(self, "lora")
         check_positive("lora.rank", self.rank, allow_zero="no adapters")
