@@ -115,7 +115,7 @@ def test_fp8_on_every_layout_is_the_single_device_fp8_run(layout):
     Layouts reassociate sums at that level, so end to end they are held to that band: the loss within 1e-3, and
     the gradients' distance to the single-device FP8 run under half their distance to the float run. A scale
     reduced over the wrong ranks lands outside it (measured: 1.0 and a 3.3e-3 loss error for scales taken per ring
-    chunk in collective matmul, before `Einsum.scales`)."""
+    chunk in collective matmul, before `Einsum.scales`). The figures: `PYTHONPATH=. python bench/fp8_sensitivity.py`."""
     parallel, accumulate, kind = LAYOUTS[layout]
     cfg, params, batch, want_loss, want_grads, _ = reference(kind)
     loss, grads = on_layout(cfg, params, batch, ParallelConfig(**parallel), grad_accum=accumulate)
@@ -138,8 +138,8 @@ def test_each_fp8_matmul_is_exact_under_tensor_parallelism():
     """Op by op, where no quantized value depends on an earlier rounding: a column-parallel group and a
     row-parallel matmul (whole; under SP, the gather before and the reduce-scatter after; and as collective matmul's
     rings, whose chunks differ from rank to rank at each step: the per-token scales are taken from the whole tensors
-    before the cut, `Einsum.scales`) and the experts' grouped SwiGLU, on (data, tensor) = (2, 4), equal one device's FP8 products — outputs and the gradients of
-    inputs and weights, fp32 rtol 1e-5 — because every amax a tensor split cuts is reduced over `tensor`."""
+    before the cut, `Einsum.scales`) and the experts' grouped SwiGLU, on (data, tensor) = (2, 4), equal one
+    device's FP8 products — outputs and the gradients of inputs and weights, fp32 rtol 1e-5 — because every amax a tensor split cuts is reduced over `tensor`."""
     mesh = jax.make_mesh((2, 4), ("data", "tensor"))
     rng = np.random.default_rng(2)
     h = jnp.asarray(rng.normal(size=(4, 8, 12)), jnp.float32)
