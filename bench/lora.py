@@ -4,7 +4,8 @@ temporaries (`compiled.memory_analysis()`), and the optimizer state's bytes per 
 
 The llama fixture's shape (tests/fixtures/hf/llama: 2 layers, d 64, vocab 515) as recipes/sft_tiny.yaml and
 recipes/lora_tiny.yaml run it — (data, pipe, tensor) = (2, 2, 2) SP, batch 16 of 128 — on 8 simulated devices:
-full fine-tuning, LoRA r = 8 on all seven matrices, and the same over int8 weights. Nothing is trained: the steps
+full fine-tuning, LoRA r = 8 on all seven matrices (and with LoRA dropout 0.1: the masks are recomputed from
+the tokens' coordinates, never stored), and the same over int8 weights. Nothing is trained: the steps
 are compiled from abstract states.
 
     PYTHONPATH=. python bench/lora.py
@@ -26,6 +27,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 os.chdir(ROOT)
 runs = {"full fine-tune": ("recipes/sft_tiny.yaml", []),
         "LoRA r=8": ("recipes/lora_tiny.yaml", []),
+        "LoRA r=8, dropout 0.1": ("recipes/lora_tiny.yaml", ["lora.dropout=0.1"]),
         "QLoRA r=8 (int8 base)": ("recipes/lora_tiny.yaml", ["model.weights=int8"])}
 print("| run | weights / device | optimizer state / device | step arguments / device | step temporaries |")
 print("|---|---|---|---|---|")

@@ -10,7 +10,8 @@ torchtitan's float8 converters do it:
     fp8 (jaxpar.fp8)       `Fp8Rowwise`: e4m3 inputs and weights, e5m2 output gradients, scales per row,
                            float32 accumulation, the weight gradient in the compute dtype
     LoRA (this file)       stored `Adapted(W, A, B)` → x·W + (α/r)·(x·A)·B, W in whatever form it is stored
-                           (float, or `Quantized`: QLoRA), A and B cast like any weight
+                           (float, or `Quantized`: QLoRA), A and B cast like any weight; in training with
+                           dropout the context contracts (α/r)·(dropout(x)·A)·B apart (`LoRADropout`)
 
 Policies are chosen per *role* (`ROLES`: attention, mlp, experts, router, embedding, head). Each matrix's family
 `Param` carries its role, the model names the same role where it calls the context (`par.column(…, "mlp")`), and
@@ -58,9 +59,11 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import zlib
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 Array = jax.Array
 
@@ -101,7 +104,7 @@ class Quantized:
 QUANT_DTYPES = {"int8": (jnp.int8, 127), "int4": (jnp.int4, 7)}  # format → (storage dtype, largest |q|)
 
 
-@functools.partial(jax.tree_util.register_dataclass, data_fields=("base", "a", "b"), meta_fields=("scale",))
+@functools.partial(jax.tree_util.register_dataclass, data_fields=("base", "a", "b"), meta_fields=("scale", "name"))
 @dataclasses.dataclass
 class Adapted:
     """A weight matrix with low-rank adapters (LoRA, Hu et al. 2021): W_eff = W + scale·A·B, contracted unmerged as
@@ -112,12 +115,14 @@ class Adapted:
     Under tensor parallelism A and B shard as the dims they share with W do: a column-parallel W (heads or the MLP
     width split) has A whole and B split like W's outputs; a row-parallel W has A split like W's inputs and B whole,
     so (x·A_local)·B is a partial sum that joins W's in the same all-reduce. Layer parameters arrive in this form
-    from `model.Blocks.stacked` (`name`, `name_lora_a`, `name_lora_b`)."""
+    from `model.Blocks.stacked` (`name`, `name_lora_a`, `name_lora_b`); `name` is the weight's (LoRA dropout draws
+    each weight's mask apart: `LoRADropout`)."""
 
     base: object
     a: Array
     b: Array
     scale: float
+    name: str = ""
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -142,6 +147,56 @@ def lora_equations(equation: str) -> tuple[str, str]:
     r = next(c for c in "rzyxwvuqponmlkjig" if c not in equation)
     rest = "".join(c for c in xs if c not in ins)
     return f"{xs},{ins}{r}->{rest}{r}", f"{rest}{r},{r}{outs}->{out}"
+
+
+def mix32(x: Array) -> Array:
+    """A bijection of uint32 with full avalanche (Wellons' lowbias32): every output bit depends on every input bit,
+    so consecutive inputs (token coordinates, feature indices) give unrelated outputs."""
+    x = x ^ (x >> 16)
+    x = x * np.uint32(0x7FEB352D)
+    x = x ^ (x >> 15)
+    x = x * np.uint32(0x846CA68B)
+    return x ^ (x >> 16)
+
+
+@dataclasses.dataclass(frozen=True)
+class LoRADropout:
+    """LoRA dropout (PEFT's lora_dropout) as a function of global coordinates, so that every layout drops the same
+    entries: an adapter reads dropout(x) = x·keep/(1 − rate) in place of x (the base weight reads x), and
+
+        keep[token, feature] = mix(mix(coord[token] ^ w) ^ mix(feature·φ + w)) ≥ rate·2³²
+        w = mix(layer ^ crc32(name))
+
+    coord: the token's place in the run (`jaxpar.train.step`: (step·B + row)·(T+1) + position, offset by the seed),
+    layer: its layer's seed (`jaxpar.model.layer_seeds`: the stack and the layer's index in it), name: the weight's,
+    feature: the entry's index in the weight's whole input (a row-parallel weight's rank adds its offset). Nothing
+    depends on which rank holds the token, the layer or the feature, nor on how rows are cut into microbatches.
+
+    coords uint32 [B, T(/c)]: the tokens this context's activations hold (the step's share under context
+    parallelism); layer: uint32 scalar, set per layer by `jaxpar.model.run_layers` (`Parallel.at_layer`)."""
+
+    rate: float
+    coords: Array
+    layer: Array | None = None
+
+    def __call__(self, x: Array, name: str, coords: Array, offset: Array | int = 0) -> Array:
+        """x [B, T, *features] (compute dtype) with its tokens' coords [B, T] → x with the dropped entries zero and
+        the rest scaled by 1/(1 − rate). offset: the global index of x's first entry along its first feature dim."""
+        if self.layer is None:
+            raise ValueError("LoRA dropout outside a layer: run_layers sets each layer's seed (Parallel.at_layer)")
+        w = mix32(self.layer ^ np.uint32(zlib.crc32(name.encode())))
+        feats = x.shape[2:]
+        # each entry's flat index over the whole input's feature dims (only the first may be split over ranks)
+        index, stride = jnp.zeros(feats, jnp.uint32), 1
+        for d in reversed(range(len(feats))):
+            i = jax.lax.broadcasted_iota(jnp.uint32, feats, d)
+            if d == 0:
+                i = i + jnp.asarray(offset).astype(jnp.uint32)
+            index, stride = index + i * np.uint32(stride), stride * feats[d]
+        feat = mix32(index * np.uint32(0x9E3779B9) + w)
+        tok = mix32(coords.astype(jnp.uint32) ^ w).reshape(*coords.shape, *[1] * len(feats))
+        keep = mix32(tok ^ feat) >= np.uint32(min(round(self.rate * 2.0**32), 2**32 - 1))
+        return jnp.where(keep, x * jnp.asarray(1.0 / (1.0 - self.rate), x.dtype), jnp.zeros((), x.dtype))
 
 
 def _split(shape, groups) -> list[int]:
@@ -180,7 +235,7 @@ class Einsum:
         executor prepares a chunk's weights with it once a tick and runs the model on them, so what its backward
         closes over is one copy; the model's own call prepares them again, which must change nothing.)"""
         if isinstance(w, Adapted):
-            return Adapted(self.operand(w.base, dtype), w.a.astype(dtype), w.b.astype(dtype), w.scale)
+            return dataclasses.replace(w, base=self.operand(w.base, dtype), a=w.a.astype(dtype), b=w.b.astype(dtype))
         return w.dequantize(dtype) if isinstance(w, Quantized) else w.astype(dtype)
 
     def contract(self, equation: str, x: Array, w: Array, x_scale: Array | None = None) -> Array:

@@ -43,7 +43,7 @@ from flax import nnx
 
 from jaxpar.config import ModelConfig
 from jaxpar.families import Param, attention_kind, family
-from jaxpar.matmul import QUANT_DTYPES, Adapted, Quantized, quantize
+from jaxpar.matmul import QUANT_DTYPES, Adapted, Quantized, mix32, quantize
 from jaxpar.parallel.context import SINGLE_DEVICE, Parallel, segment_mask
 from jaxpar.parallel.tensor import NEG_INF
 from jaxpar.sharding import constrain
@@ -156,7 +156,25 @@ def layer_operands(values: dict[str, Array], cfg: ModelConfig) -> dict[str, Arra
     out = {name: Quantized(a, values[name + "_scale"]) if name + "_scale" in values else a
            for name, a in values.items() if not name.endswith(("_scale", "_lora_a", "_lora_b"))}
     for name in [n for n in out if n + "_lora_a" in values]:  # LoRA: W, A and B as one weight
-        out[name] = Adapted(out[name], values[name + "_lora_a"], values[name + "_lora_b"], cfg.lora.scale)
+        out[name] = Adapted(out[name], values[name + "_lora_a"], values[name + "_lora_b"], cfg.lora.scale, name)
+    return out
+
+
+def layer_seeds(stacks: Stacks, order: Callable[[int], np.ndarray] | None = None, axis: str | None = None) -> Stacks:
+    """`stacks` with each stack's "lora_seed" uint32 [n] beside its parameters: the seed of LoRA dropout's masks in
+    each layer (`jaxpar.matmul.LoRADropout`), mix32(crc32(stack name) + j) for the layer at index j of its stack in
+    model order — so it travels with the layer through every reordering and split of the stack, as a parameter does.
+
+    Without `order` each stack is whole and in model order. A pipeline's stage holds n consecutive entries of its
+    stacks as stored, axis_index(axis)·n …: order(N) is a stack of N layers' storage order (`Pipeline.stack_order`)."""
+    out = {}
+    for name, params in stacks.items():
+        n = jax.tree.leaves(params)[0].shape[0]
+        index = np.arange(n) if order is None else order(n * jax.lax.axis_size(axis))
+        seeds = mix32(jnp.asarray(index, jnp.uint32) + np.uint32(zlib.crc32(name.encode())))
+        if order is not None:
+            seeds = jax.lax.dynamic_slice_in_dim(seeds, jax.lax.axis_index(axis) * n, n)
+        out[name] = {**params, "lora_seed": seeds}
     return out
 
 
@@ -493,6 +511,9 @@ def run_layers(stacks: Stacks, x: Array, positions: Array, mask: Array | None | 
         arrays) with the cache, of which it reads and writes model layer `at`."""
         lcfg = cfg.layer_config(window)
         lmask = mask[window] if isinstance(mask, dict) else mask
+        if "lora_seed" in layer:  # LoRA dropout: this layer's masks (`layer_seeds`)
+            layer = dict(layer)
+            par = par.at_layer(layer.pop("lora_seed"))
         if cache is None:
             x, _, layer_stats = block(layer, carry, positions, lmask, lcfg, par)
             return x, layer_stats
@@ -712,7 +733,8 @@ class Transformer(nnx.Module):
             positions = default_positions(B, T)
         x = self.embed_tokens(tokens, positions, par)
         mask = layer_masks(self.cfg, functools.partial(par.attention_mask, T, segment_ids))
-        x, layer_stats = run_layers(self.stacks(), x, positions, mask, self.cfg, remat=remat, par=par, stats=True)
+        stacks = self.stacks() if par.noise is None else layer_seeds(self.stacks())  # LoRA dropout: layer seeds
+        x, layer_stats = run_layers(stacks, x, positions, mask, self.cfg, remat=remat, par=par, stats=True)
         out = (self.logits(x, par), layer_stats) if stats else (self.logits(x, par),)
         if mtp_tokens is not None:
             out = (*out, self.mtp_logits(x, mtp_tokens, positions, mask, remat=remat, par=par))
@@ -1288,7 +1310,7 @@ def merge_adapters(params: nnx.State, cfg: ModelConfig) -> tuple[nnx.State, Mode
     config): each adapted W becomes W + (alpha/r)·A·B in float32, rounded to W's dtype once, and the adapters are
     dropped. Quantized weights (QLoRA) are dequantized first: the merged model is a float model."""
     lora = cfg.lora
-    plain = dataclasses.replace(cfg, lora=dataclasses.replace(lora, rank=0), weights="float")
+    plain = dataclasses.replace(cfg, lora=dataclasses.replace(lora, rank=0, dropout=0.0), weights="float")
     pure = nnx.to_pure_dict(params)
     dtype = jnp.dtype(cfg.param_dtype)
     for stack, layers in pure.items():

@@ -110,6 +110,97 @@ def test_adapters_match_the_merged_weights_on_every_layout(reference, layout):
     assert_grads_match(grads, want)
 
 
+# LoRA dropout: masks from global coordinates (jaxpar.matmul.LoRADropout), so every layout drops the same entries
+# and the one-device run is the reference, values and gradients. The layouts: a circular pipeline with SP and
+# accumulation (side inputs per microbatch, layer seeds in storage order), replicated kv heads (the adapters cut by
+# kv_weight), context parallelism (zigzag coordinates) with SP, and a schedule table (seeds as chunk constants).
+DROPOUT = 0.3
+DROPOUT_LAYOUTS = ["(data, pipe, tensor) = (2, 2, 2) circular SP, accumulation 2",
+                   "tensor 4 (kv heads replicated), expert 2", "(data, context, tensor) = (2, 2, 2) SP ring",
+                   "(pipe, expert, tensor) = (2, 2, 2) ZB-H1 SP"]
+
+
+@pytest.fixture(scope="module")
+def dropped(reference):
+    """(cfg with lora.dropout, params, the batch with its tokens' coordinates at step 7, one-device loss and
+    gradients)."""
+    import dataclasses
+
+    from jaxpar.train.step import dropout_coords
+
+    cfg, params, batch, plain_loss, _ = reference
+    cfg = dataclasses.replace(cfg, lora=dataclasses.replace(cfg.lora, dropout=DROPOUT))
+    batch = {"tokens": batch, "coords": dropout_coords(jnp.int32(7), B, T + 1, seed=0)}
+    graphdef = nnx.graphdef(Transformer(cfg, rngs=nnx.Rngs(0)))
+    loss, grads = jax.jit(loss_and_grads(graphdef))(params, batch)
+    assert abs(float(loss) - float(plain_loss)) > 1e-2  # the adapters' inputs were dropped
+    # without coordinates (evaluation) nothing is dropped: the adapted model exactly
+    np.testing.assert_allclose(jax.jit(loss_and_grads(graphdef))(params, batch["tokens"])[0], plain_loss, rtol=1e-5)
+    return cfg, params, batch, loss, grads
+
+
+@pytest.mark.parametrize("layout", DROPOUT_LAYOUTS)
+def test_dropout_drops_the_same_entries_on_every_layout(dropped, layout):
+    cfg, params, batch, want_loss, want = dropped
+    parallel, accumulate = LAYOUTS[layout]
+    loss, grads = on_layout(cfg, params, batch, ParallelConfig(**parallel), grad_accum=accumulate)
+    np.testing.assert_allclose(loss, want_loss, rtol=1e-5)
+    assert_grads_match(grads, want)
+
+
+def _mix(x):
+    """lowbias32, written again in numpy (uint32 arithmetic wraps)."""
+    x = np.asarray(x, np.uint32)
+    with np.errstate(over="ignore"):
+        x = x ^ (x >> np.uint32(16))
+        x = x * np.uint32(0x7FEB352D)
+        x = x ^ (x >> np.uint32(15))
+        x = x * np.uint32(0x846CA68B)
+        return x ^ (x >> np.uint32(16))
+
+
+def _keep(coords, features, layer, name, rate):
+    """The documented mask in numpy: keep[token, feature] = mix(mix(coord ^ w) ^ mix(feature·φ + w)) ≥ rate·2³²."""
+    import zlib
+
+    w = _mix(np.uint32(layer) ^ np.uint32(zlib.crc32(name.encode())))
+    with np.errstate(over="ignore"):
+        feat = _mix(np.arange(features, dtype=np.uint32) * np.uint32(0x9E3779B9) + w)
+    return _mix(_mix(coords ^ w)[..., None] ^ feat) >= np.uint32(round(rate * 2.0**32))
+
+
+def test_dropout_is_the_documented_mask():
+    """A column group and a row matmul under LoRA dropout against h·W + s·((keep ⊙ h)/(1 − p))·A·B with `keep`
+    computed in numpy from the formula; the mask keeps 1 − p of the entries, and draws apart for another weight,
+    layer or token; without coordinates or at rate 0 the context is the plain one."""
+    from jaxpar.matmul import Adapted
+    from jaxpar.parallel.context import Parallel
+
+    rng = np.random.default_rng(0)
+    rate, scale, layer = 0.4, 1.5, 12345
+    h = rng.standard_normal((3, 5, 7)).astype(np.float32)  # [B, T, D]
+    coords = rng.integers(0, 2**32, (3, 5), dtype=np.uint32)
+    wq = Adapted(*(rng.standard_normal(s).astype(np.float32) for s in ((7, 2, 3), (7, 2), (2, 2, 3))), scale, "wq")
+    wo = Adapted(*(rng.standard_normal(s).astype(np.float32) for s in ((2, 3, 7), (2, 3, 2), (2, 7))), scale, "wo")
+    par = Parallel().with_noise(rate, jnp.asarray(coords)).at_layer(jnp.uint32(layer))
+    (got,) = par.column(jnp.asarray(h), (wq,), ("btd,dhe->bthe",), "attention")
+    kept = h * _keep(coords, 7, layer, "wq", rate) / (1 - rate)
+    want = np.einsum("btd,dhe->bthe", h, wq.base) + scale * np.einsum("btr,rhe->bthe", kept @ wq.a, wq.b)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    o = rng.standard_normal((3, 5, 2, 3)).astype(np.float32)  # [B, T, H, E]: the feature index is h·E + e
+    kept = o * _keep(coords, 6, layer, "wo", rate).reshape(3, 5, 2, 3) / (1 - rate)
+    want = np.einsum("bthe,hed->btd", o, wo.base) + scale * np.einsum("bthe,her->btr", kept, wo.a) @ wo.b
+    np.testing.assert_allclose(par.row(jnp.asarray(o), wo, "bthe,hed->btd", "attention"), want, rtol=1e-5, atol=1e-5)
+    # statistics over 2^16 entries: 1 − p kept; another weight, layer or token agrees as independent masks would
+    many = rng.integers(0, 2**32, (4, 256), dtype=np.uint32)
+    a, b = _keep(many, 64, layer, "wq", rate), _keep(many, 64, layer, "wk", rate)
+    c, d = _keep(many, 64, layer + 1, "wq", rate), _keep(many + np.uint32(1), 64, layer, "wq", rate)
+    assert abs(a.mean() - (1 - rate)) < 0.01
+    for other in (b, c, d):
+        assert abs((a == other).mean() - ((1 - rate) ** 2 + rate**2)) < 0.01
+    assert Parallel().with_noise(rate, None).noise is None and Parallel().with_noise(0.0, coords).noise is None
+
+
 @pytest.mark.parametrize("fields,needle", [
     (dict(lora=LoRAConfig(rank=2, targets=("q_proj",))), "lora.targets"),
     (dict(lora=LoRAConfig(rank=2, targets=("we_gate",))), "lora.targets"),
@@ -228,9 +319,9 @@ def test_transformers_and_peft_load_the_exports(lora_run, tmp_path):
 
 
 def test_qlora_trains_adapters_over_int8_weights(monkeypatch, tmp_path):
-    """LoRA over an int8 base (QLoRA-style): the import quantizes the Hugging Face weights as `jaxpar convert
-    --quantize int8` does, they stay frozen integers, the adapters learn (held-out loss under 0.5 of the first
-    step's; measured 9.76 → 3.13 at step 40), and the merged export is a float model."""
+    """LoRA over an int8 base (QLoRA-style), with LoRA dropout 0.1: the import quantizes the Hugging Face weights as
+    `jaxpar convert --quantize int8` does, they stay frozen integers, the adapters learn (held-out loss under 0.5 of
+    the first step's), the merged export is a float model, and the PEFT export records the dropout."""
     from jaxpar.cli import main
     from jaxpar.config import load_config
     from jaxpar.infer.text import load
@@ -238,14 +329,17 @@ def test_qlora_trains_adapters_over_int8_weights(monkeypatch, tmp_path):
     from jaxpar.train import fit
 
     monkeypatch.chdir(ROOT)
-    config = load_config("recipes/lora_tiny.yaml", ["model.weights=int8", "train.steps=40", "train.eval_every=40",
-                                                    "train.log_every=40"])
+    config = load_config("recipes/lora_tiny.yaml", ["model.weights=int8", "lora.dropout=0.1", "train.steps=40",
+                                                    "train.eval_every=40", "train.log_every=40"])
     result = fit(hf.init_config(config, FIXTURES / "llama"), tmp_path / "w", progress=False)
     first, last = result.history[0], result.history[-1]
     assert last["eval_loss"] < 0.5 * first["loss"], (first, last)
     stored = nnx.to_pure_dict(result.state.params)["blocks"]
     assert stored["wq"].dtype == jnp.int8 and "wq_scale" in stored and "wq_lora_a" in stored
     assert main(["convert", "--from", str(tmp_path / "w"), "--to-hf", str(tmp_path / "merged")]) == 0
+    assert main(["convert", "--from", str(tmp_path / "w"), "--to-peft", str(tmp_path / "peft")]) == 0
+    settings = __import__("json").loads((tmp_path / "peft" / "adapter_config.json").read_text())
+    assert settings["lora_dropout"] == 0.1
     ids = jnp.asarray(np.random.default_rng(0).integers(0, 515, (2, 24)))
     merged = load(tmp_path / "merged")
     assert merged.config.model.weights == "float"

@@ -55,6 +55,10 @@ class LoRAConfig:
     alpha: float = _f(16.0, "the adapters' scale is alpha / rank (PEFT's lora_alpha)")
     targets: tuple[str, ...] = _f(("wq", "wk", "wv", "wo"), "the layer weight matrices that get adapters, by jaxpar name "
                         "(llama: wq, wk, wv, wo, w_gate, w_up, w_down; PEFT's q_proj … down_proj)")
+    dropout: float = _f(0.0, "PEFT's lora_dropout: in training each adapter reads its input with this share of "
+                        "the entries zeroed (the rest scaled by 1/(1 - dropout)), from a mask fixed by the token's "
+                        "place in the run, the layer, the weight and the feature, so every layout drops the same "
+                        "entries; 0: off")
 
     @property
     def scale(self) -> float:
@@ -65,6 +69,12 @@ class LoRAConfig:
         check_fields(self, "lora")
         check_positive("lora.rank", self.rank, allow_zero="no adapters")
         check_positive("lora.alpha", self.alpha)
+        if not 0.0 <= self.dropout < 1.0:
+            raise ConfigError("lora.dropout", self.dropout, "is the share of an adapter's input dropped in training",
+                              "use a value in [0, 1), e.g. 0.05 (0: off)")
+        if self.dropout and not self.rank:
+            raise ConfigError("lora.dropout", self.dropout, "drops the adapters' inputs, and lora.rank = 0 adds no "
+                              "adapters", "set lora.rank (e.g. 8) or lora.dropout=0")
         if self.rank and not self.targets:
             raise ConfigError("lora.targets", [], "names no weight to adapt", "name some, e.g. [wq, wv]")
 

@@ -33,7 +33,7 @@ WEIGHTS = "adapter_model.safetensors"
 def adapter_tensors(params: nnx.State, cfg) -> tuple[dict[str, np.ndarray], list[str]]:
     """(PEFT's tensors by name, the target module names) of a LoRA model's canonical state (layers in model
     order)."""
-    plain = dataclasses.replace(cfg, lora=dataclasses.replace(cfg.lora, rank=0), weights="float")
+    plain = dataclasses.replace(cfg, lora=dataclasses.replace(cfg.lora, rank=0, dropout=0.0), weights="float")
     rules = {r.param: r for r in family(cfg).hf.tensors(plain, None)}
     pure, r = nnx.to_pure_dict(params), cfg.lora.rank
     tensors, modules = {}, set()
@@ -85,7 +85,7 @@ def export_peft(src: str | pathlib.Path, dst: str | pathlib.Path, *, step: int |
                           "export its weights with --to-hf")
     tensors, modules = adapter_tensors(params, cfg)
     settings = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": cfg.lora.rank, "lora_alpha": cfg.lora.alpha,
-                "lora_dropout": 0.0, "target_modules": modules, "bias": "none", "fan_in_fan_out": False,
+                "lora_dropout": cfg.lora.dropout, "target_modules": modules, "bias": "none", "fan_in_fan_out": False,
                 "use_rslora": False, "use_dora": False, "inference_mode": True, "init_lora_weights": True,
                 "base_model_name_or_path": config.train.init_from_hf or None}
     with Staged(pathlib.Path(dst), "--to-peft") as out:

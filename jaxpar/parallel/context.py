@@ -31,7 +31,9 @@ Every weight the methods receive is contracted through the matmul policy of its 
 jaxpar.matmul.Policies table the plan binds: the model names the role at each call), the seam weight formats replace.
 A `tape` (jaxpar.parallel.weightgrad) sees every matmul group the model runs and runs the layer scan its own way:
 the zero-bubble pipeline schedules use it to split a chunk's backward into its input gradients (B) and its weight
-gradients (W). The model knows no tape; it calls these methods whichever context it has.
+gradients (W). The model knows no tape; it calls these methods whichever context it has. A `noise` (LoRA dropout,
+jaxpar.matmul.LoRADropout), set by the train step for the tokens it runs, makes `column`, `row` and `dot` contract
+each adapted weight's adapters on a dropped copy of their input — the model knows no dropout either.
 The plan (jaxpar.plan: `plan.parallel`) builds the context once per model and mesh.
 """
 
@@ -44,7 +46,7 @@ from typing import Callable, Sequence
 import jax
 import jax.numpy as jnp
 
-from jaxpar.matmul import Einsum, Policies
+from jaxpar.matmul import Adapted, Einsum, LoRADropout, Policies, lora_equations, token_einsum
 from jaxpar.parallel.context_parallel import ContextParallel, Segments
 from jaxpar.parallel.expert import ExpertParallel, GroupedFFN, Routing, route
 from jaxpar.parallel.sequence import local_gather
@@ -77,10 +79,31 @@ class Parallel:
     context: ContextParallel | None = None
     tape: Tape | None = dataclasses.field(default=None, compare=False, repr=False)
     expert: ExpertParallel = ExpertParallel()
+    noise: LoRADropout | None = dataclasses.field(default=None, compare=False, repr=False)
 
     def with_tape(self, tape: Tape | None) -> "Parallel":
         """This context with `tape` watching its matmul groups (jaxpar.parallel.weightgrad)."""
         return dataclasses.replace(self, tape=tape)
+
+    def with_noise(self, rate: float, coords: Array | None) -> "Parallel":
+        """This context dropping a share `rate` of the adapters' inputs (LoRA dropout) for tokens at coords uint32
+        [B, T(/c)] (jaxpar.train.step); itself where coords is None or rate is 0 (evaluation, no dropout)."""
+        if coords is None or not rate:
+            return self
+        return dataclasses.replace(self, noise=LoRADropout(rate, coords))
+
+    def at_layer(self, seed: Array) -> "Parallel":
+        """This context inside the layer of LoRA dropout seed `seed` (jaxpar.model.layer_seeds; set by run_layers)."""
+        return self if self.noise is None else dataclasses.replace(
+            self, noise=dataclasses.replace(self.noise, layer=seed))
+
+    def _dropping(self, weights: Sequence) -> bool:
+        """Whether some weight of a group gets its adapters' input dropped (LoRA dropout is on)."""
+        if self.noise is None or not any(isinstance(w, Adapted) for w in weights):
+            return False
+        if self.tape is not None:  # a LoRA chunk runs without a tape (jaxpar.train.step)
+            raise ValueError("LoRA dropout under a pipeline tape: the adapters' chunks run without one")
+        return True
 
     def policy(self, role: str) -> Einsum:
         """The matmul policy of `role` (jaxpar.matmul.ROLES)."""
@@ -96,7 +119,23 @@ class Parallel:
                 return self.tensor.column(h, weights, equations, dot)
             return [dot(eq, h, w) for eq, w in zip(equations, weights)]
 
+        if self._dropping(weights):  # the bases as a group; each adapter on its own dropped copy of h
+            outs = group(h, [w.base if isinstance(w, Adapted) else w for w in weights])
+            coords = self.seq_shard(self.noise.coords)  # h's tokens (a sequence shard under SP)
+            return [y + self._column_adapter(h, w, eq, coords) if isinstance(w, Adapted) else y
+                    for y, w, eq in zip(outs, weights, equations)]
         return group(h, weights) if self.tape is None else self.tape.group(h, weights, group, role)
+
+    def _column_adapter(self, h: Array, w: Adapted, equation: str, coords: Array, whole: bool = False) -> Array:
+        """scale·(dropout(h)·A)·B → float32: an adapter of a column group — or with `whole`, of a weight every rank
+        holds whole (`dot`). The adapters' parameters are typed as they come (invariant, or varying where
+        `kv_weight` cut them); where they meet sequence shards, autodiff sums their gradients over the shards."""
+        down, up = lora_equations(equation)
+        a, b = w.a.astype(h.dtype), w.b.astype(h.dtype)
+        dropped = self.noise(h, w.name, coords)
+        if self.tensor is not None and not whole:
+            return w.scale * self.tensor.column_adapter(dropped, a, b, down, up)
+        return w.scale * token_einsum(up, token_einsum(down, dropped, a).astype(h.dtype), b)
 
     def row(self, x: Array, w: Array, equation: str, role: str) -> Array:
         """The matmul that closes a region: x (compute dtype) · w (of matmul role `role`) → float32 [B, T, D].
@@ -109,11 +148,25 @@ class Parallel:
                 return [self.tensor.row(x, weights[0], equation, dot)]
             return [dot(equation, x, weights[0]).astype(x.dtype).astype(jnp.float32)]
 
+        if self._dropping((w,)):  # the base as before; the adapter on a dropped copy of x
+            down, up = lora_equations(equation)
+            a, b = w.a.astype(x.dtype), w.b.astype(x.dtype)
+            if self.tensor is None:
+                low = token_einsum(down, self.noise(x, w.name, self.noise.coords), a).astype(x.dtype)
+                adapter = token_einsum(up, low, b)
+            else:  # x: every token (T/c), this rank's slice of the first input dim
+                offset = jax.lax.axis_index(self.tensor.axis) * x.shape[2]
+                partial = token_einsum(down, self.noise(x, w.name, self.noise.coords, offset), a)
+                adapter = self.tensor.row_adapter(partial, b, up, x.dtype)
+            return group(x, (w.base,))[0] + w.scale * adapter.astype(x.dtype).astype(jnp.float32)
         return (group(x, (w,)) if self.tape is None else self.tape.group(x, (w,), group, role))[0]
 
     def dot(self, equation: str, x: Array, w: Array, role: str) -> Array:
         """A matmul of this rank's tokens x (compute dtype) with a weight every tensor rank holds whole (the MoE
         router, a shared expert's score), by the policy of `role` → float32. No region, no collective."""
+        if self._dropping((w,)):  # this rank's tokens (a sequence shard under SP)
+            adapter = self._column_adapter(x, w, equation, self.seq_shard(self.noise.coords), whole=True)
+            return self.policy(role)(equation, x, w.base) + adapter
         return self.policy(role)(equation, x, w)
 
     def enter(self, x: Array) -> Array:

@@ -37,7 +37,7 @@ from typing import Sequence
 import jax
 import jax.numpy as jnp
 
-from jaxpar.matmul import Adapted, Einsum
+from jaxpar.matmul import Adapted, Einsum, token_einsum
 from jaxpar.parallel import overlap, sequence as seq
 from jaxpar.parallel.vma import vary
 
@@ -167,6 +167,23 @@ class TensorParallel:
             return overlap.matmul_scatter(x, w, equation, self.axis, dot).astype(jnp.float32)
         return self.exit(dot(equation, x, w).astype(x.dtype)).astype(jnp.float32)
 
+    def column_adapter(self, h: Array, a: Array, b: Array, down: str, up: str) -> Array:
+        """(h·A)·B_local → float32 for one column-parallel weight's adapters (LoRA dropout's path: h already
+        dropped, `jaxpar.matmul.LoRADropout`), A whole, B split like the weight's outputs. Under SP h is this rank's
+        sequence shard: the rank-r activation h·A is gathered instead of h (r entries a token, not D); else f enters
+        the region as the weight's own group does."""
+        if self.sequence:
+            return token_einsum(up, seq.local_gather(token_einsum(down, h, a).astype(h.dtype), self.axis), b)
+        return token_einsum(up, token_einsum(down, copy_to_tensor(h, self.axis), a).astype(h.dtype), b)
+
+    def row_adapter(self, partial: Array, b: Array, up: str, dtype) -> Array:
+        """A row-parallel weight's adapter output from this rank's partial rank-r activation (x_local·A_local,
+        float32 [B, T, r]) → float32 [B, T(/t), …]: the partials summed over the group (g: r entries a token, where
+        the weight's own exit moves D), rounded to `dtype`, then ·B (whole) on this rank's tokens (its sequence
+        shard under SP)."""
+        low = reduce_from_tensor(partial, self.axis).astype(dtype)
+        return token_einsum(up, seq.local_seq(low, self.axis) if self.sequence else low, b)
+
     def enter(self, h: Array) -> Array:
         """Enter a region whose matmuls the caller runs itself (the MoE experts' grouped matmuls): f on the
         replicated input, or under SP the all-gather of the sequence shards [B, T/t, …] → [B, T, …] (whose
@@ -205,7 +222,7 @@ class TensorParallel:
         cut = lambda w: jax.tree.map(  # noqa: E731
             lambda a: jax.lax.dynamic_slice_in_dim(copy_to_tensor(a, self.axis), head, 1, axis=-2), w)
         if isinstance(w, Adapted):  # the heads are the base's and B's output dims; A (the inputs') is whole
-            return Adapted(cut(w.base), copy_to_tensor(w.a, self.axis), cut(w.b), w.scale)
+            return dataclasses.replace(w, base=cut(w.base), a=copy_to_tensor(w.a, self.axis), b=cut(w.b))
         # tree.map: a quantized weight (jaxpar.matmul.Quantized) slices its integers and its scales alike
         return cut(w)
 

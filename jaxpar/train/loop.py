@@ -145,8 +145,9 @@ def build_trainer(config: Config, devices: list | Mesh | None, *, explicit: bool
         return plan.from_canonical(update_buffers(plan.to_canonical(buffers), stats, plan.model))
 
     update = update_in_layout if jax.tree.leaves(buffers_of(state.params)) else None
+    dropout_seed = config.train.seed if model.lora.dropout else None  # LoRA dropout: masks of the step's tokens
     train_step, eval_step = compile_steps(make_train_step(step_grads, tx, lr_schedule(config.train), moe_layers,
-                                                          update),
+                                                          update, dropout_seed),
                                           make_eval_step(graphdef, plan, param_specs=specs, dpo=dpo), plan.mesh,
                                           shardings)
     return Trainer(graphdef, state, shardings, train_step, eval_step, plan, grads_of, dpo)

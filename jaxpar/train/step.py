@@ -32,8 +32,10 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh, PartitionSpec as P
 
+from jaxpar.matmul import mix32
 from jaxpar.model import (buffers_of, default_positions, forward_buffers, frozen_of, layer_masks, layer_operands,
-                          learnable, merge_state, moe_objective, mtp_targets, run_layers, stats_total, trainable)
+                          layer_seeds, learnable, merge_state, moe_objective, mtp_targets, run_layers, stats_total,
+                          trainable)
 from jaxpar.parallel import circular, executor, schedule as tables
 from jaxpar.parallel.axes import DATA, EXPERT, PIPE
 from jaxpar.parallel.pipeline import Pipeline
@@ -54,11 +56,13 @@ Metrics = dict[str, jax.Array]
 #               positions restart at each one, and a token is a target only of the token before it in its own
 #               document (the first token of a document is nobody's target; padding never is);
 #   "ref"       DPO (`dpo`): float32 [B, 2], the reference model's summed log-probabilities of each row's pair of
-#               answers (segments 1 and 2: jaxpar.train.dpo), per row — not cut along the sequence.
+#               answers (segments 1 and 2: jaxpar.train.dpo), per row — not cut along the sequence;
+#   "coords"    LoRA dropout (`lora.dropout` > 0, training only): uint32, each token's place in the run, from which
+#               its dropout masks are drawn (`dropout_coords`; jaxpar.matmul.LoRADropout).
 # All are cut along rows alike (data, pipe, accumulation) and along the sequence alike (context), so every piece of a
 # step carries the mask and the documents of its own tokens.
 Batch = jax.Array | dict[str, jax.Array]
-BATCH_KEYS = ("tokens", "mask", "segments", "ref")
+BATCH_KEYS = ("tokens", "mask", "segments", "ref", "coords")
 
 
 def rows_of(batch: Batch) -> tuple[jax.Array, jax.Array | None, jax.Array | None]:
@@ -103,13 +107,15 @@ def segment_positions(segments: jax.Array) -> jax.Array:
 class Share(NamedTuple):
     """What a rank scores of a batch of rows [B, T+1] (`sequence_share`), each [B, T] (T/c under context
     parallelism, zigzag order): tokens, next-token targets, positions (inside each document when packed), the
-    targets' weights (None: all count) and the tokens' segment ids (None: one document a row)."""
+    targets' weights (None: all count), the tokens' segment ids (None: one document a row) and their LoRA dropout
+    coordinates (None: no dropout)."""
 
     tokens: jax.Array
     targets: jax.Array
     positions: jax.Array
     weights: jax.Array | None
     segments: jax.Array | None
+    coords: jax.Array | None = None
 
 
 def masked_mean(ce: jax.Array, weights: jax.Array | None, density: jax.Array | None) -> jax.Array:
@@ -187,7 +193,7 @@ def next_token_loss(graphdef: nnx.GraphDef, params: nnx.State, batch: Batch, rem
         share = sequence_share(batch, par)
         # logits [B, T(/c), V_local], then the last hidden states [B, T(/c), D] (what the MTP modules read)
         logits, stats, h = model(share.tokens, positions=share.positions, segment_ids=share.segments, remat=remat,
-                                 par=par, stats=True, hidden=True)
+                                 par=par.with_noise(model.cfg.lora.dropout, share.coords), stats=True, hidden=True)
         loss, sums = head_loss(logits, share, batch, density, par, dpo)
         extra = mtp_objective(model, h, rows, share.positions, remat, par) if mtp else None
     if not objective:
@@ -237,14 +243,28 @@ def sequence_share(batch: Batch, par: Parallel) -> Share:
     if segments is not None:
         segments = segments[:, :-1]
     positions = default_positions(*tokens.shape) if segments is None else segment_positions(segments)
+    coords = batch["coords"][:, :-1] if isinstance(batch, dict) and "coords" in batch else None
     shard = lambda a: None if a is None else par.context_shard(a)  # noqa: E731
-    return Share(shard(tokens), shard(targets), shard(positions), shard(weights), shard(segments))
+    return Share(shard(tokens), shard(targets), shard(positions), shard(weights), shard(segments), shard(coords))
+
+
+def dropout_coords(step: jax.Array, rows: int, length: int, seed: int) -> jax.Array:
+    """uint32 [rows, length]: each token's place in the run — (step·rows + row)·length + position, offset by the
+    seed's mix — from which LoRA dropout draws its masks (jaxpar.matmul.LoRADropout). Distinct for every token of
+    every step (mod 2³²), and cut with the rows and the sequence like the tokens, so a token's masks are the same
+    whichever rank, microbatch or accumulation chunk runs it."""
+    row = step.astype(jnp.uint32) * np.uint32(rows) + jnp.arange(rows, dtype=jnp.uint32)
+    return row[:, None] * np.uint32(length) + jnp.arange(length, dtype=jnp.uint32) + mix32(jnp.uint32(seed))
 
 
 def packed(share: Share) -> dict | None:
-    """Packed rows' side inputs for their layers, {"positions", "segments"} [R, T(/c)] each, or None when the rows
-    are not packed (the rows then share their positions and the kernels' causal mask)."""
-    return None if share.segments is None else {"positions": share.positions, "segments": share.segments}
+    """The side inputs a run of layers reads beside its input, [R, T(/c)] each, or None when there are none:
+    packed rows' {"positions", "segments"} (unpacked rows share their positions and the kernels' causal mask), and
+    with LoRA dropout the tokens' "coords"."""
+    side = {} if share.segments is None else {"positions": share.positions, "segments": share.segments}
+    if share.coords is not None:
+        side["coords"] = share.coords
+    return side or None
 
 
 def microbatch_side(share: Share, microbatches: int, order=None) -> dict | None:
@@ -258,12 +278,15 @@ def microbatch_side(share: Share, microbatches: int, order=None) -> dict | None:
 
 
 def layer_inputs(cfg, par: Parallel, side: dict | None, positions: jax.Array):
-    """(positions, masks) a run of layers takes: the packed microbatch's own (its `side`), else `positions` and the
-    kernels' causal mask."""
-    if side is None:
-        return positions, None
+    """(positions, masks, context) a run of layers takes: the packed microbatch's own (its `side`), else
+    `positions` and the kernels' causal mask; and `par`, dropping the adapters' inputs of the side's tokens where
+    it has their "coords" (LoRA dropout: `Parallel.with_noise`)."""
+    side = side or {}
+    par = par.with_noise(cfg.lora.dropout, side.get("coords"))
+    if "segments" not in side:
+        return positions, None, par
     T = side["segments"].shape[1]
-    return side["positions"], layer_masks(cfg, functools.partial(par.attention_mask, T, side["segments"]))
+    return side["positions"], layer_masks(cfg, functools.partial(par.attention_mask, T, side["segments"])), par
 
 
 def in_model_order(stats: dict, pipe: Pipeline) -> dict:
@@ -307,9 +330,12 @@ def pipeline_loss(model, batch: Batch, pipe: Pipeline, remat: str, par: Parallel
     stacks = model.stacks()
     x = model.embed_tokens(own.tokens, own.positions, par)  # [R, T(/t), D]
     if cfg.prefix_layers:  # DeepSeek's dense first layers, beside the embedding (their stats: none, dense)
-        positions, masks = layer_inputs(cfg, par, packed(own), own.positions)
-        x = run_layers({"dense_blocks": stacks.pop("dense_blocks")}, x, positions, masks, cfg, remat=remat,
-                       par=par)
+        positions, masks, prefix_par = layer_inputs(cfg, par, packed(own), own.positions)
+        prefix = {"dense_blocks": stacks.pop("dense_blocks")}
+        x = run_layers(prefix if prefix_par.noise is None else layer_seeds(prefix), x, positions, masks, cfg,
+                       remat=remat, par=prefix_par)
+    if own.coords is not None:  # LoRA dropout: each layer's seed, with the layer through the stage's passes
+        stacks = layer_seeds(stacks, pipe.stack_order, PIPE)
     io = x.reshape(q, mb, *x.shape[1:])
     per_pass = jax.tree.map(lambda a: a.reshape(v, a.shape[0] // v, *a.shape[1:]), stacks)
     # every stage's rows [p, q, mb, T+1] (and mask, segments): the held microbatches' targets, and packed rows'
@@ -317,12 +343,13 @@ def pipeline_loss(model, batch: Batch, pipe: Pipeline, remat: str, par: Parallel
     all_rows = jax.tree.map(lambda a: jax.lax.all_gather(a.reshape(q, mb, a.shape[1]), PIPE), batch)
     # microbatch label j is stage −⌊j/q⌋ mod p's slot j mod q (circular's module docstring): rows in label order
     label = [(-(j // q)) % p * q + j % q for j in range(m)]
-    side = None if own.segments is None else microbatch_side(
+    side = None if own.segments is None and own.coords is None else microbatch_side(
         sequence_share(jax.tree.map(lambda a: a.reshape(p * q * mb, -1), all_rows), par), p * q, order=label)
 
     def stage(layers, h, side=None):
-        positions, masks = layer_inputs(cfg, par, side, own.positions[:mb])  # unpacked: every row's positions alike
-        return run_layers(layers, h, positions, masks, cfg, remat=remat, par=par, stats=True,
+        # unpacked: every row's positions alike
+        positions, masks, stage_par = layer_inputs(cfg, par, side, own.positions[:mb])
+        return run_layers(layers, h, positions, masks, cfg, remat=remat, par=stage_par, stats=True,
                           first_layer=cfg.prefix_layers)
 
     out, stats = circular.circular(stage, per_pass, io, stages=p, repeats=v, microbatches=m, stats=True, side=side)
@@ -371,6 +398,10 @@ def scheduled_loss_and_grads(graphdef: nnx.GraphDef, params: nnx.State, batch: B
     # [v·k, …] in storage order → [v, k, …]: chunk r of this stage is row r (pipeline_order), in every stack
     per_chunk = lambda tree: jax.tree.map(lambda a: a.reshape(v, a.shape[0] // v, *a.shape[1:]), tree)  # noqa: E731
     layers, constants = per_chunk(weights), per_chunk(fixed)
+    if share.coords is not None:  # LoRA dropout: each layer's seed (`layer_seeds`), a constant of its chunk
+        seeds = layer_seeds({stack: {k: v[...] for k, v in fixed[stack].items()} for stack in stack_names},
+                            pipe.stack_order, PIPE)
+        constants = (constants, per_chunk({stack: seeds[stack]["lora_seed"] for stack in stack_names}))
     # LoRA: every weight gradient is an adapter's (r·(in + out) a matrix) — B derives them with the input gradient
     # and W has nothing to defer, so the chunk runs without a tape (its base weights are constants)
     tape_on = not cfg.lora.rank
@@ -378,6 +409,7 @@ def scheduled_loss_and_grads(graphdef: nnx.GraphDef, params: nnx.State, batch: B
     def chunk_fn(chunk: nnx.State, x: jax.Array, tape, consts):
         # consts: the chunk's constants, or with packed rows (its constants, the microbatch's side: `execute`)
         consts, mside = consts if side is not None else (consts, None)
+        consts, seeds = consts if share.coords is not None else (consts, None)
 
         def arrays(state, stack):  # a stack's parameters (Params) in `state`, by name
             return {name: var[...] for name, var in state[stack].items() if isinstance(var, nnx.Param)} \
@@ -386,10 +418,12 @@ def scheduled_loss_and_grads(graphdef: nnx.GraphDef, params: nnx.State, batch: B
         # the layers' weights (trained, and frozen ones), and the buffers their forward reads (the routing's
         # correction bias) as constants
         stacked = {stack: {**layer_operands({**arrays(chunk, stack), **arrays(consts, stack)}, cfg),
-                           **forward_buffers(dict(consts[stack].items()) if stack in consts else {}, cfg)}
+                           **forward_buffers(dict(consts[stack].items()) if stack in consts else {}, cfg),
+                           **({} if seeds is None else {"lora_seed": seeds[stack]})}
                    for stack in stack_names}
-        at, masks = layer_inputs(cfg, par, mside, positions)
-        y, stats = run_layers(stacked, x, at, masks, cfg, remat=remat, par=par.with_tape(tape if tape_on else None),
+        at, masks, chunk_par = layer_inputs(cfg, par, mside, positions)
+        y, stats = run_layers(stacked, x, at, masks, cfg, remat=remat,
+                              par=chunk_par.with_tape(tape if tape_on else None),
                               stats=True, first_layer=cfg.prefix_layers)
         # F of an MoE chunk (a tape's MEASURE and REPLAY report no statistics: `Tape.scan`): its layers' aux losses
         # over this microbatch join the objective like its loss
@@ -399,10 +433,12 @@ def scheduled_loss_and_grads(graphdef: nnx.GraphDef, params: nnx.State, batch: B
 
     def embed_fn(r: nnx.State, inputs: dict) -> jax.Array:  # a microbatch's tokens (and side, packed)
         model = nnx.merge(graphdef, r, frozen_rest, blocks)
-        at, masks = layer_inputs(cfg, par, inputs.get("side"), positions)
+        at, masks, prefix_par = layer_inputs(cfg, par, inputs.get("side"), positions)
         x = model.embed_tokens(inputs["tokens"], at, par)
         if cfg.prefix_layers:
-            x = run_layers({"dense_blocks": model.dense_blocks.stacked()}, x, at, masks, cfg, remat=remat, par=par)
+            prefix = {"dense_blocks": model.dense_blocks.stacked()}
+            x = run_layers(prefix if prefix_par.noise is None else layer_seeds(prefix), x, at, masks, cfg,
+                           remat=remat, par=prefix_par)
         return x
 
     def head_loss_fn(r: nnx.State, y: jax.Array, rows: Batch) -> tuple[jax.Array, dict]:
@@ -611,7 +647,8 @@ def global_norm(tree) -> jax.Array:
 
 def make_train_step(grads_of: Callable[[nnx.State, jax.Array], tuple[jax.Array, nnx.State]],
                     tx: optax.GradientTransformation, schedule: optax.Schedule | None = None, moe_layers: int = 0,
-                    update_buffers: Callable[[nnx.State, dict], nnx.State] | None = None
+                    update_buffers: Callable[[nnx.State, dict], nnx.State] | None = None,
+                    dropout_seed: int | None = None
                     ) -> Callable[[TrainState, jax.Array], tuple[TrainState, Metrics]]:
     """(state, batch) → (state, metrics {loss, grad_norm, skipped, lr}; with a loss mask also `targets`, the
     number of targets scored): batch token rows int [B, T+1] or `Batch` with a mask; gradients from `grads_of`
@@ -620,9 +657,14 @@ def make_train_step(grads_of: Callable[[nnx.State, jax.Array], tuple[jax.Array, 
     model's buffers (jaxpar.model.Buffer) become `update_buffers(buffers, the per-layer statistics [L_moe, …])` —
     the optimizer sees the weights alone (their gradients; the buffers' are dropped: they are constants of the
     loss). Statistics holding "mtp" (an MTP model) add `mtp_loss`: the mean over depths of each depth's mean
-    cross-entropy over every valid position of the step (`mtp_loss`)."""
+    cross-entropy over every valid position of the step (`mtp_loss`). dropout_seed: LoRA dropout is on (the model's
+    `lora.dropout` > 0): the batch gains its tokens' "coords" (`dropout_coords`) from the step and this seed."""
 
     def step(state: TrainState, batch: jax.Array) -> tuple[TrainState, Metrics]:
+        if dropout_seed is not None:
+            rows = rows_of(batch)[0]
+            coords = dropout_coords(state.step, *rows.shape, dropout_seed)
+            batch = {**(batch if isinstance(batch, dict) else {"tokens": batch}), "coords": coords}
         loss, grads, *sums = grads_of(state.params, batch)
         mtp = sums[0].pop("mtp", None) if sums and sums[0] else None
         pairs = sums[0].pop("dpo", None) if sums and sums[0] else None
