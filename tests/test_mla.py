@@ -258,6 +258,29 @@ def test_layouts_equal_one_device(name, fields, layouts):
         assert_grads_match(grads, want_grads)
 
 
+def test_lora_dropout_on_every_mla_matrix_equals_one_device():
+    """LoRA with dropout on every matrix of MLA's dense layers — the replicated latent projections (wq_a, wkv_a:
+    `Parallel.dot` on this rank's tokens), the head-split ones, the MLP — at (data, tensor) = (4, 2) with SP equals
+    one device, values and gradients (jaxpar.matmul.LoRADropout)."""
+    from jaxpar.config import LoRAConfig
+    from jaxpar.train.step import dropout_coords, loss_and_grads
+
+    targets = ("w_down", "w_gate", "w_up", "wkv_a", "wkv_b", "wo", "wq_a", "wq_b")
+    cfg = ModelConfig(**dict(CASES["qlora-yarn-interleave"], n_layers=2),
+                      lora=LoRAConfig(rank=3, alpha=6.0, targets=targets, dropout=0.3))
+    params = nnx.state(Transformer(cfg, rngs=nnx.Rngs(0)), nnx.Param)
+    pure, rng = nnx.to_pure_dict(params), np.random.default_rng(3)
+    for k in [k for k in pure["blocks"] if k.endswith("_lora_b")]:  # B ≠ 0: every adapter's gradients flow
+        pure["blocks"][k] = jnp.asarray(0.3 * rng.standard_normal(pure["blocks"][k].shape), jnp.float32)
+    nnx.replace_by_pure_dict(params, pure)
+    tokens = jnp.asarray(np.random.default_rng(4).integers(0, cfg.vocab_size, (B, T + 1)), jnp.int32)
+    batch = {"tokens": tokens, "coords": dropout_coords(jnp.int32(3), B, T + 1, seed=0)}
+    want_loss, want_grads = jax.jit(loss_and_grads(nnx.graphdef(Transformer(cfg, rngs=nnx.Rngs(0)))))(params, batch)
+    loss, grads = on_layout(cfg, params, batch, ParallelConfig(data=4, tensor=2, sequence_parallel=True))
+    np.testing.assert_allclose(loss, want_loss, rtol=1e-5)
+    assert_grads_match(grads, want_grads)
+
+
 # -----------------------------------------------------------------------------------------------------------------
 # (d) cache bytes, the planner and the checks
 
