@@ -37,6 +37,8 @@ def test_probe_measures_this_machine_and_refuses_another(profile_file, tmp_path)
     assert prof.devices == len(jax.devices()) and prof.machine == machine.machine()
     assert all(rate > 0 for rate in prof.flops.values()) and prof.latency > 0 and prof.layer_overhead > 0
     assert 0.0 <= prof.overlap <= 1.0 and prof.memory_gb > 0
+    # the FP8 policy's product at every width the plain matmuls are probed at (emulated on a CPU)
+    assert set(prof.matmul["float8"]) == set(prof.matmul["float32"]) and min(prof.matmul["float8"].values()) > 0
     for kind in probe.KINDS:  # every collective at every group size an axis of 8 devices can have
         assert set(prof.links[kind]) == {"2", "4", "8"} and all(bw > 0 for bw in prof.links[kind].values())
     assert prof.bandwidth("permute", 4, inside=True) == prof.links["permute"]["4"]

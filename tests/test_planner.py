@@ -238,6 +238,29 @@ def test_plan_command_prints_the_table_and_json(capsys):
     assert totals == sorted(totals)
 
 
+def test_fp8_matmuls_run_at_the_profiles_float8_rate():
+    """With model.matmul = fp8_rowwise a block matmul runs its forward and input gradient at the profile's float8
+    rate and its weight gradient at the compute dtype's: float8 at 2r gives 1/(⅔/2r + ⅓/r) = 1.5r; a profile without
+    a float8 rate (an old probe) prices them as float; the H100 datasheet profile rates float8 (its FP8 peak), and
+    the step it predicts is faster than bf16's."""
+    import dataclasses
+
+    base = load_config("configs/tiny.py", FLAT).resolve_for_devices(8)
+    fp8 = dataclasses.replace(base, model=dataclasses.replace(base.model, matmul="fp8_rowwise"))
+    r = 1e12
+    rated = dataclasses.replace(machine.profile_for("h100"), matmul={"float32": {"32": r, "4096": r},
+                                                                      "float8": {"32": 2 * r, "4096": 2 * r}})
+    assert cost.matmul_rate(base, rated) == pytest.approx(r, rel=1e-12)
+    assert cost.matmul_rate(fp8, rated) == pytest.approx(1.5 * r, rel=1e-12)
+    unrated = dataclasses.replace(rated, matmul={"float32": {"32": r, "4096": r}}, flops={"float32": r})
+    assert cost.matmul_rate(fp8, unrated) == pytest.approx(r, rel=1e-12)
+    h100 = machine.profile_for("h100")
+    assert h100.flops["float8"] == pytest.approx(2 * h100.flops["bfloat16"], rel=1e-3)
+    bf16 = dataclasses.replace(base, model=dataclasses.replace(base.model, dtype="bfloat16"))
+    bf16_fp8 = dataclasses.replace(bf16, model=dataclasses.replace(bf16.model, matmul="fp8_rowwise"))
+    assert cost.predict_time(bf16_fp8, h100, 8).compute < cost.predict_time(bf16, h100, 8).compute
+
+
 def test_time_model_rates_matmuls_by_width_and_charges_the_pipeline_loop_and_fresh_memory_per_byte():
     """The time model's probed CPU terms, by arithmetic: (1) a layer's matmuls each at the rate of their width —
     one rate for every width gives exactly that rate, a table that slows narrow matmuls slows tensor 4 (narrower

@@ -178,8 +178,18 @@ def matmul_rate(config: Config, profile: Profile) -> float:
     square-equivalent width, combined as their FLOPs take time (Σ flops / Σ flops/rate). Tensor parallelism narrows
     the projections and the MLP, and narrow matmuls run below the large ones' rate."""
     mats = layer_matmuls(config)
-    dtype = config.model.dtype
-    return sum(f for f, _ in mats) / sum(f / profile.rate(dtype, round(w)) for f, w in mats)
+    return sum(f for f, _ in mats) / sum(f / layer_matmul_rate(config, profile, round(w)) for f, w in mats)
+
+
+def layer_matmul_rate(config: Config, profile: Profile, width: int) -> float:
+    """The achievable FLOP/s of a block matmul of `width` in training: the compute dtype's rate, or with FP8
+    matmuls (`model.matmul`, jaxpar.fp8) on a profile that rates float8 the time-weighted mix — the rowwise recipe
+    runs the forward and the input gradient in FP8 (2 of the 3 passes) and the weight gradient in the compute
+    dtype: 1 / (⅔/r8 + ⅓/r). A profile without a float8 rate runs them at the compute dtype's."""
+    rate = profile.rate(config.model.dtype, width)
+    if config.model.matmul == "float" or "float8" not in (profile.matmul or profile.flops):
+        return rate
+    return 1.0 / (2.0 / 3.0 / profile.rate("float8", width) + 1.0 / 3.0 / rate)
 
 
 def predict_time(config: Config, profile: Profile, devices_per_host: int, memory: Memory | None = None) -> Timing:

@@ -84,12 +84,20 @@ class _Row:
                                      check_vma=check_vma))
 
 
-def matmul_rate(devices: list, dtype: str, width: int, repeats: int, rows: int | None = None) -> float:
+def matmul_rate(devices: list, kind: str, width: int, repeats: int, rows: int | None = None,
+                dtype: str | None = None) -> float:
     """Achieved FLOP/s per device of a [rows, width] @ [width, width] (rows: `width` unless given — a token-major
-    matmul has many more rows than its width) on every device at once."""
+    matmul has many more rows than its width) on every device at once. kind: the operands' dtype, or "float8": the
+    FP8 rowwise policy's product (jaxpar.fp8) of operands in `dtype`."""
     row, rows = _Row(devices), rows or width
+    if kind == "float8":
+        from jaxpar.fp8 import Fp8Rowwise
+
+        product = lambda a, b: Fp8Rowwise()("nk,km->nm", a, b)  # noqa: E731
+    else:
+        product, dtype = (lambda a, b: a @ b), kind
     x, w = row.put((rows, width), dtype=dtype), row.put((width, width), dtype=dtype)
-    return 2 * rows * width**2 / _median_seconds(row.run(lambda a, b: a @ b, args=2), x, w, repeats=repeats)
+    return 2 * rows * width**2 / _median_seconds(row.run(product, args=2), x, w, repeats=repeats)
 
 
 def _collective(kind: str, axis: str, g: int):
@@ -228,12 +236,17 @@ def measure(devices: list | None = None, *, repeats: int = 7) -> Profile:
     widths, rows = ((1024, 2048, 4096, 8192), 16384) if gpu else ((64, 128, 256, 512, 1024), 2048)
     table = {d: {str(w): matmul_rate(devices, d, w, repeats, rows) for w in widths} for d in ("float32", "bfloat16")}
     table["float16"] = table["bfloat16"] if gpu else table["float32"]
+    # FP8 (model.matmul = fp8_rowwise): the policy's own product — on a GPU XLA rewrites it into an FP8 GEMM, on a
+    # CPU it is emulated (quantize, dequantize, the compute dtype's matmul) and slower than the plain one
+    table["float8"] = {str(w): matmul_rate(devices, "float8", w, repeats, rows, dtype="bfloat16" if gpu else "float32")
+                       for w in widths}
     rates = {d: max(t.values()) for d, t in table.items()}
     groups = [g for g in (2, 4, 8, 16, 32, 64) if g <= n and n % g == 0]
     links = {kind: {str(g): link_bandwidth(devices, kind, g, nbytes, repeats) for g in groups} for kind in KINDS}
     widest = links["all_reduce"][str(groups[-1])] if groups else 0.0
     base = profile_for(dev.device_kind) if gpu and flops.device_row(dev.device_kind) else None
-    peak = {d: flops.peak_flops(dev.device_kind, d) or 0.0 for d in ("float32", "bfloat16", "float16")} if gpu else {}
+    peak = {d: flops.peak_flops(dev.device_kind, d) or 0.0 for d in ("float32", "bfloat16", "float16", "float8")} \
+        if gpu else {}
     return Profile(
         name=f"{'cpu' if not gpu else (flops.device_row(dev.device_kind) or dev.device_kind)} x{n}",
         flops=rates,

@@ -88,7 +88,8 @@ class Profile:
 
 # What each field of a profile may hold (`check_profile`): seconds, rates and fractions are finite numbers, rates
 # and sizes above 0, fixed costs at least 0, the overlap a fraction.
-DTYPES = ("float32", "bfloat16", "float16")  # the compute dtypes a profile rates (jaxpar.config.DTYPES)
+# the compute dtypes a profile rates (jaxpar.config.DTYPES), and float8: FP8 matmuls (model.matmul, jaxpar.fp8)
+DTYPES = ("float32", "bfloat16", "float16", "float8")
 LINK_KINDS = ("all_reduce", "all_to_all", "permute")  # the collectives a profile rates (jaxpar.planner.probe.KINDS)
 _POSITIVE = ("intra_host", "inter_host", "memory_gb")
 _NON_NEGATIVE = ("latency", "latency_inter", "layer_overhead", "pipeline_byte", "fresh_byte")
@@ -174,7 +175,8 @@ ACHIEVABLE = 0.6
 
 def _gpu(row: str, nvlink: float, memory_gb: float) -> Profile:
     sheet = flops.PEAK_TFLOPS[row]
-    peak = {"bfloat16": sheet["bfloat16"] * 1e12, "float16": sheet["bfloat16"] * 1e12, "float32": sheet["tf32"] * 1e12}
+    peak = {"bfloat16": sheet["bfloat16"] * 1e12, "float16": sheet["bfloat16"] * 1e12, "float32": sheet["tf32"] * 1e12,
+            **({"float8": sheet["float8"] * 1e12} if "float8" in sheet else {})}
     return Profile(row, {k: ACHIEVABLE * v for k, v in peak.items()}, 0.8 * nvlink, 0.8 * 50 * GB, memory_gb,
                    f"datasheet x {ACHIEVABLE} achievable", peak)
 
