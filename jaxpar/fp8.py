@@ -46,7 +46,10 @@ def qdq(v: Array, amax: Array, fmt, dtype) -> Array:
     """v rounded to float8 `fmt` at scale = amax / max(fmt) (amax broadcastable to v: one per group; an all-zero
     group gets scale 1), dequantized to `dtype`: Q(v)·scale."""
     top = MAX[fmt]
-    scale = jnp.where(amax > 0, amax / top, 1.0).astype(jnp.float32)
+    # amax / top underflows for an amax below top·2⁻¹²⁶ (tiny output gradients: the rows an outlier feature's norm
+    # shrinks), and x / 0 is Inf or NaN: the scale never goes below float32's smallest normal, where every |v| ≤ amax
+    # still fits (|v| / tiny ≤ top)
+    scale = jnp.where(amax > 0, jnp.maximum(amax / top, jnp.finfo(jnp.float32).tiny), 1.0).astype(jnp.float32)
     q = jnp.clip(v.astype(jnp.float32) / scale, -top, top).astype(fmt)
     return (q.astype(jnp.float32) * scale).astype(dtype)
 
