@@ -110,12 +110,14 @@ def reference(request):
     return (cfg, batch, *single_device(cfg, batch))
 
 
-SHAPES = {  # (pipe, chunks, microbatches): p = 2 and 4, m = p (the fewest) and 4p (steady state); 3 chunks
-    "gpipe": [(2, 1, 2), (4, 1, 4), (4, 1, 16)],
-    "1f1b": [(2, 1, 2), (4, 1, 4), (4, 1, 16)],
+SHAPES = {  # (pipe, chunks, microbatches): m = p = 2 (the fewest: warm-up and cool-down only) and p = 4, m = 4p
+    # (a steady state); 3 chunks. (p = 4, m = p ran too until it was cut for CI time: the same warm-up/cool-down
+    # table as p = 2 with more stages, which the executor runs by the same code.)
+    "gpipe": [(2, 1, 2), (4, 1, 16)],
+    "1f1b": [(2, 1, 2), (4, 1, 16)],
     "interleaved_1f1b": [(2, 2, 2), (2, 3, 4), (4, 2, 16)],
-    "zb_h1": [(2, 1, 2), (4, 1, 4), (4, 1, 16)],
-    "zbv": [(2, 2, 2), (4, 2, 4), (4, 2, 16)],
+    "zb_h1": [(2, 1, 2), (4, 1, 16)],
+    "zbv": [(2, 2, 2), (4, 2, 16)],
 }  # the tables at every shape between are checked without a compile (test_tables_are_complete_causal_…)
 
 
