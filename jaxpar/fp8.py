@@ -145,6 +145,7 @@ class Fp8Rowwise(Einsum):
 
     split_in: str | None = None
     split_out: str | None = None
+    whole_output_grad = True  # dy quantized per token over the whole output (`Parallel.kv_output`)
 
     def along(self, inputs: str | None = None, outputs: str | None = None) -> "Fp8Rowwise":
         """This policy with its amaxes over a weight's input / output dims reduced over those mesh axes."""

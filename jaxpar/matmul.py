@@ -222,7 +222,13 @@ class Einsum:
 
     A policy is two steps, and a new one overrides either: `operand` prepares a stored weight (cast, dequantize,
     quantize-dequantize at a scale) and `contract` contracts activations with prepared operands. `__call__` is the
-    two in a row; the collective matmul prepares once and contracts each ring chunk (see the module docstring)."""
+    two in a row; the collective matmul prepares once and contracts each ring chunk (see the module docstring).
+
+    whole_output_grad: the policy's input gradient is not linear in the output gradient (FP8 quantizes dy with a
+    scale over the whole output), so a kv head that several tensor ranks share must have its gradient summed
+    before the matmul, not after (`Parallel.kv_output`)."""
+
+    whole_output_grad = False  # a class constant, not a field
 
     def __call__(self, equation: str, x: Array, w: Array) -> Array:
         """einsum(equation, x, w) → float32. x is already in the compute dtype; w as stored (or as `operand`

@@ -881,8 +881,8 @@ def gqa_attention(p: dict[str, Array], h: Array, positions: Array, mask: Array |
     """
     dt = cfg.dtype
     wk, wv = par.kv_weight(p["wk"]), par.kv_weight(p["wv"])
-    q, k, v = (y.astype(dt) for y in par.column(h, (p["wq"], wk, wv),
-                                                ("btd,dhe->bthe", "bsd,dke->bske", "bsd,dke->bske"), "attention"))
+    q, k, v = par.column(h, (p["wq"], wk, wv), ("btd,dhe->bthe", "bsd,dke->bske", "bsd,dke->bske"), "attention")
+    q, k, v = q.astype(dt), par.kv_output(k, "attention").astype(dt), par.kv_output(v, "attention").astype(dt)
     # q [B, T, H, E]; k, v [B, S, K, E] (local heads under tensor parallelism; S = T, the full sequence)
     if "bq" in p:  # gpt2, and the llama family with qkv_bias (Qwen2)
         bk, bv = par.kv_weight(p["bk"]), par.kv_weight(p["bv"])

@@ -146,6 +146,7 @@ LAYOUTS = {  # (parallel, accumulation, the model kind)
     "(data, expert, tensor) = (2, 2, 2) SP": (dict(data=2, expert=2, tensor=2, sequence_parallel=True), 1, "moe"),
     "(data, tensor) = (4, 2) SP, collective matmul": (
         dict(data=4, tensor=2, sequence_parallel=True, overlap="collective_matmul"), 1, "moe"),
+    "(data, tensor) = (2, 4) SP, kv heads replicated": (dict(data=2, tensor=4, sequence_parallel=True), 1, "dense"),
 }
 
 
@@ -187,7 +188,8 @@ def test_each_fp8_matmul_is_exact_under_tensor_parallelism():
     """Op by op, where no quantized value depends on an earlier rounding: a column-parallel group and a
     row-parallel matmul (whole; under SP, the gather before and the reduce-scatter after; and as collective matmul's
     rings, whose chunks differ from rank to rank at each step: the per-token scales are taken from the whole tensors
-    before the cut, `Einsum.scales`) and the experts' grouped SwiGLU, on (data, tensor) = (2, 4), equal one
+    before the cut, `Einsum.scales`), a kv projection whose heads two ranks share (`Parallel.kv_output`) and the
+    experts' grouped SwiGLU, on (data, tensor) = (2, 4), equal one
     device's FP8 products — outputs and the gradients of inputs and weights, fp32 rtol 1e-5 — because every amax a tensor split cuts is reduced over `tensor`."""
     mesh = jax.make_mesh((2, 4), ("data", "tensor"))
     rng = np.random.default_rng(2)
@@ -215,6 +217,27 @@ def test_each_fp8_matmul_is_exact_under_tensor_parallelism():
         got = jax.jit(jax.value_and_grad(lambda *a: (sharded(*a) * r).sum(), argnums=(0, 1, 2)))(*args)
         for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
             np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-5 * float(np.abs(w).max()))
+    # a kv projection with its 2 heads replicated over tensor 4 (each rank one head, its queries' part of the head's
+    # output gradient): `kv_output` sums the parts before the FP8 input gradient quantizes them
+    wk, rk = jnp.asarray(rng.normal(size=(12, 2, 3)), jnp.float32), jnp.asarray(rng.normal(size=(4, 4, 8, 3)),
+                                                                              jnp.float32)
+    tp = TensorParallel("tensor", kv_replicas=2)
+
+    def kv_local(h, wk):  # rank i scores its copy of head i // 2 by weights rk[i] of its own (its queries')
+        (k,) = tp.column(h, (tp.kv_weight(wk),), ("btd,dke->btke",), fp8)
+        k = tp.kv_output(k)[:, :, 0]  # [B, T, E]
+        i = jax.lax.axis_index("tensor")
+        return jax.lax.psum((k * k * rk[i]).sum(), "tensor")
+
+    def kv_single(h, w):
+        k = fp8("btd,dke->btke", h, w)
+        return sum((k[:, :, i // 2] ** 2 * rk[i]).sum() for i in range(4))
+
+    want = jax.value_and_grad(kv_single, argnums=(0, 1))(h, wk)
+    sharded = jax.shard_map(kv_local, mesh=mesh, in_specs=(P(), P()), out_specs=P(), check_vma=True)
+    got = jax.jit(jax.value_and_grad(sharded, argnums=(0, 1)))(h, wk)
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-5 * float(np.abs(w).max()))
     # the experts' grouped SwiGLU with its hidden width split over tensor (gate and up column-, down row-parallel)
     rows, sizes = jnp.asarray(rng.normal(size=(10, 12)), jnp.float32), jnp.asarray([4, 5], jnp.int32)
     experts = tuple(jnp.asarray(rng.normal(size=s), jnp.float32) for s in [(2, 12, 8), (2, 12, 8), (2, 8, 12)])
@@ -236,12 +259,6 @@ def test_each_fp8_matmul_is_exact_under_tensor_parallelism():
 
 
 def test_fp8_refuses_what_it_cannot_do():
-    """Quantized (integer) weights; kv heads replicated over tensor (a rank holds part of a shared head's output
-    gradient)."""
-    from jaxpar.config import check_layout
-
+    """Quantized (integer) weights."""
     with pytest.raises(ConfigError, match="model.matmul"):
         ModelConfig(**CFG, matmul="fp8_rowwise", weights="int8")
-    cfg = ModelConfig(**CFG, matmul="fp8_rowwise")
-    with pytest.raises(ConfigError, match="n_kv_heads = 2 < parallel.tensor = 4"):
-        check_layout(cfg, ParallelConfig(tensor=4))

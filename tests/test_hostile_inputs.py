@@ -512,12 +512,11 @@ CASES = [
     Case("train-chat-with-mtp", TRAIN + "--config.data.source=chat --config.data.path={chat}/messages.jsonl "
          "--config.model.mtp_depth=1", "model.mtp_depth", lambda c, t: load_config("configs/tiny.py", [
              "data.source=chat", f"data.path={c.chat}/messages.jsonl", "model.mtp_depth=1"])),
-    # FP8 (model.matmul): an unknown recipe, over integer weights, with kv heads replicated over tensor
+    # FP8 (model.matmul): an unknown recipe, over integer weights
     *[Case(f"train-fp8-{name}", TRAIN + "--config.model.matmul=fp8_rowwise " + " ".join(f"--config.{o}" for o in extra),
            needle, lambda c, t, extra=extra: load_config("configs/tiny.py", ["model.matmul=fp8_rowwise", *extra]))
       for name, extra, needle in [
-          ("int8", ["model.weights=int8", "lora.rank=4"], "model.matmul"),
-          ("replicated-kv", ["model.n_kv_heads=1"], "model.matmul")]],
+          ("int8", ["model.weights=int8", "lora.rank=4"], "model.matmul")]],
     Case("train-matmul-unknown", TRAIN + "--config.model.matmul=fp4", "model.matmul",
          lambda c, t: load_config("configs/tiny.py", ["model.matmul=fp4"])),
     # DPO: without pairs, pairs without DPO, a bad beta / loss / reference / objective, rows that are no pair

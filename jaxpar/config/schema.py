@@ -806,23 +806,11 @@ def _layer_config(m: ModelConfig, window: int) -> ModelConfig:
     return dataclasses.replace(m, sliding_window=window, full_attention_every=0, local_rope_theta=0.0, **local)
 
 
-def check_fp8_layout(m: ModelConfig, p: ParallelConfig) -> None:
-    """The layouts FP8's scales cannot yet be global on (jaxpar.fp8): each is refused by name rather than run with
-    scales that differ from one device's."""
-    if p.tensor > 1 and m.n_kv_heads and m.n_kv_heads % p.tensor:
-        raise ConfigError("model.matmul", m.matmul, f"with kv heads replicated over tensor (n_kv_heads = "
-                          f"{m.n_kv_heads} < parallel.tensor = {p.tensor}): each rank holds only its queries' part "
-                          "of a shared head's output gradient, and quantizing a part is not quantizing the whole",
-                          f"use parallel.tensor <= {m.n_kv_heads} (dividing it) with FP8, or model.matmul=float")
-
-
 def check_layout(m: ModelConfig, p: ParallelConfig) -> None:
     """The rules between a model and its layout, for training and inference alike (`Config` checks them with the
     rest; `jaxpar.infer.text.load` for an inference layout): the attention kind's heads (its `check`) and the MLP
     widths against `tensor`, the layers against the pipeline's chunks, and the mixture-of-experts rules. The
     embedding needs none: it is padded to a multiple of `tensor` (jaxpar.sharding)."""
-    if m.matmul != "float":
-        check_fp8_layout(m, p)
     attention_kind(m).check(m, p.tensor)  # its heads (or latent dims) against the tensor degree
     check_divides("model.d_ff", m.d_ff, "parallel.tensor", p.tensor, "the MLP hidden dim is split over tensor")
     stages = p.pipe * p.repeats

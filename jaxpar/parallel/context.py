@@ -189,6 +189,16 @@ class Parallel:
         """The kv heads of w [..., K, E] this rank attends with."""
         return self.derive(w if self.tensor is None else self.tensor.kv_weight(w), w)
 
+    def kv_output(self, y: Array, role: str) -> Array:
+        """A kv projection's output [B, S, K, E] (float32, straight from `column`): where kv heads are replicated over
+        the tensor group and the role's policy quantizes output gradients (FP8: a scale per token over the whole
+        output), each rank's part of a shared head's gradient is summed before it reaches the matmul
+        (`TensorParallel.kv_output`); y itself otherwise — the float path sums the parts after the matmul, as
+        before."""
+        if self.tensor is None or not self.policy(role).whole_output_grad:
+            return y
+        return self.tensor.kv_output(y)
+
     def derive(self, result, source):
         """result, a function of `source` alone (a layer's slice of a stacked parameter, a rank's kv heads): a tape
         traces the weights its groups see back through it to the arrays they came from (`Tape.derive`)."""

@@ -83,6 +83,33 @@ def _reduce_bwd(axis, _, dy):
 reduce_from_tensor.defvjp(_reduce_fwd, _reduce_bwd)
 
 
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))
+def shared_head(y: Array, axis: str, replicas: int) -> Array:
+    """The output y [..., 1, E] of a kv head that `replicas` consecutive ranks of `axis` share (GQA with fewer kv heads
+    than ranks: `TensorParallel.kv_weight`): identity forward; backward, each rank gets the head's *whole* output
+    gradient — the sum of every sharing rank's part — divided by `replicas`. The matmul before it then sees the
+    gradient one device's matmul sees (scaled by a power of two where replicas is one, which a scaled format's
+    quantization commutes with), and its input and weight gradients, summed over the sharing ranks as before, are
+    unchanged in value. For a policy that quantizes the output gradient (FP8: its scale spans the whole head)."""
+    return y
+
+
+def _shared_fwd(y, axis, replicas):
+    return y, None
+
+
+def _shared_bwd(axis, replicas, _, dy):
+    heads = jax.lax.axis_size(axis) // replicas
+    head = jax.lax.axis_index(axis) // replicas
+    # every head's summed gradient on every rank: each rank adds its part into its head's slot [..., K, E]
+    whole = jax.lax.psum(jax.lax.dynamic_update_slice_in_dim(
+        jnp.zeros((*dy.shape[:-2], heads, dy.shape[-1]), dy.dtype), dy, head, axis=dy.ndim - 2), axis)
+    return (vary(jax.lax.dynamic_slice_in_dim(whole, head, 1, axis=dy.ndim - 2) / replicas, axis),)
+
+
+shared_head.defvjp(_shared_fwd, _shared_bwd)
+
+
 # ---------------------------------------------------------------------------------------------------------------------
 # Vocab-parallel embedding and cross-entropy.
 
@@ -225,6 +252,11 @@ class TensorParallel:
             return dataclasses.replace(w, base=cut(w.base), a=copy_to_tensor(w.a, self.axis), b=cut(w.b))
         # tree.map: a quantized weight (jaxpar.matmul.Quantized) slices its integers and its scales alike
         return cut(w)
+
+    def kv_output(self, y: Array) -> Array:
+        """A kv projection's output y [..., K_local or 1, E]: with replicated kv heads each rank's share of a shared
+        head's output gradient made whole before it reaches the matmul (`shared_head`); y itself otherwise."""
+        return y if self.kv_replicas == 1 else shared_head(y, self.axis, self.kv_replicas)
 
     def embed(self, table: Array, tokens: Array) -> Array:
         """Vocab-parallel lookup. table [V/t, D] (compute dtype), tokens [B, T] (full sequence) → float32
