@@ -21,7 +21,9 @@ here never spans two tokens — so the quantized values of a token are the same 
 tensor parallelism splits a group, by splitting the dims it spans: a row-parallel weight's input dims (so x's and
 W's forward amaxes are reduced over `tensor`), a column-parallel weight's output dims (dy's and W's input-grad
 amaxes). `Einsum.along` tells the policy which, and it takes a `pmax` over that axis: the same amax, so the same
-numbers, as one device. A scale spanning tokens — a tensorwise activation scale, or the weight gradient's
+numbers, as one device. One more split: a kv head several tensor ranks share (n_kv_heads < tensor) gets each
+rank's part of its output gradient, and quantizing parts is not quantizing their sum — `whole_output_grad` asks the
+context to sum them before the matmul (`Parallel.kv_output`). A scale spanning tokens — a tensorwise activation scale, or the weight gradient's
 contraction over all tokens — would need every token of the step before the first microbatch's matmul; that is
 delayed scaling's job (an amax history as model state), not a current-scaling recipe's.
 """
