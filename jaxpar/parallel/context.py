@@ -8,6 +8,8 @@ The model (jaxpar.model) speaks logical axes and calls these methods where a par
     dot                 a matmul outside any region (the router: a weight every rank holds whole)
     replicated          a parameter every tensor rank holds whole, applied to (possibly sequence-sharded) tokens
     kv_weight           the kv heads this rank attends with (GQA with fewer kv heads than tensor ranks)
+    kv_output           a kv projection's output: a shared head's gradient parts summed before its matmul where the
+                        policy quantizes output gradients (FP8)
     embed / vocab_ids   the vocab-parallel embedding lookup and the ids of this rank's logit columns
     cross_entropy       the loss over (possibly vocab-sharded) logits
     seq_shard           this rank's part of a full-sequence array (sequence parallelism)
