@@ -213,7 +213,7 @@ def make_plan(model: ModelConfig, parallel: ParallelConfig | None = None, device
     if degrees[PIPE] > 1:
         # the layers the stages split: all but a dense prefix, which runs beside the embedding (`prefix_layers`)
         pipeline = Pipeline(degrees[PIPE], parallel.repeats, parallel.microbatches, model.pipelined_layers,
-                            parallel.schedule)
+                            parallel.schedule, parallel.skip_bubble)
     runs = resolve_attention(model, mesh.devices.flat[0])
     if tensor is not None and tensor.sequence:
         # One layer per scan iteration under SP: its backward gathers each layer's input again (Korthikanti et al.

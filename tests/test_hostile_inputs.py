@@ -382,6 +382,18 @@ CASES = [
          "--config.parallel.sequence_parallel=true --config.parallel.schedule=1f1b", "parallel.overlap",
          lambda c, t: load_config("configs/tiny.py", ["parallel.overlap=collective_matmul",
                                                       "parallel.sequence_parallel=true", "parallel.schedule=1f1b"])),
+    Case("train-skip-bubble-without-pipeline", TRAIN + "--config.parallel.pipe=1 --config.parallel.repeats=1 "
+         "--config.parallel.microbatches=1 --config.parallel.skip_bubble=true", "parallel.skip_bubble",
+         lambda c, t: load_config("configs/tiny.py", ["parallel.pipe=1", "parallel.repeats=1",
+                                                      "parallel.microbatches=1", "parallel.skip_bubble=true"])),
+    Case("train-skip-bubble-in-schedule-table", TRAIN + "--config.parallel.schedule=1f1b --config.parallel.repeats=1 "
+         "--config.parallel.skip_bubble=true", "parallel.skip_bubble",
+         lambda c, t: load_config("configs/tiny.py", ["parallel.schedule=1f1b", "parallel.repeats=1",
+                                                      "parallel.skip_bubble=true"])),
+    Case("train-skip-bubble-with-collective-matmul", TRAIN + "--config.parallel.overlap=collective_matmul "
+         "--config.parallel.sequence_parallel=true --config.parallel.skip_bubble=true", "parallel.skip_bubble",
+         lambda c, t: load_config("configs/tiny.py", ["parallel.overlap=collective_matmul",
+                                                      "parallel.sequence_parallel=true", "parallel.skip_bubble=true"])),
     Case("train-context-vs-seq-len", TRAIN + "--config.parallel.context=3", "train.seq_len",
          lambda c, t: load_config("configs/tiny.py", ["parallel.context=3"])),
     Case("train-context-impl", TRAIN + "--config.parallel.context_impl=striped", "parallel.context_impl",

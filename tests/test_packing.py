@@ -78,7 +78,8 @@ def test_packed_rows_are_the_documents_one_a_row(reference):
 LAYOUTS = {
     "(data, pipe, tensor) = (2, 2, 2) circular v=2 SP, accumulation 2": (
         dict(data=2, pipe=2, tensor=2, repeats=2, microbatches=2, sequence_parallel=True), 2),
-    "(pipe, tensor) = (4, 2) circular, 8 microbatches": (dict(pipe=4, tensor=2, microbatches=8), 1),
+    "(pipe, tensor) = (4, 2) circular skipping its bubble, 8 microbatches": (
+        dict(pipe=4, tensor=2, microbatches=8, skip_bubble=True), 1),
     "(data, pipe, tensor) = (2, 2, 2) 1f1b": (dict(data=2, pipe=2, tensor=2, microbatches=4, schedule="1f1b"), 1),
     "(pipe, expert, tensor) = (2, 2, 2) zbv": (dict(pipe=2, expert=2, tensor=2, repeats=2, microbatches=4,
                                                      schedule="zbv"), 1),

@@ -21,9 +21,9 @@ B, T = 48, 8
 
 
 def pipelined(cfg, params, batch, data, pipe, tensor, repeats, microbatches, sequence=False, remat="none",
-              overlap="none"):
+              overlap="none", skip_bubble=False):
     parallel = ParallelConfig(data=data, pipe=pipe, tensor=tensor, repeats=repeats, microbatches=microbatches,
-                              sequence_parallel=sequence, overlap=overlap)
+                              sequence_parallel=sequence, overlap=overlap, skip_bubble=skip_bubble)
     return on_layout(cfg, params, batch, parallel, remat=remat)
 
 
@@ -34,10 +34,12 @@ def family_reference(request):
     return (cfg, batch, *single_device(cfg, batch))
 
 
-@pytest.mark.parametrize("pipe,repeats,microbatches", [(2, 1, 2), (2, 2, 4), (4, 1, 4), (4, 2, 8), (2, 3, 6), (4, 1, 8)])
-def test_pipeline_matches_reference(family_reference, pipe, repeats, microbatches):
+@pytest.mark.parametrize("pipe,repeats,microbatches,skip", [(2, 1, 2, False), (2, 2, 4, False), (4, 1, 4, False),
+                                                            (4, 2, 8, False), (2, 3, 6, True), (4, 1, 8, True)])
+def test_pipeline_matches_reference(family_reference, pipe, repeats, microbatches, skip):
+    """Loss and every gradient under the circular pipeline (skip: `parallel.skip_bubble`) equal one device's."""
     cfg, batch, params, want_loss, want_grads = family_reference
-    loss, grads = pipelined(cfg, params, batch, 8 // pipe, pipe, 1, repeats, microbatches)
+    loss, grads = pipelined(cfg, params, batch, 8 // pipe, pipe, 1, repeats, microbatches, skip_bubble=skip)
     np.testing.assert_allclose(loss, want_loss, rtol=1e-5)
     assert_grads_match(grads, want_grads, zero=exactly_zero(cfg))
 
@@ -100,6 +102,32 @@ def test_circular_runs_each_microbatch_through_every_layer_in_order(pipe, repeat
     held = circular.output_order(p, v, m).reshape(-1)  # [p·q] in stage-major order, like out's rows
     layers = sum((n + 1) * 9 ** (p * v - 1 - n) for n in range(p * v))  # digits 1 … p·v
     np.testing.assert_array_equal(np.asarray(out), np.repeat((held * 9 ** (p * v) + layers)[:, None], mb, 1))
+
+
+@pytest.mark.parametrize("skip", [True, False])
+def test_bubble_iterations_skip_the_stage_work(skip):
+    """With skip_bubble stage s runs its layers only at the iterations that hold a real microbatch (0 ≤ t − s < v·m):
+    in its p − 1 bubble iterations it takes a branch that returns zeros, so on devices that share cores — simulated
+    CPU devices — the bubble costs no compute. Without (the default) every iteration runs them."""
+    p, v, m = 2, 2, 4
+    calls = []
+    mesh = jax.make_mesh((p,), ("pipe",), (jax.sharding.AxisType.Auto,), devices=jax.devices()[:p])
+
+    def stage(label, x):
+        jax.debug.callback(lambda s: calls.append(int(s)), jax.lax.axis_index("pipe"))
+        return x * 9 + label
+
+    def run(labels, io):
+        return circular.circular(stage, labels[0], io, stages=p, repeats=v, microbatches=m, skip_bubble=skip)
+
+    labels = jnp.arange(1, p * v + 1, dtype=jnp.int32).reshape(v, p).T
+    inputs = jnp.repeat(jnp.arange(m, dtype=jnp.int32)[:, None], 3, 1)
+    out = jax.jit(jax.shard_map(run, mesh=mesh, in_specs=(P("pipe"), P("pipe")), out_specs=P("pipe"),
+                                check_vma=True))(labels, inputs)
+    jax.block_until_ready(out)
+    jax.effects_barrier()
+    per_stage = v * m if skip else pipeline.iterations(p, v, m)
+    assert sorted(calls) == [s for s in range(p) for _ in range(per_stage)]
 
 
 def test_pipeline_order_puts_each_stage_layers_contiguous():

@@ -615,6 +615,10 @@ class ParallelConfig:
     microbatches: int = _f(1, "pipeline microbatches per step")
     schedule: str = _f("circular", "pipeline schedule: 'circular' (autodiff of the circular loop), or a table run "
                        "with explicit vjps: " + ", ".join(SCHEDULES[:1] + SCHEDULES[2:]))
+    skip_bubble: bool = _f(False, "circular pipeline: a stage skips its layers in its bubble iterations (a cond "
+                           "per iteration). Saves compute only where devices share cores (simulated CPU devices: "
+                           "1.5x at 4x1x2, bench/RESULTS.md); XLA's conditional copies an iteration's activations "
+                           "in and out, so the peak grows (+13-28 % on the tests' models)")
     zero: int = _f(0, "ZeRO stage over 'data': 0 off, 1 optimizer state sharded, 3 parameters too")
     remat: str = _f("none", "activation checkpointing per layer: 'none', 'full', 'dots' (save matmul outputs), or "
                     "'selective' (Megatron's: save every linear layer's named input and output, recompute the core "
@@ -661,6 +665,18 @@ class ParallelConfig:
                               f"per-stage branches of the '{self.schedule}' schedule, where XLA waits for every "
                               "device of the mesh (stages on other actions never arrive)",
                               "use parallel.overlap=none with a schedule table, or parallel.schedule=circular")
+        if self.skip_bubble and (self.pipe == 1 or self.schedule != "circular"):
+            raise ConfigError("parallel.skip_bubble", True, "only the circular pipeline computes its bubble (a "
+                              "schedule table's idle ticks already run nothing)" if self.pipe > 1 else
+                              "there is no pipeline bubble with parallel.pipe = 1",
+                              "drop parallel.skip_bubble" + ("" if self.pipe > 1 else ", or set parallel.pipe > 1"))
+        if self.skip_bubble and (self.overlap == "collective_matmul" or (self.context > 1
+                                                                          and self.context_impl == "ring")):
+            field = "overlap" if self.overlap == "collective_matmul" else "context_impl"
+            raise ConfigError("parallel.skip_bubble", True, f"parallel.{field}={getattr(self, field)} runs "
+                              "collective-permutes inside the layers, and XLA waits for every device of the mesh "
+                              "at each: a stage skipping its bubble would never arrive",
+                              f"drop parallel.skip_bubble, or change parallel.{field}")
         check_choice("parallel.zero", self.zero, (0, 1, 3))
         check_choice("parallel.context_impl", self.context_impl, CONTEXT_IMPLS)
         if self.context > 1 and self.context_impl == "ring" and self.pipe > 1 and self.schedule != "circular":

@@ -7,7 +7,14 @@ Counts (p = stages, v = repeats, m = microbatches, L = layers, q = m/p, k = L/(p
   the local view [v, k, …] is the [repeats, stages, layers_per_stage, …] array with the stage dim sharded away.
 - Stage s at iteration t works on microbatch j = (t − s) mod m in pass r = ⌊(t − s)/m⌋, valid when 0 ≤ t − s < v·m.
   The last valid work is stage p−1 at t = v·m + p − 2, so `iterations = v·m + p − 1`; every stage idles p − 1 of them:
-  bubble fraction (p − 1)/(v·m + p − 1).
+  bubble fraction (p − 1)/(v·m + p − 1). By default a stage runs its layers in the bubble too, on placeholder
+  inputs, and the results are discarded. With `skip_bubble` (`parallel.skip_bubble`) a `lax.cond` on 0 ≤ t − s < v·m
+  takes a branch that returns zeros instead. On real devices the bubble is idle time either way; on devices that
+  share cores (simulated CPU devices) it is compute the other stages get back. The price is memory: XLA's
+  conditional takes its operands and gives its results as buffers of its own, so an iteration's activations are
+  copied into the branch and its residuals out of it (forward and backward). Not with layers that run
+  collective-permutes (collective matmul's ring, ring attention): XLA waits for every device of the mesh at each,
+  so they cannot sit in a branch only some stages take (the config refuses it).
 - A microbatch leaves stage p−1 after pass r at t = r·m + j + p − 1 and arrives at stage 0 at t + 1; it is needed
   there at (r+1)·m + j, so m ≥ p. If m > p it waits m − p iterations in `park` (stage 0 only uses it).
 
@@ -43,6 +50,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxpar.parallel import vma
 from jaxpar.parallel.pipeline import bubble_fraction, iterations
 
 Array = jax.Array
@@ -104,7 +112,7 @@ def output_order(stages: int, repeats: int, microbatches: int) -> np.ndarray:
 
 
 def circular(stage_fn: Callable[..., Array], stage_params, inputs: Array, *, stages: int, repeats: int,
-             microbatches: int, axis: str = "pipe", stats: bool = False, side=None):
+             microbatches: int, axis: str = "pipe", stats: bool = False, side=None, skip_bubble: bool = False):
     """Run the pipeline on this stage's microbatches. Call inside shard_map with `axis` bound.
 
     stage_fn(params_of_one_pass, x [mb, …]) → [mb, …]: this stage's k layers.
@@ -113,10 +121,11 @@ def circular(stage_fn: Callable[..., Array], stage_params, inputs: Array, *, sta
     side: None, or a pytree of [m, …] in microbatch-label order (label j: the input stage 0 takes at iteration j,
     which stage −⌊j/q⌋ mod p embedded in its slot j mod q) — what a microbatch's layers read beside their input
     (packed documents' positions and segment ids); stage_fn is then called as stage_fn(params, x, side[j]) for the
-    microbatch j it works on (any label in the bubble, whose work is discarded).
+    microbatch j it works on.
     stats: stage_fn returns (y, a pytree of sums) — the MoE layers' statistics, per layer — and the pipeline returns
     (io, their totals over this stage's real work per pass, each leaf [v, …]: row r is pass r's layers, the stage's
-    chunk r): bubble iterations, which run the layers on placeholder inputs, are left out.
+    chunk r): bubble iterations are left out.
+    skip_bubble: bubble iterations skip stage_fn (module docstring); never where stage_fn runs collective-permutes.
     """
     p, v, m = stages, repeats, microbatches
     q = m // p
@@ -137,6 +146,10 @@ def circular(stage_fn: Callable[..., Array], stage_params, inputs: Array, *, sta
             park = park.at[j].set(jnp.where(wait, shift, park[j]))
         return io, park
 
+    def run(work):
+        params_r, x, side_j = work
+        return stage_fn(params_r, x) if side is None else stage_fn(params_r, x, side_j)
+
     def iteration(carry, t):
         io, shift, park = carry
         c = t % q
@@ -149,14 +162,17 @@ def circular(stage_fn: Callable[..., Array], stage_params, inputs: Array, *, sta
         x = jnp.where(s == 0, first, shift)
         r = jnp.clip(u // m, 0, v - 1)
         params_r = jax.tree.map(lambda a: a[r], stage_params)
-        if side is None:
-            y = stage_fn(params_r, x)
+        side_j = None if side is None else jax.tree.map(lambda a: a[jnp.mod(u, m)], side)
+        work = (params_r, x, side_j)
+        real = (u >= 0) & (u < v * m)  # the stage holds a real microbatch; else the bubble
+        if skip_bubble:
+            y = jax.lax.cond(real, run, lambda w: jax.tree.map(vma.zeros, jax.eval_shape(run, w)), work)
         else:
-            y = stage_fn(params_r, x, jax.tree.map(lambda a: a[jnp.mod(u, m)], side))
+            y = run(work)
         done = None
-        if stats:  # this iteration's sums count only if the stage held a real microbatch (0 ≤ u < v·m), in row r
+        if stats:  # this iteration's sums count only if the stage held a real microbatch, in row r
             y, done = y
-            row = (jnp.arange(v) == r) & (u >= 0) & (u < v * m)  # [v]
+            row = (jnp.arange(v) == r) & real  # [v]
             done = jax.tree.map(lambda a: jnp.where(row.reshape(v, *[1] * a.ndim), a[None], 0).astype(a.dtype), done)
         io, park = stage_zero_receive(io, park, shift, t)
         sent = jax.lax.ppermute(jnp.stack([io[c], y]), axis, to_next)  # [2, mb, …]: one collective for both

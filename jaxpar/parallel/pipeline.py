@@ -56,6 +56,7 @@ class Pipeline:
     microbatches: int
     layers: int
     schedule: str = "circular"  # 'circular': autodiff of `circular`; any other: a table run by `execute`
+    skip_bubble: bool = False  # the circular loop's bubble iterations skip the layers (`circular`)
 
     def __post_init__(self):
         if self.layers % (self.stages * self.repeats):  # the config says so too; a Pipeline built by hand must not

@@ -16,9 +16,10 @@ import jax
 _pcast = getattr(jax.lax, "pcast", None)
 
 
-def varying_axes(x: jax.Array) -> frozenset[str]:
-    """The mesh axes x may differ over (jax 0.12: aval.manual_axis_type.varying; 0.10-0.11: aval.vma)."""
-    aval = jax.typeof(x)
+def varying_axes(x: jax.Array | jax.ShapeDtypeStruct) -> frozenset[str]:
+    """The mesh axes x may differ over (jax 0.12: aval.manual_axis_type.varying; 0.10-0.11: aval.vma); x a value or
+    the `jax.eval_shape` of one."""
+    aval = x if isinstance(x, jax.ShapeDtypeStruct) else jax.typeof(x)
     typed = getattr(aval, "manual_axis_type", None)
     return frozenset(typed.varying if typed is not None else getattr(aval, "vma", ()))
 
@@ -30,3 +31,9 @@ def vary(x: jax.Array, axes: str | Sequence[str]) -> jax.Array:
     if not missing:
         return x
     return _pcast(x, missing, to="varying") if _pcast is not None else jax.lax.pvary(x, missing)
+
+
+def zeros(like: jax.ShapeDtypeStruct) -> jax.Array:
+    """Zeros of `like`'s shape and dtype, typed as varying over the axes it varies over (`like` from jax.eval_shape
+    inside shard_map): what a branch of a `lax.cond` that skips work returns in place of the work's result."""
+    return vary(jax.numpy.zeros(like.shape, like.dtype), tuple(varying_axes(like)))

@@ -352,7 +352,8 @@ def pipeline_loss(model, batch: Batch, pipe: Pipeline, remat: str, par: Parallel
         return run_layers(layers, h, positions, masks, cfg, remat=remat, par=stage_par, stats=True,
                           first_layer=cfg.prefix_layers)
 
-    out, stats = circular.circular(stage, per_pass, io, stages=p, repeats=v, microbatches=m, stats=True, side=side)
+    out, stats = circular.circular(stage, per_pass, io, stages=p, repeats=v, microbatches=m, stats=True, side=side,
+                                   skip_bubble=pipe.skip_bubble)
     stats = in_model_order(stats, pipe)
     h = out.reshape(R, *out.shape[2:])  # [R, T(/t), D]: the held microbatches' last hidden states
     logits = model.logits(h, par)  # [R, T, V_local]
