@@ -12,7 +12,7 @@ import pytest
 from jaxpar.analysis.verify import abstract_step, compiled_memory
 from jaxpar.cli import main
 from jaxpar.config import load_config
-from jaxpar.planner import cost, memory, profile as machine, search
+from jaxpar.planner import cost, expected, memory, profile as machine, search
 from jaxpar.planner.memory import predict_memory, state_bytes
 
 FLAT = ["parallel.pipe=1", "parallel.repeats=1", "parallel.microbatches=1"]
@@ -259,6 +259,40 @@ def test_fp8_matmuls_run_at_the_profiles_float8_rate():
     bf16 = dataclasses.replace(base, model=dataclasses.replace(base.model, dtype="bfloat16"))
     bf16_fp8 = dataclasses.replace(bf16, model=dataclasses.replace(bf16.model, matmul="fp8_rowwise"))
     assert cost.predict_time(bf16_fp8, h100, 8).compute < cost.predict_time(bf16, h100, 8).compute
+
+
+def test_a_skipped_bubble_costs_no_time_only_where_the_devices_share_cores():
+    """`parallel.skip_bubble` on the tiny preset's circular pipeline (2 stages × 2 passes, 4 microbatches: bubble
+    1/9, remat none): on devices that share one pool of cores (a probed CPU profile) its compute is the useful
+    FLOPs', 8/9 of the loop's executed ones; on devices of their own (H100) the bubble is idle time either way, the
+    same step, and the ranking's tie-break on memory keeps the loop that computes its bubble (the skip's copies cost
+    memory). A schedule table's idle ticks likewise cost nothing on shared cores (its useful FLOPs alone) and
+    1/(1 − bubble) on devices of their own. The search offers the skip only to circular pipelines; `describe` names
+    it. (Fixed per-layer costs set to 0 so that the matmul term stands alone.)"""
+    import dataclasses
+
+    config = load_config("configs/tiny.py", []).resolve_for_devices(8)
+    with_par = lambda **kw: dataclasses.replace(config, parallel=dataclasses.replace(config.parallel, **kw))  # noqa
+    skip, table = with_par(skip_bubble=True), with_par(schedule="1f1b", repeats=1)
+    own = dataclasses.replace(machine.profile_for("h100"), layer_overhead=0.0)
+    shared = dataclasses.replace(own, machine={"platform": "cpu"}, devices=8)
+    assert shared.shared_cores and not own.shared_cores
+    rate = cost.matmul_rate(config, own)
+    f = expected.step_flops(config, cost.padded_vocab(config.model, config.parallel.tensor))
+    assert f["useful"] / f["executed"] == pytest.approx(8 / 9, rel=1e-2)
+    assert cost.predict_time(config, shared, 8).compute == pytest.approx(f["executed"] / rate, rel=1e-9)
+    assert cost.predict_time(skip, shared, 8).compute == pytest.approx(f["useful"] / rate, rel=1e-9)
+    assert cost.predict_time(skip, own, 8).step == cost.predict_time(config, own, 8).step
+    assert predict_memory(skip, "cpu").total > predict_memory(config, "cpu").total
+    ft = expected.step_flops(table, cost.padded_vocab(table.model, table.parallel.tensor))
+    on_own = cost.predict_time(table, own, 8)
+    assert on_own.bubble > 0
+    assert on_own.compute == pytest.approx(ft["useful"] / rate / (1 - on_own.bubble), rel=1e-9)
+    assert cost.predict_time(table, shared, 8).compute == pytest.approx(ft["useful"] / rate, rel=1e-9)
+    fixed = {"data", "pipe", "expert", "context", "tensor", "remat", "zero"}
+    labels = {search.describe(c) for c in search.layouts(config, 8, 8, fixed=fixed)}
+    assert "data2xpipe2xtensor2 circular v2 m4 skip" in labels
+    assert all("circular" in label for label in labels if "skip" in label)
 
 
 def test_time_model_rates_matmuls_by_width_and_charges_the_pipeline_loop_and_fresh_memory_per_byte():

@@ -35,7 +35,7 @@ REMAT_POLICIES = ("none", "full", "dots", "selective")
 # What `parallel.auto` chooses (the planner's search, jaxpar.planner.search): these parallel fields and
 # train.grad_accum. `parallel.keep` names the ones to leave as the config has them.
 PLANNED = ("data", "pipe", "expert", "context", "tensor", "schedule", "repeats", "microbatches", "sequence_parallel",
-           "overlap", "context_impl", "zero", "remat")
+           "overlap", "context_impl", "zero", "remat", "skip_bubble")
 AUTO_KEEPS = PLANNED + ("grad_accum",)
 ATTENTION_IMPLS = ("auto", "xla", "cudnn")
 ROPE_SCALINGS = ("none", "linear", "llama3", "yarn")

@@ -3,7 +3,8 @@
     step = compute + Σ_axis exposed(bytes_axis / bandwidth_axis + collectives_axis · latency_axis)
     compute = executed matmul FLOPs per device · (1 + remat's recomputation) / achievable FLOP/s
               (a schedule table's useful FLOPs / (1 − its bubble); the circular loop executes its bubble iterations,
-              so they are in its executed FLOPs already) + a fixed cost per layer application (kernel launches:
+              so they are in its executed FLOPs already. On devices that share their cores, `Profile.shared_cores`,
+              a bubble that runs nothing costs nothing — a table's, and the loop's with `parallel.skip_bubble`) + a fixed cost per layer application (kernel launches:
               what makes many small microbatches or accumulation chunks slower than few large ones) + the pipeline
               loop's own work per iteration (its selects, buffer updates and permute over a microbatch's [mb, s, h]:
               probed per byte, `Profile.pipeline_byte`) + the pages of the step's temporaries where the runtime
@@ -201,12 +202,16 @@ def predict_time(config: Config, profile: Profile, devices_per_host: int, memory
     recompute = (flops.hardware_flops_per_token(m, t.seq_len, remat=p.remat, full_attention=True)
                  / flops.hardware_flops_per_token(m, t.seq_len, remat="none", full_attention=True))
     rate = matmul_rate(config, profile)
+    # A bubble is idle time on devices of their own; where the devices share their cores (simulated CPU devices)
+    # the compute a stage skips goes to the others: a table's idle ticks run nothing, and so does the circular
+    # loop's bubble with `parallel.skip_bubble` (without it the loop runs its layers on filler there).
     if p.pipe > 1 and p.schedule != "circular":
         bubble = schedule.build(p.schedule, p.pipe, p.repeats, p.microbatches).bubble
-        compute = f["useful"] * recompute / rate / (1 - bubble)
+        compute = f["useful"] * recompute / rate / (1 if profile.shared_cores else 1 - bubble)
     else:
         bubble = pipeline.bubble_fraction(p.pipe, p.repeats, p.microbatches) if p.pipe > 1 else 0.0
-        compute = f["executed"] * recompute / rate
+        skipped = p.pipe > 1 and p.skip_bubble and profile.shared_cores
+        compute = f["useful" if skipped else "executed"] * recompute / rate
     # Fixed costs per layer application: more microbatches, accumulation chunks or bubble iterations pay them.
     d = expected._dims(config, V)
     compute += d["layer_execs"] * profile.layer_overhead

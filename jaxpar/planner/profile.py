@@ -55,6 +55,12 @@ class Profile:
     def __post_init__(self):
         check_profile(self)
 
+    @property
+    def shared_cores(self) -> bool:
+        """The devices share one pool of cores (probed on simulated CPU devices): compute one device skips goes to
+        the others, so skipped work costs no time (`parallel.skip_bubble`)."""
+        return self.machine.get("platform") == "cpu" and self.devices > 1
+
     def rate(self, dtype: str, width: int | None = None) -> float:
         """Achievable matmul FLOP/s for compute `dtype` (float32's where the dtype has no entry); with `width` and a
         probed table, that of a token-major matmul [M, w] @ [w, w] of that width — narrow matmuls run below the

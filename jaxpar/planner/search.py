@@ -44,7 +44,7 @@ def describe(config: Config) -> str:
     parts = [f"{a}{getattr(p, a)}" for a in ("data", "pipe", "expert", "context", "tensor") if getattr(p, a) > 1]
     parts = ["x".join(parts) or "1 device"]
     if p.pipe > 1:
-        parts.append(f"{p.schedule} v{p.repeats} m{p.microbatches}")
+        parts.append(f"{p.schedule} v{p.repeats} m{p.microbatches}" + (" skip" if p.skip_bubble else ""))
     if p.sequence_parallel:
         parts.append("sp" + ("+cm" if p.overlap == "collective_matmul" else ""))
     if p.context > 1:
@@ -85,22 +85,23 @@ def layouts(config: Config, devices: int, devices_per_host: int, fixed: Iterable
             continue
         rows = train.batch_size // (deg["data"] * deg["expert"])
         accums = [train.grad_accum] if "grad_accum" in fixed else [a for a in (1, 2, 4, 8) if rows % a == 0]
-        pipes = [("circular", 1, 1)]
+        pipes = [("circular", 1, 1, False)]
         if deg["pipe"] > 1:
             L = config.model.pipelined_layers
-            pipes = [(s, v, mb) for s in keep("schedule", list(SCHEDULES))
+            pipes = [(s, v, mb, skip) for s in keep("schedule", list(SCHEDULES))
                      for v in keep("repeats", divisors(L // deg["pipe"]))
-                     for mb in keep("microbatches", [deg["pipe"] * k for k in (1, 2, 4, 8)])]
+                     for mb in keep("microbatches", [deg["pipe"] * k for k in (1, 2, 4, 8)])
+                     for skip in keep("skip_bubble", [False, True] if s == "circular" else [False])]
         sps = keep("sequence_parallel", [False, True] if deg["tensor"] > 1 else [False])
         zeros = keep("zero", [0, 1, 3] if deg["data"] > 1 else [0])
         impls = keep("context_impl", ["all_gather", "ring"] if deg["context"] > 1 else ["all_gather"])
-        for (sched, v, mb), sp, zero, impl, remat, accum in itertools.product(
+        for (sched, v, mb, skip), sp, zero, impl, remat, accum in itertools.product(
                 pipes, sps, zeros, impls, keep("remat", list(REMAT_POLICIES)), accums):
             for overlap in keep("overlap", ["none", "collective_matmul"] if sp else ["none"]):
                 try:
                     par = dataclasses.replace(base, **deg, schedule=sched, repeats=v, microbatches=mb,
                                               sequence_parallel=sp, overlap=overlap, zero=zero, context_impl=impl,
-                                              remat=remat)
+                                              remat=remat, skip_bubble=skip)
                     yield dataclasses.replace(config, parallel=par, train=dataclasses.replace(
                         train, grad_accum=accum)).resolve_for_devices(devices)
                 except ConfigError:
@@ -324,7 +325,8 @@ def layout_config(config: Config, row: dict) -> Config:
 
 
 def _structure(config: Config) -> tuple:
-    """A layout less what only trades memory for time (ZeRO, remat, accumulation): the runner-up differs in it."""
+    """A layout less what only trades memory for time (ZeRO, remat, accumulation, skipping the bubble): the
+    runner-up differs in it."""
     p = config.parallel
     return (config.mesh_shape, p.schedule, p.repeats, p.microbatches, p.sequence_parallel, p.overlap,
             p.context_impl)
