@@ -39,6 +39,9 @@ def family_reference(request):
 def test_pipeline_matches_reference(family_reference, pipe, repeats, microbatches, skip):
     """Loss and every gradient under the circular pipeline (skip: `parallel.skip_bubble`) equal one device's."""
     cfg, batch, params, want_loss, want_grads = family_reference
+    if cfg.family == "gpt2" and (pipe, repeats, microbatches) not in [(2, 2, 4), (4, 1, 8)]:
+        pytest.skip("gpt2 runs two shapes (its own parts — learned positions, the tied embedding and head on every "
+                    "stage — do not depend on the schedule's shape), one with the bubble skipped")
     loss, grads = pipelined(cfg, params, batch, 8 // pipe, pipe, 1, repeats, microbatches, skip_bubble=skip)
     np.testing.assert_allclose(loss, want_loss, rtol=1e-5)
     assert_grads_match(grads, want_grads, zero=exactly_zero(cfg))
