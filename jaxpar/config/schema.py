@@ -616,9 +616,9 @@ class ParallelConfig:
     schedule: str = _f("circular", "pipeline schedule: 'circular' (autodiff of the circular loop), or a table run "
                        "with explicit vjps: " + ", ".join(SCHEDULES[:1] + SCHEDULES[2:]))
     skip_bubble: bool = _f(False, "circular pipeline: a stage skips its layers in its bubble iterations (a cond "
-                           "per iteration). Saves compute only where devices share cores (simulated CPU devices: "
-                           "1.5x at 4x1x2, bench/RESULTS.md); XLA's conditional copies an iteration's activations "
-                           "in and out, so the peak grows (+13-28 % on the tests' models)")
+                           "per iteration). Saves compute only where devices share cores (simulated CPU devices; "
+                           "benchmark figures in bench/RESULTS.md); XLA's conditional copies an iteration's "
+                           "activations in and out, so the peak grows")
     zero: int = _f(0, "ZeRO stage over 'data': 0 off, 1 optimizer state sharded, 3 parameters too")
     remat: str = _f("none", "activation checkpointing per layer: 'none', 'full', 'dots' (save matmul outputs), or "
                     "'selective' (Megatron's: save every linear layer's named input and output, recompute the core "

@@ -4,11 +4,12 @@
     compute = executed matmul FLOPs per device · (1 + remat's recomputation) / achievable FLOP/s
               (a schedule table's useful FLOPs / (1 − its bubble); the circular loop executes its bubble iterations,
               so they are in its executed FLOPs already. On devices that share their cores, `Profile.shared_cores`,
-              a bubble that runs nothing costs nothing — a table's, and the loop's with `parallel.skip_bubble`) + a fixed cost per layer application (kernel launches:
-              what makes many small microbatches or accumulation chunks slower than few large ones) + the pipeline
-              loop's own work per iteration (its selects, buffer updates and permute over a microbatch's [mb, s, h]:
-              probed per byte, `Profile.pipeline_byte`) + the pages of the step's temporaries where the runtime
-              allocates them afresh each step (XLA:CPU; probed per byte, `Profile.fresh_byte`; 0 on GPUs)
+              a bubble that runs nothing costs nothing — a table's, and the loop's with `parallel.skip_bubble`)
+              + a fixed cost per layer application (kernel launches: what makes many small microbatches or
+              accumulation chunks slower than few large ones) + the pipeline loop's own work per iteration (its
+              selects, buffer updates and permute over a microbatch's [mb, s, h]: probed per byte,
+              `Profile.pipeline_byte`) + the pages of the step's temporaries where the runtime allocates them
+              afresh each step (XLA:CPU; probed per byte, `Profile.fresh_byte`; 0 on GPUs)
     achievable FLOP/s: each of a layer's matmuls (`layer_matmuls`) at the probed rate of its width, so tensor
               parallelism's narrower matmuls run slower where the machine's do
 

@@ -680,7 +680,6 @@ def activation_bytes(config: Config, backend: str = "gpu") -> dict[str, float]:
     routed = _routed_factor(config, fix)
     loop = 0.0  # the pipeline loop's own buffers
     saved = None  # the activations kept for the backward (a table's slots: counted where the table is read)
-    skipped = False
     if p.pipe > 1:
         mb = b // p.microbatches // A
         k = m.pipelined_layers // (p.pipe * p.repeats)  # a dense prefix runs beside the embedding
@@ -697,7 +696,6 @@ def activation_bytes(config: Config, backend: str = "gpu") -> dict[str, float]:
             q = p.microbatches // p.pipe
             park = p.microbatches if p.repeats > 1 and p.microbatches > p.pipe else 0
             loop += 2 * (q + 1 + park) * mb * s * h / (p.tensor if p.sequence_parallel else 1)
-            skipped = p.skip_bubble  # one iteration's residuals, twice: added below, where they are known
         else:
             # The executor's buffers (`schedule.Program`, each with one scratch slot) hold a chunk's slot contents
             # as its own trace has them (`table_chunk`: the stash until B, the tape until W, dys from B until W)
@@ -747,7 +745,7 @@ def activation_bytes(config: Config, backend: str = "gpu") -> dict[str, float]:
         kept = (routed[0], routed[0]) if looped else routed
         per_kind = {k: _scaled(r.stacked if looped else r.layer, config, s, kept) for k, r in traced.items()}
         saved = layers * layer_rows * sum(per_kind[k] for k in kinds)
-        if skipped:
+        if p.skip_bubble:  # (the config allows it only on a circular pipeline)
             # `parallel.skip_bubble`: XLA's conditional takes operands and gives results as buffers of its own, so
             # an iteration's residuals are copied out of the forward's branch and into the backward's beside the
             # stacked ones. Two iterations' worth: measured on XLA:CPU +8, +21 and +38 MB against 5.5, 16.6 and
